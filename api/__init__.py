@@ -1,0 +1,1 @@
+"""HTTP server, wire schema, error map, configuration and the client the CLI uses."""

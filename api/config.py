@@ -1,0 +1,314 @@
+"""Every setting Corral reads from the environment, typed, read once, passed down.
+
+Each setting is `CORRAL_<NAME>`, with `OLLAMA_<NAME>` as a fallback so existing
+setups keep working. An invalid value warns and falls back to the default, as
+Ollama does. No other module reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
+
+import platformdirs
+
+APP = "corral"
+DEFAULT_PORT = 11434
+FOREVER = -1.0  # keep-alive seconds meaning "never unload"
+
+
+@dataclass(frozen=True)
+class HostAddr:
+    """Where the daemon listens, or where the client finds it."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str = ""
+
+    def base_url(self) -> str:
+        """URL a client uses: wildcard bind addresses mean the local machine."""
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{self.scheme}://{host}:{self.port}{self.path}"
+
+    def is_loopback(self) -> bool:
+        if self.host in ("localhost", ""):
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_host(value: str) -> HostAddr:
+    """Parse every form OLLAMA_HOST accepts: host, host:port, :port, [v6]:port, URLs."""
+    value = value.strip()
+    scheme, default_port = "http", DEFAULT_PORT
+    path = ""
+    if "://" in value:
+        parts = urlsplit(value)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ValueError(f"unsupported scheme {scheme!r}")
+        default_port = 443 if scheme == "https" else 80
+        value, path = parts.netloc, parts.path.rstrip("/")
+    elif value and "." in value and ":" not in value and not _looks_like_ip(value):
+        # A bare domain such as "ollama.com" is a remote TLS endpoint.
+        if value not in ("localhost",) and not value.startswith("127."):
+            scheme, default_port = "https", 443
+    host, port = _split_host_port(value, default_port)
+    if not host:
+        host = "127.0.0.1"
+    return HostAddr(scheme, host, port, path)
+
+
+def _looks_like_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return False
+
+
+def _split_host_port(value: str, default_port: int) -> tuple[str, int]:
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            raise ValueError("unclosed '[' in host")
+        host, rest = value[1:end], value[end + 1 :]
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif value.count(":") == 1:
+        host, port_text = value.split(":")
+    elif value.count(":") > 1:
+        host, port_text = value, ""  # bare IPv6
+    else:
+        host, port_text = value, ""
+    port = default_port
+    if port_text:
+        # Ollama: an invalid port falls back to the default rather than failing.
+        if port_text.isdigit() and 0 <= int(port_text) <= 65535:
+            port = int(port_text)
+    return host, port
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_DURATION = 10 * 365 * 86400.0
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a Go duration ("5m", "1h30m"). Negative means forever."""
+    if isinstance(value, bool):
+        raise ValueError("a duration cannot be a boolean")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().strip('"').strip("'")
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = _parse_go_duration(text)
+    else:
+        raise ValueError(f"invalid duration {value!r}")
+    if math.isnan(seconds):
+        raise ValueError("invalid duration NaN")
+    if seconds < 0:
+        return FOREVER
+    if seconds > MAX_DURATION or math.isinf(seconds):
+        return FOREVER
+    return seconds
+
+
+def _parse_go_duration(text: str) -> float:
+    sign = 1.0
+    if text[:1] in "+-" and text:
+        sign = -1.0 if text[0] == "-" else 1.0
+        text = text[1:]
+    if text == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    while pos < len(text):
+        m = _DURATION_PART.match(text, pos)
+        if not m:
+            raise ValueError(f"invalid duration {text!r}")
+        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        pos = m.end()
+    if pos == 0:
+        raise ValueError("empty duration")
+    return sign * total
+
+
+_TRUE = {"1", "t", "true", "TRUE", "True", "T"}
+_FALSE = {"0", "f", "false", "FALSE", "False", "F"}
+
+
+def parse_bool(value: str) -> bool:
+    """Go's ParseBool, except that any other non-empty value counts as true (as Ollama)."""
+    if value in _FALSE:
+        return False
+    return value in _TRUE or bool(value)
+
+
+def _parse_count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise ValueError("must not be negative")
+    return n
+
+
+def _parse_context(value: str) -> int:
+    n = int(value)
+    if n < 4 or n > 1 << 24:
+        raise ValueError("must be between 4 and 16777216")
+    return n
+
+
+def _parse_origins(value: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
+def _parse_kv_type(value: str) -> str:
+    value = value.lower()
+    if value not in ("f16", "q8_0", "q4_0"):
+        raise ValueError("must be f16, q8_0 or q4_0")
+    return value
+
+
+def _parse_debug(value: str) -> int:
+    if value.isdigit():
+        return int(value)
+    return 1 if parse_bool(value) else 0
+
+
+def _parse_optional_bool(value: str) -> bool | None:
+    return parse_bool(value)
+
+
+def _parse_path(value: str) -> Path:
+    return Path(value).expanduser()
+
+
+def _parse_api_key(value: str) -> str | None:
+    return value or None
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    attr: str
+    default: Any
+    shown_default: str
+    doc: str
+    parse: Callable[[str], Any]
+
+
+def data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP, appauthor=False))
+
+
+def state_dir() -> Path:
+    return Path(platformdirs.user_state_dir(APP, appauthor=False))
+
+
+def cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir(APP, appauthor=False))
+
+
+SPECS: tuple[Spec, ...] = (
+    Spec("HOST", "host", parse_host(f"127.0.0.1:{DEFAULT_PORT}"), f"127.0.0.1:{DEFAULT_PORT}",
+         "address the daemon binds and the CLI talks to", parse_host),
+    Spec("MODELS", "models", None, "<data dir>/models", "model store directory", _parse_path),
+    Spec("KEEP_ALIVE", "keep_alive", 300.0, "5m",
+         "how long an idle model stays loaded (negative: forever)", parse_duration),
+    Spec("NUM_PARALLEL", "num_parallel", 0, "auto",
+         "parallel slots per model (0: auto, up to 4 as memory allows)", _parse_count),
+    Spec("MAX_LOADED_MODELS", "max_loaded_models", 0, "auto",
+         "most models loaded at once (0: auto)", _parse_count),
+    Spec("MAX_QUEUE", "max_queue", 512, "512", "most pending requests before 503", _parse_count),
+    Spec("CONTEXT_LENGTH", "context_length", 4096, "4096", "default num_ctx per slot",
+         _parse_context),
+    Spec("ORIGINS", "origins", (), "", "extra allowed CORS origins, comma separated",
+         _parse_origins),
+    Spec("FLASH_ATTENTION", "flash_attention", None, "auto", "force flash attention on or off",
+         _parse_optional_bool),
+    Spec("KV_CACHE_TYPE", "kv_cache_type", "f16", "f16", "KV cache type: f16, q8_0, q4_0",
+         _parse_kv_type),
+    Spec("NOPRUNE", "noprune", False, "false", "do not prune unused blobs on start", parse_bool),
+    Spec("NOHISTORY", "nohistory", False, "false", "do not save REPL history", parse_bool),
+    Spec("DEBUG", "debug", 0, "0", "debug logging (1) and tracebacks; 2 for trace", _parse_debug),
+    Spec("LOAD_TIMEOUT", "load_timeout", 300.0, "5m",
+         "give up on a model load after this long (negative: never)", parse_duration),
+    Spec("API_KEY", "api_key", None, "", "require 'Authorization: Bearer <key>' when set",
+         _parse_api_key),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: HostAddr
+    models: Path
+    keep_alive: float
+    num_parallel: int
+    max_loaded_models: int
+    max_queue: int
+    context_length: int
+    origins: tuple[str, ...]
+    flash_attention: bool | None
+    kv_cache_type: str
+    noprune: bool
+    nohistory: bool
+    debug: int
+    load_timeout: float
+    api_key: str | None
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read every setting once. Invalid values warn and fall back to the default."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for spec in SPECS:
+        raw, source = None, ""
+        for prefix in ("CORRAL_", "OLLAMA_"):
+            if (prefix + spec.name) in env:
+                raw, source = env[prefix + spec.name], prefix + spec.name
+                break
+        value = spec.default
+        if raw is not None:
+            text = raw.strip().strip('"').strip("'")
+            if text:
+                try:
+                    value = spec.parse(text)
+                except (ValueError, OverflowError) as exc:
+                    problems.append(f"invalid {source}={raw!r} ({exc}); using {spec.shown_default}")
+        values[spec.attr] = value
+    if values["models"] is None:
+        values["models"] = data_dir() / "models"
+    for problem in problems:
+        logging.getLogger("corral").warning(problem)
+    return Settings(**values, warnings=tuple(problems))
+
+
+def describe_settings() -> str:
+    """Help text that lists every variable with its default (for `corral serve --help`)."""
+    # "\b" keeps click from re-wrapping the table.
+    lines = ["\b", "Environment variables (CORRAL_*; OLLAMA_* accepted as a fallback):"]
+    for spec in SPECS:
+        lines.append(f"  CORRAL_{spec.name:<18} {spec.doc} (default: {spec.shown_default or 'unset'})")
+    return "\n".join(lines)

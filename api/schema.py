@@ -1,0 +1,142 @@
+"""Wire types shared by the server and the CLI client.
+
+The options table lives here because it is part of the wire format: the same
+table types Modelfile PARAMETERs, request `options`, and the CLI's `/set parameter`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from api.errors import InvalidOption
+
+# name -> (type, kind); kind "load" options force a reload when they change.
+OPTION_TYPES: dict[str, tuple[type, str]] = {
+    "num_ctx": (int, "load"),
+    "num_batch": (int, "load"),
+    "num_gpu": (int, "load"),
+    "main_gpu": (int, "load"),
+    "use_mmap": (bool, "load"),
+    "num_thread": (int, "load"),
+    "draft_num_predict": (int, "load"),
+    "num_keep": (int, "request"),
+    "seed": (int, "request"),
+    "num_predict": (int, "request"),
+    "top_k": (int, "request"),
+    "top_p": (float, "request"),
+    "min_p": (float, "request"),
+    "typical_p": (float, "request"),
+    "repeat_last_n": (int, "request"),
+    "temperature": (float, "request"),
+    "repeat_penalty": (float, "request"),
+    "presence_penalty": (float, "request"),
+    "frequency_penalty": (float, "request"),
+    "stop": (list, "request"),
+}
+LOAD_OPTIONS = frozenset(k for k, (_, kind) in OPTION_TYPES.items() if kind == "load")
+
+# Sent by old clients (and ollama-python's Options type); accepted and ignored.
+IGNORED_OPTIONS = frozenset({
+    "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "embedding_only",
+    "num_gqa", "rope_frequency_base", "rope_frequency_scale", "tfs_z", "mirostat",
+    "mirostat_tau", "mirostat_eta", "penalize_newline",
+})
+
+_I32 = (1 << 31) - 1
+
+
+def _range(lo: float, hi: float) -> Callable[[float], bool]:
+    return lambda v: lo <= v <= hi
+
+
+# Checked before anything reaches native code.
+_RANGES: dict[str, Callable[[Any], bool]] = {
+    "num_ctx": _range(4, 1 << 24),
+    "num_batch": _range(1, 1 << 16),
+    "num_gpu": _range(-1, 1 << 16),
+    "main_gpu": _range(0, 255),
+    "num_thread": _range(0, 1024),
+    "draft_num_predict": _range(0, 64),
+    "num_keep": _range(-1, _I32),
+    "seed": _range(-(1 << 63), (1 << 64) - 1),
+    "num_predict": _range(-2, _I32),
+    "top_k": _range(0, _I32),
+    "top_p": _range(0.0, 1.0),
+    "min_p": _range(0.0, 1.0),
+    "typical_p": _range(0.0, 1.0),
+    "repeat_last_n": _range(-1, _I32),
+    "temperature": _range(0.0, 100.0),
+    "repeat_penalty": _range(0.0, 100.0),
+    "presence_penalty": _range(-100.0, 100.0),
+    "frequency_penalty": _range(-100.0, 100.0),
+}
+
+MAX_STOPS = 64
+MAX_STOP_LEN = 1024
+
+
+def coerce_option(name: str, value: Any) -> Any:
+    """Type and range-check one option value; returns the normalised value."""
+    if name not in OPTION_TYPES:
+        raise InvalidOption(f"unknown parameter '{name}'")
+    kind = OPTION_TYPES[name][0]
+    if kind is list:
+        return _coerce_stop(value)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise InvalidOption(f"option {name!r} must be a boolean")
+    if isinstance(value, bool):
+        raise InvalidOption(f"option {name!r} must be a number")
+    try:
+        number: float = float(value) if kind is float else _to_int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidOption(f"option {name!r} must be a number") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise InvalidOption(f"option {name!r} must be finite")
+    check = _RANGES.get(name)
+    if check is not None and not check(number):
+        raise InvalidOption(f"option {name!r} is out of range: {value!r}")
+    return number
+
+
+def _to_int(value: Any) -> int:
+    """JSON numbers are accepted for ints, truncated, as Ollama does."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return int(float(value))
+    if isinstance(value, float):
+        return int(value)
+    raise TypeError("not a number")
+
+
+def _coerce_stop(value: Any) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise InvalidOption("option 'stop' must be a list of strings")
+    if len(items) > MAX_STOPS or any(len(s) > MAX_STOP_LEN for s in items):
+        raise InvalidOption("option 'stop' has too many or too long entries")
+    return [s for s in items if s]
+
+
+def coerce_options(options: Any, strict: bool = False) -> dict[str, Any]:
+    """Validate an options object. Unknown keys are dropped unless `strict`; nulls skipped."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidOption("options must be an object")
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None or name in IGNORED_OPTIONS:
+            continue
+        if name not in OPTION_TYPES and not strict:
+            continue
+        out[name] = coerce_option(name, value)
+    return out

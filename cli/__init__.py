@@ -1,0 +1,1 @@
+"""The `corral` command line: typer commands, the chat REPL, rich progress and tables."""

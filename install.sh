@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# Corral installer: one command for users and developers. Safe to run again.
+#
+#   ./install.sh              user install: a private virtualenv + ~/.local/bin/corral
+#   ./install.sh --dev        developer install: ./.venv, editable, with the test extras
+#   ./install.sh --cpu        force a CPU-only llama.cpp build
+#   ./install.sh --no-starter skip the starter model (gemma3:270m-base)
+#   ./install.sh --print-flags print the llama.cpp CMake flags it would use, and exit
+#
+# CMAKE_ARGS in the environment replaces the detected llama.cpp build flags.
+set -euo pipefail
+
+LLAMA_CPP_VERSION="0.3.36"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+MODE=user
+FORCE_CPU=0
+STARTER=1
+PRINT_FLAGS=0
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+for arg in "$@"; do
+  case "$arg" in
+    --dev) MODE=dev ;;
+    --cpu) FORCE_CPU=1 ;;
+    --no-starter) STARTER=0 ;;
+    --print-flags) PRINT_FLAGS=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "Error: unknown option $arg" >&2; usage >&2; exit 1 ;;
+  esac
+done
+
+say() { printf '==> %s\n' "$*"; }
+die() { printf 'Error: %s\n' "$*" >&2; exit 1; }
+
+# ---- Python ------------------------------------------------------------------
+PYTHON="${PYTHON:-}"
+if [ -z "$PYTHON" ]; then
+  for candidate in python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1; then PYTHON="$candidate"; break; fi
+  done
+fi
+[ -n "$PYTHON" ] || die "Python 3.10 or newer is required"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || die "Python 3.10 or newer is required (found $("$PYTHON" --version 2>&1))"
+
+# ---- Platform directories (the same ones platformdirs gives the program) -------
+OS="$(uname -s)"
+ARCH="$(uname -m)"
+if [ "$OS" = Darwin ]; then
+  DATA_DIR="$HOME/Library/Application Support/corral"
+  CACHE_DIR="$HOME/Library/Caches/corral"
+else
+  DATA_DIR="${XDG_DATA_HOME:-$HOME/.local/share}/corral"
+  CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/corral"
+fi
+if [ "$MODE" = dev ]; then VENV="$REPO/.venv"; else VENV="$DATA_DIR/venv"; fi
+
+# ---- llama.cpp build flags for this machine -------------------------------------
+cpu_flags() {
+  # Never GGML_NATIVE: on some VMs the CPU advertises AMX but its tile
+  # instructions fault, and a native build dies with "Illegal instruction".
+  local flags="" have=""
+  case "$ARCH" in
+    x86_64|amd64|i?86)
+      if [ -r /proc/cpuinfo ]; then
+        have=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+      elif [ "$OS" = Darwin ]; then
+        have=" $(sysctl -n machdep.cpu.features machdep.cpu.leaf7_features 2>/dev/null | tr 'A-Z.' 'a-z_' | tr '\n' ' ') "
+        have="${have// avx2_0/ avx2}"
+      fi
+      on() { case "$have" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+      flags="-DGGML_NATIVE=OFF -DGGML_AVX=$(on avx) -DGGML_AVX2=$(on avx2) -DGGML_FMA=$(on fma) -DGGML_F16C=$(on f16c)"
+      local avx512; avx512=$(on avx512f)
+      flags="$flags -DGGML_AVX512=$avx512"
+      if [ "$avx512" = ON ]; then
+        flags="$flags -DGGML_AVX512_VBMI=$(on avx512vbmi) -DGGML_AVX512_VNNI=$(on avx512_vnni) -DGGML_AVX512_BF16=$(on avx512_bf16)"
+      fi
+      flags="$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+      ;;
+    *) flags="" ;;  # arm64 and others: the compiler's defaults are safe
+  esac
+  echo "$flags"
+}
+
+nvidia_gpu() {
+  { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; } \
+    || ls /proc/driver/nvidia/gpus/* >/dev/null 2>&1
+}
+amd_gpu() { command -v rocminfo >/dev/null 2>&1 && rocminfo 2>/dev/null | grep -q 'gfx[0-9]'; }
+
+detect_backend() {
+  # A toolkit without a GPU (or a GPU without a toolkit) builds for the CPU:
+  # a CUDA build needs nvcc to compile and a device to be worth it.
+  if [ "$FORCE_CPU" = 1 ]; then echo cpu; return; fi
+  if nvidia_gpu; then
+    if command -v nvcc >/dev/null 2>&1; then echo cuda; return; fi
+    echo "Warning: an NVIDIA GPU is present but nvcc is not on PATH; building for the CPU" >&2
+  fi
+  if amd_gpu; then
+    if command -v hipcc >/dev/null 2>&1; then echo hip; return; fi
+    echo "Warning: an AMD GPU is present but hipcc is not on PATH; building for the CPU" >&2
+  fi
+  if [ "$OS" = Darwin ] && [ "$ARCH" = arm64 ]; then echo metal; return; fi
+  echo cpu
+}
+
+BACKEND="$(detect_backend)"
+if [ -n "${CMAKE_ARGS:-}" ]; then
+  FLAGS="$CMAKE_ARGS"
+  say "using CMAKE_ARGS from the environment: $FLAGS"
+else
+  FLAGS="$(cpu_flags)"
+  case "$BACKEND" in
+    cuda) FLAGS="-DGGML_CUDA=ON $FLAGS" ;;
+    hip) FLAGS="-DGGML_HIP=ON $FLAGS" ;;
+    metal) FLAGS="-DGGML_METAL=ON $FLAGS" ;;
+  esac
+  FLAGS="${FLAGS# }"
+  [ "$PRINT_FLAGS" = 1 ] || say "llama.cpp backend: $BACKEND; flags: ${FLAGS:-<defaults>}"
+fi
+
+if [ "$PRINT_FLAGS" = 1 ]; then echo "$FLAGS"; exit 0; fi
+
+# ---- The llama-cpp-python wheel, built once per (version, flags, platform) -------
+# pip's own cache ignores CMAKE_ARGS, so a wheel built for other flags could be
+# reused silently; our cache is keyed by exactly what changes the binary.
+KEY="$(printf '%s|%s|%s' "$LLAMA_CPP_VERSION" "$FLAGS" "$OS $ARCH" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
+WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
+find_wheel() { ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -n1; }
+WHEEL="$(find_wheel || true)"
+if [ -z "$WHEEL" ]; then
+  say "building llama-cpp-python $LLAMA_CPP_VERSION (takes several minutes the first time)"
+  BUILD_TMP="$(mktemp -d "${TMPDIR:-/tmp}/corral-build.XXXXXX")"
+  trap 'rm -rf "$BUILD_TMP"' EXIT
+  "$PYTHON" -m pip download --quiet --no-deps --no-binary=:all: \
+    "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$BUILD_TMP/src" \
+    || die "could not download the llama-cpp-python $LLAMA_CPP_VERSION source"
+  jobs="$( (nproc || sysctl -n hw.ncpu) 2>/dev/null || echo 2)"
+  if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$PYTHON" -m pip wheel \
+        --no-deps --no-cache-dir -w "$BUILD_TMP/wheel" "$BUILD_TMP"/src/llama_cpp_python-*.tar.gz; then
+    die "building llama-cpp-python failed with flags: ${FLAGS:-<defaults>}
+       Override them with CMAKE_ARGS=... ./install.sh, or force a CPU build with --cpu."
+  fi
+  mkdir -p "$WHEEL_DIR"
+  built="$(ls "$BUILD_TMP"/wheel/llama_cpp_python-*.whl | head -n1)"
+  cp "$built" "$WHEEL_DIR/.incoming.whl"
+  mv "$WHEEL_DIR/.incoming.whl" "$WHEEL_DIR/$(basename "$built")"
+  printf '%s\n' "$FLAGS" > "$WHEEL_DIR/FLAGS"
+  WHEEL="$(find_wheel)"
+else
+  say "using cached llama-cpp-python wheel ($WHEEL_DIR)"
+fi
+
+# ---- Virtualenv and packages ----------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+EXTRAS=""
+[ "$MODE" = dev ] && EXTRAS="test"
+[ "$STARTER" = 1 ] && EXTRAS="${EXTRAS:+$EXTRAS,}starter"
+SPEC="$REPO${EXTRAS:+[$EXTRAS]}"
+STAMP="$VENV/.corral-install"
+WANT="$( (cat "$REPO/pyproject.toml"; echo "$WHEEL|$MODE|$EXTRAS") | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && "$VENV/bin/python" -c 'import llama_cpp, cli' 2>/dev/null; then
+  say "packages are up to date"
+else
+  say "installing corral into $VENV"
+  if [ "$MODE" = dev ]; then
+    "$VENV/bin/python" -m pip install --quiet "$WHEEL" -e "$SPEC"
+  else
+    "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$REPO"
+    "$VENV/bin/python" -m pip install --quiet "$WHEEL" "$SPEC"
+  fi
+  echo "$WANT" > "$STAMP"
+fi
+
+# ---- Starter model ----------------------------------------------------------------
+if [ "$STARTER" = 1 ]; then
+  say "registering the starter model"
+  "$VENV/bin/python" -m registry.starter || die "could not register the starter model"
+fi
+
+# ---- Smoke check: load a model in a child process and decode a few tokens ---------
+say "checking that llama.cpp runs on this machine"
+set +e
+"$VENV/bin/python" -m runner.smoke
+rc=$?
+set -e
+if [ $rc -ne 0 ]; then
+  if [ $rc -gt 128 ]; then why="crashed with signal $((rc - 128))"; else why="failed (exit $rc)"; fi
+  die "the llama.cpp smoke check $why.
+       llama-cpp-python was built with: ${FLAGS:-<defaults>}
+       Try other flags with CMAKE_ARGS='-DGGML_NATIVE=OFF ...' ./install.sh, or --cpu for a CPU-only build."
+fi
+
+# ---- Launcher -------------------------------------------------------------------------
+if [ "$MODE" = user ]; then
+  BIN="$HOME/.local/bin"
+  mkdir -p "$BIN"
+  cat > "$BIN/corral.tmp" <<LAUNCHER
+#!/bin/sh
+exec "$VENV/bin/corral" "\$@"
+LAUNCHER
+  chmod +x "$BIN/corral.tmp"
+  mv "$BIN/corral.tmp" "$BIN/corral"
+  case ":$PATH:" in
+    *":$BIN:"*) ;;
+    *) echo "Warning: $BIN is not on your PATH; add it, e.g. export PATH=\"$BIN:\$PATH\"" >&2 ;;
+  esac
+  say "installed. Next, run:"
+  echo "    corral run gemma3:270m-base"
+else
+  say "developer install ready in $VENV. Next, run the tests:"
+  echo "    .venv/bin/python -m pytest -q"
+fi

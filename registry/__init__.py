@@ -1,0 +1,1 @@
+"""Model names, the blob store, manifests, registry pulls, Modelfile/create, GGUF inspection."""

@@ -1,0 +1,213 @@
+"""Create models: the JSON create form (files given by digest) and Modelfiles.
+
+Layers are written first, the manifest last, so a failed create never leaves a
+model that lists but does not load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from api.errors import InvalidModelFile, ModelfileError, ModelNotFound
+from api.schema import IGNORED_OPTIONS, coerce_option
+from registry import manifest as mt
+from registry.gguf import human_parameter_count, inspect_gguf, open_regular
+from registry.manifest import Layer, Manifest, canonical_digest
+from registry.modelfile import ROLES, Modelfile
+from registry.names import Name, is_valid_name, parse_name
+from registry.store import Store
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def _quiet(_: dict[str, Any]) -> None:
+    pass
+
+
+@dataclass
+class CreateRequest:
+    """The JSON create form of /api/create."""
+
+    model: str
+    from_: str | None = None
+    files: dict[str, str] = field(default_factory=dict)
+    adapters: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+    license: list[str] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
+
+
+def _validate_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list):
+        raise ModelfileError("messages must be a list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES \
+                or not isinstance(m.get("content", ""), str):
+            raise ModelfileError('message role must be one of "system", "user", or "assistant"')
+        out.append({"role": m["role"], "content": m.get("content", "")})
+    return out
+
+
+def _validate_parameters(params: Any) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise ModelfileError("parameters must be an object")
+    return {k: coerce_option(k, v) for k, v in params.items()
+            if v is not None and k not in IGNORED_OPTIONS}
+
+
+def _model_config(info_path: Path) -> dict[str, Any]:
+    info = inspect_gguf(info_path)
+    machine = platform.machine().lower()
+    return {
+        "model_format": "gguf",
+        "model_family": info.architecture,
+        "model_families": [info.architecture],
+        "model_type": human_parameter_count(info.parameter_count),
+        "file_type": info.quantization,
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
+        "os": sys.platform if sys.platform != "darwin" else "darwin",
+    }
+
+
+def create_model(store: Store, req: CreateRequest, progress: Progress = _quiet,
+                 prune: bool = True) -> Name:
+    """Build layers for `req` and write the manifest last."""
+    name = parse_name(req.model)
+    if req.adapters:
+        raise ModelfileError("adapters are not supported yet")
+    if not req.from_ and not req.files:
+        raise ModelfileError("neither 'from' or 'files' was specified")
+    base_layers: list[Layer] = []
+    config: dict[str, Any] = {}
+    base_params: dict[str, Any] = {}
+    if req.from_:
+        if not is_valid_name(req.from_):
+            raise ModelfileError(f"invalid model name {req.from_!r} in 'from'")
+        _, base = store.read_manifest(req.from_)
+        base_layers = list(base.layers)
+        config = json.loads(store.read_blob(base.config.digest))
+        for layer in base.layers_of(mt.PARAMS):
+            base_params = json.loads(store.read_blob(layer.digest))
+    if req.files:
+        model_layers = []
+        for filename, digest in req.files.items():
+            _check_filename(filename)
+            digest = canonical_digest(digest)
+            if not store.has_blob(digest):
+                raise ModelNotFound(f"blob {digest} not found")
+            progress({"status": "parsing GGUF"})
+            try:
+                config = _model_config(store.blob_path(digest))
+            except InvalidModelFile:
+                raise InvalidModelFile("supplied file was not in GGUF format") from None
+            model_layers.append(Layer(mt.MODEL, digest, store.blob_size(digest)))
+        base_layers = model_layers + [ly for ly in base_layers if ly.media_type != mt.MODEL]
+    if not any(ly.media_type == mt.MODEL for ly in base_layers):
+        raise ModelfileError("the model has no weights layer")
+
+    layers = list(base_layers)
+
+    def put_text(media_type: str, text: str, replace: bool = True) -> None:
+        nonlocal layers
+        if replace:
+            aliases = {mt.TEMPLATE, mt.PROMPT} if media_type == mt.TEMPLATE else {media_type}
+            layers = [ly for ly in layers if ly.media_type not in aliases]
+        digest, size = _put_blob(store, text.encode(), progress)
+        layers.append(Layer(media_type, digest, size))
+
+    if req.template is not None:
+        put_text(mt.TEMPLATE, req.template)
+    if req.system is not None:
+        put_text(mt.SYSTEM, req.system)
+    params = {**base_params, **_validate_parameters(req.parameters)}
+    if params != base_params or (params and not base_params):
+        put_text(mt.PARAMS, json.dumps(params, separators=(",", ":")))
+    if req.messages is not None:
+        put_text(mt.MESSAGES, json.dumps(_validate_messages(req.messages)))
+    for text in req.license:
+        if not any(ly.media_type == mt.LICENSE and store.read_blob(ly.digest) == text.encode()
+                   for ly in layers):
+            put_text(mt.LICENSE, text, replace=False)
+
+    config_digest, config_size = _put_blob(store, json.dumps(config).encode(), progress)
+    manifest = Manifest(Layer(mt.CONFIG_MEDIA_TYPE, config_digest, config_size), tuple(layers))
+    _write_manifest(store, name, manifest, progress, prune)
+    return name
+
+
+def _put_blob(store: Store, data: bytes, progress: Progress) -> tuple[str, int]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    if store.has_blob(digest):
+        progress({"status": f"using existing layer {digest}"})
+        return digest, len(data)
+    progress({"status": f"creating new layer {digest}"})
+    return store.write_blob_bytes(data, digest)
+
+
+def _write_manifest(store: Store, name: Name, manifest: Manifest, progress: Progress,
+                    prune: bool) -> None:
+    old: set[str] = set()
+    if store.resolve(name) is not None:
+        old = store.read_manifest(name)[1].digests()
+    progress({"status": "writing manifest"})
+    store.write_manifest(name, manifest.to_bytes())
+    if prune and old:
+        for digest in old - store.referenced_digests():
+            store.delete_blob(digest)
+    progress({"status": "success"})
+
+
+def _check_filename(filename: str) -> None:
+    if (not isinstance(filename, str) or not filename or filename.startswith(("/", "\\"))
+            or ".." in Path(filename).parts or "\x00" in filename or ":" in filename):
+        raise ModelfileError(f"invalid file name {filename!r}")
+
+
+def looks_like_path(ref: str) -> bool:
+    """FROM is a path by its syntax alone, so the answer never depends on what exists."""
+    if ref.startswith(("/", "./", "../", "~", ".\\")) or ref.lower().endswith(".gguf"):
+        return True
+    return os.sep in ref and not is_valid_name(ref)
+
+
+def import_gguf(store: Store, path: Path, progress: Progress = _quiet) -> str:
+    """Copy a local GGUF into the store after inspecting it; returns its digest.
+
+    A path that is missing, unreadable, not a regular file or not a valid GGUF
+    gets the same error, so the answer says nothing about what exists.
+    """
+    shown = str(path)
+    try:
+        inspect_gguf(path)
+        progress({"status": "copying file"})
+        with open_regular(path) as f:
+            digest, _ = store.import_blob(f)
+    except InvalidModelFile:
+        raise InvalidModelFile(f"{shown}: invalid model file") from None
+    return digest
+
+
+def create_from_modelfile(store: Store, model: str, mf: Modelfile, base_dir: Path,
+                          progress: Progress = _quiet) -> Name:
+    """Local create (CLI and install): FROM may be a GGUF path or an existing model."""
+    req = CreateRequest(model=model, template=mf.template, system=mf.system,
+                        license=list(mf.licenses), parameters=dict(mf.parameters),
+                        messages=mf.messages)
+    if looks_like_path(mf.from_):
+        path = Path(os.path.expanduser(mf.from_))
+        if not path.is_absolute():
+            path = base_dir / path
+        req.files = {path.name or "model.gguf": import_gguf(store, path, progress)}
+    else:
+        req.from_ = mf.from_
+    return create_model(store, req, progress)

@@ -1,0 +1,281 @@
+"""The content-addressed model store, laid out exactly as Ollama's.
+
+    <root>/blobs/sha256-<hex>                         content-addressed layers
+    <root>/manifests/<host>/<ns>/<model>/<tag>        manifest bytes, stored exactly
+
+`blob_path` is the only function that turns a digest into a path; every read,
+write and delete goes through it. Writes land in a temp file inside `blobs/`,
+are hashed while streaming, fsynced, then atomically renamed, so nothing
+half-written is ever visible under a digest name.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable, Iterator
+
+from api.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
+from registry.manifest import Manifest, canonical_digest, digest_hex, parse_manifest
+from registry.names import Name, parse_name
+
+CHUNK = 1 << 20
+TEMP_PREFIX = "tmp-"
+PRUNE_AGE = 3600.0
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: Name
+    digest: str  # sha256 hex of the manifest bytes: the model ID
+    size: int
+    modified_at: float
+    manifest: Manifest
+
+
+def _sync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _raise_disk_error(exc: OSError) -> None:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise NoSpace("no space left on device") from exc
+    raise exc
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+
+    # ---- blobs -------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        """The one place a digest becomes a path: regex, resolve, containment check."""
+        hex_digest = digest_hex(digest)
+        blobs = Path(os.path.realpath(self.blobs))
+        path = Path(os.path.realpath(blobs / f"sha256-{hex_digest}"))
+        if os.path.commonpath([path, blobs]) != str(blobs) or path.parent != blobs:
+            raise CorralError("blob path escapes the store")
+        return path
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def blob_size(self, digest: str) -> int:
+        return self.blob_path(digest).stat().st_size
+
+    def read_blob(self, digest: str, limit: int = 1 << 24) -> bytes:
+        """Small text/JSON layers. Large model blobs are opened by path instead."""
+        path = self.blob_path(digest)
+        try:
+            with path.open("rb") as f:
+                data = f.read(limit + 1)
+        except FileNotFoundError:
+            raise ModelNotFound(f"blob {canonical_digest(digest)} is missing") from None
+        if len(data) > limit:
+            raise CorralError(f"layer {canonical_digest(digest)} is too large")
+        return data
+
+    def temp_path(self) -> Path:
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        return self.blobs / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+
+    def write_blob(self, chunks: Iterable[bytes], expected: str | None = None) -> tuple[str, int]:
+        """Stream chunks into the store. Returns (digest, size); verifies `expected` if given."""
+        want = canonical_digest(expected) if expected is not None else None
+        tmp = self.temp_path()
+        hasher, size = hashlib.sha256(), 0
+        try:
+            with open(tmp, "xb") as out:
+                for chunk in chunks:
+                    hasher.update(chunk)
+                    size += len(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            digest = "sha256:" + hasher.hexdigest()
+            if want is not None and digest != want:
+                raise DigestMismatch(f"digest mismatch, expected {want}, got {digest}")
+            final = self.blob_path(digest)
+            os.replace(tmp, final)
+            _sync_dir(self.blobs)
+            return digest, size
+        except OSError as exc:
+            _raise_disk_error(exc)
+            raise  # unreachable; keeps type checkers honest
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def write_blob_bytes(self, data: bytes, expected: str | None = None) -> tuple[str, int]:
+        return self.write_blob([data], expected)
+
+    def import_blob(self, src: BinaryIO, expected: str | None = None) -> tuple[str, int]:
+        return self.write_blob(iter(lambda: src.read(CHUNK), b""), expected)
+
+    def delete_blob(self, digest: str) -> None:
+        self.blob_path(digest).unlink(missing_ok=True)
+
+    # ---- manifests -----------------------------------------------------------
+
+    def _manifest_file(self, name: Name) -> Path:
+        # A parsed Name has only safe characters, so the join cannot escape.
+        return self.manifests.joinpath(*name.parts())
+
+    def resolve(self, name: Name | str) -> Name | None:
+        """The stored spelling of `name`, matched case-insensitively, or None."""
+        if isinstance(name, str):
+            name = parse_name(name)
+        exact = self._manifest_file(name)
+        if exact.is_file():
+            return name
+        for entry in self._manifest_names():
+            if entry.key() == name.key():
+                return entry
+        return None
+
+    def require(self, name: Name | str) -> Name:
+        found = self.resolve(name)
+        if found is None:
+            shown = name if isinstance(name, str) else name.display()
+            raise ModelNotFound(f"model '{shown}' not found")
+        return found
+
+    def read_manifest(self, name: Name | str) -> tuple[bytes, Manifest]:
+        stored = self.require(name)
+        data = self._manifest_file(stored).read_bytes()
+        return data, parse_manifest(data)
+
+    def write_manifest(self, name: Name, data: bytes) -> None:
+        """Write manifest bytes exactly; replaces a differently-cased existing name."""
+        manifest = parse_manifest(data)
+        for digest in manifest.digests():
+            if not self.has_blob(digest):
+                raise ModelNotFound(f"blob {digest} is missing")
+        existing = self.resolve(name)
+        if existing is not None and existing != name:
+            self._manifest_file(existing).unlink(missing_ok=True)
+        path = self._manifest_file(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "xb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+            _sync_dir(path.parent)
+        except OSError as exc:
+            _raise_disk_error(exc)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _manifest_names(self) -> Iterator[Name]:
+        if not self.manifests.is_dir():
+            return
+        for path in sorted(self.manifests.glob("*/*/*/*")):
+            if not path.is_file() or path.name.startswith("."):
+                continue
+            host, ns, model, tag = path.relative_to(self.manifests).parts
+            try:
+                name = parse_name(f"{host}/{ns}/{model}:{tag}")
+            except CorralError:
+                continue
+            yield name
+
+    def list_models(self) -> list[ModelEntry]:
+        entries = []
+        for name in self._manifest_names():
+            path = self._manifest_file(name)
+            try:
+                data = path.read_bytes()
+                manifest = parse_manifest(data)
+                mtime = path.stat().st_mtime
+            except (OSError, CorralError):
+                continue  # a foreign or broken manifest must not hide the others
+            digest = hashlib.sha256(data).hexdigest()
+            entries.append(ModelEntry(name, digest, manifest.size(), mtime, manifest))
+        return entries
+
+    def entry(self, name: Name | str) -> ModelEntry:
+        stored = self.require(name)
+        for item in self.list_models():
+            if item.name == stored:
+                return item
+        raise ModelNotFound(f"model '{stored.display()}' not found")
+
+    def copy(self, source: Name | str, destination: Name) -> None:
+        data, _ = self.read_manifest(source)
+        self.write_manifest(destination, data)
+
+    def delete(self, name: Name | str) -> None:
+        """Remove a manifest, then every blob no other manifest references."""
+        stored = self.require(name)
+        _, manifest = self.read_manifest(stored)
+        path = self._manifest_file(stored)
+        path.unlink()
+        self._remove_empty_dirs(path.parent)
+        still_used = self.referenced_digests()
+        for digest in manifest.digests() - still_used:
+            self.delete_blob(digest)
+
+    def referenced_digests(self) -> set[str]:
+        used: set[str] = set()
+        for name in self._manifest_names():
+            try:
+                used |= parse_manifest(self._manifest_file(name).read_bytes()).digests()
+            except (OSError, CorralError):
+                continue
+        return used
+
+    def _remove_empty_dirs(self, start: Path) -> None:
+        current = start
+        while current != self.manifests and self.manifests in current.parents:
+            try:
+                current.rmdir()
+            except OSError:
+                return
+            current = current.parent
+
+    def prune(self, max_age: float = PRUNE_AGE, now: Callable[[], float] = time.time) -> list[str]:
+        """Remove unreferenced blobs and stale temp/partial files older than `max_age`."""
+        removed: list[str] = []
+        if not self.blobs.is_dir():
+            return removed
+        used = {digest_hex(d) for d in self.referenced_digests()}
+        cutoff = now() - max_age
+        for path in self.blobs.iterdir():
+            try:
+                if not path.is_file() or path.stat().st_mtime > cutoff:
+                    continue
+            except OSError:
+                continue
+            name = path.name
+            is_blob = name.startswith("sha256-") and len(name) == 71
+            if is_blob and name[7:] in used:
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(name)
+        if self.manifests.is_dir():
+            for directory in sorted(self.manifests.rglob("*"), key=lambda p: -len(p.parts)):
+                if directory.is_dir():
+                    try:
+                        directory.rmdir()
+                    except OSError:
+                        pass
+        return removed

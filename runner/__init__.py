@@ -1,0 +1,1 @@
+"""The llama.cpp engine (slots, batching, sampling, templates), runner process, scheduler."""

@@ -1,0 +1,80 @@
+"""Thin, checked access to llama.cpp's C API through llama-cpp-python's ctypes bindings.
+
+Only the engine thread calls into a model or context; these helpers hold no
+state of their own beyond the process-wide backend and log hook.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import llama_cpp as L
+
+_log_hook: Any = None
+
+
+def init_backend(verbose: bool = False) -> None:
+    """Initialise ggml once and route llama.cpp's logging (silent unless verbose)."""
+    global _log_hook
+    if _log_hook is not None:
+        return
+
+    def _log(level: int, text: bytes, _user: Any) -> None:
+        if verbose and text:
+            os.write(2, text)
+
+    # Keep a reference: ctypes would free the trampoline and llama.cpp would crash.
+    _log_hook = L.llama_log_callback(_log)
+    L.llama_log_set(_log_hook, ctypes.c_void_p(0))
+    L.llama_backend_init()
+
+
+def physical_cores() -> int:
+    """Physical cores, not logical CPUs: SMT siblings only slow ggml's spinning threads."""
+    try:
+        cores: set[tuple[str, str]] = set()
+        package = core = ""
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    package = value.strip()
+                elif key == "core id":
+                    core = value.strip()
+                elif not line.strip() and core:
+                    cores.add((package, core))
+                    core = ""
+        if core:
+            cores.add((package, core))
+        allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        count = len(cores) or (os.cpu_count() or 1)
+        return max(1, min(count, allowed) if allowed else count)
+    except OSError:
+        return max(1, (os.cpu_count() or 2) // 2)
+
+
+def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    data = text.encode("utf-8")
+    capacity = len(data) + 16
+    buf = (L.llama_token * capacity)()
+    n = L.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    if n < 0:
+        capacity = -n
+        buf = (L.llama_token * capacity)()
+        n = L.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    if n < 0:
+        raise ValueError("prompt could not be tokenized")
+    return list(buf[:n])
+
+
+def token_bytes(vocab: Any, token: int, special: bool = False) -> bytes:
+    """Raw bytes of one token; may be part of a multi-byte UTF-8 character."""
+    buf = ctypes.create_string_buffer(64)
+    n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    return buf.raw[: max(n, 0)]
