@@ -1,0 +1,54 @@
+"""Shared fixtures. Every test runs with the store, state and host pointed at temp paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from registry.store import Store
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No test touches ~: models, data, state and config live under tmp_path."""
+    for key in list(os.environ):
+        if key.startswith(("CORRAL_", "OLLAMA_")):
+            monkeypatch.delenv(key)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("CORRAL_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("CORRAL_HOST", "127.0.0.1:1")  # nothing listens there
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    return tmp_path
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "models")
+
+
+@pytest.fixture(scope="session")
+def starter_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """A store holding the starter model, registered once per session."""
+    from registry.starter import install_starter
+
+    root = tmp_path_factory.mktemp("starter") / "models"
+    s = Store(root)
+    install_starter(s)
+    yield s
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def starter_gguf(starter_store: Store) -> Path:
+    from registry.starter import starter_model_path
+
+    path = starter_model_path(starter_store)
+    assert path is not None
+    return path

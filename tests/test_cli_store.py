@@ -1,0 +1,40 @@
+"""The CLI entry point as a user runs it: version, list, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from registry.store import Store
+
+
+def corral(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_version() -> None:
+    out = corral("--version")
+    assert out.returncode == 0 and out.stdout.startswith("corral version ")
+
+
+def test_list_plain_table(starter_store: Store) -> None:
+    out = corral("list", env_extra={"CORRAL_MODELS": str(starter_store.root)})
+    assert out.returncode == 0
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert row.startswith("gemma3:270m-base    ")
+    assert "\x1b[" not in out.stdout
+
+
+def test_unknown_command_is_an_error_without_traceback() -> None:
+    out = corral("frobnicate")
+    assert out.returncode == 1
+    assert out.stderr.startswith("Error: ") and "Traceback" not in out.stderr
+
+
+def test_serve_help_lists_the_environment() -> None:
+    out = corral("serve", "--help")
+    assert out.returncode == 0 and "CORRAL_KEEP_ALIVE" in out.stdout

@@ -1,0 +1,92 @@
+"""Settings: typed, defaults documented, CORRAL_* over OLLAMA_*, bad values fall back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from api.config import FOREVER, describe_settings, load_settings, parse_duration, parse_host
+
+
+def test_defaults() -> None:
+    s = load_settings({})
+    assert str(s.host) == "127.0.0.1:11434"
+    assert s.models.name == "models"
+    assert s.keep_alive == 300.0 and s.num_parallel == 0 and s.max_queue == 512
+    assert s.context_length == 4096 and s.kv_cache_type == "f16"
+    assert s.api_key is None and s.noprune is False and s.flash_attention is None
+
+
+def test_corral_names_win_over_ollama_names() -> None:
+    s = load_settings({"OLLAMA_KEEP_ALIVE": "10m", "OLLAMA_MAX_QUEUE": "7",
+                       "CORRAL_MAX_QUEUE": "9", "OLLAMA_MODELS": "/tmp/x"})
+    assert s.keep_alive == 600.0 and s.max_queue == 9 and s.models == Path("/tmp/x")
+
+
+def test_invalid_values_warn_and_fall_back(caplog: pytest.LogCaptureFixture) -> None:
+    s = load_settings({"CORRAL_MAX_QUEUE": "many", "CORRAL_KEEP_ALIVE": "soon",
+                       "CORRAL_CONTEXT_LENGTH": "2", "CORRAL_KV_CACHE_TYPE": "q3"})
+    assert (s.max_queue, s.keep_alive, s.context_length, s.kv_cache_type) == (
+        512, 300.0, 4096, "f16")
+    assert len(s.warnings) == 4
+    assert "CORRAL_MAX_QUEUE" in caplog.text
+
+
+def test_values_are_trimmed_of_quotes_and_spaces() -> None:
+    s = load_settings({"CORRAL_NUM_PARALLEL": ' "3" ', "CORRAL_NOPRUNE": "yes",
+                       "CORRAL_NOHISTORY": "false", "CORRAL_ORIGINS": "a, b ,"})
+    assert s.num_parallel == 3 and s.noprune is True and s.nohistory is False
+    assert s.origins == ("a", "b")
+
+
+@pytest.mark.parametrize("text,url,loopback", [
+    ("127.0.0.1:11434", "http://127.0.0.1:11434", True),
+    (":8080", "http://127.0.0.1:8080", True),
+    ("localhost", "http://localhost:11434", True),
+    ("[::1]:9000", "http://[::1]:9000", True),
+    ("0.0.0.0", "http://127.0.0.1:11434", False),
+    ("http://10.0.0.5", "http://10.0.0.5:80", False),
+    ("https://example.com/base/", "https://example.com:443/base", False),
+    ("example.com", "https://example.com:443", False),
+    ("1.2.3.4:notaport", "http://1.2.3.4:11434", False),
+])
+def test_host_forms(text: str, url: str, loopback: bool) -> None:
+    host = parse_host(text)
+    assert host.base_url() == url
+    assert host.is_loopback() is loopback
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("5m", 300.0), ("1h30m", 5400.0), ("300", 300.0), (300, 300.0), ("1.5s", 1.5),
+    ("0", 0.0), (0, 0.0), ("-1", FOREVER), (-5, FOREVER), ("-1m", FOREVER), ("500ms", 0.5),
+])
+def test_durations(value: object, seconds: float) -> None:
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["abc", "5x", "", "m", True, None, [], float("nan")])
+def test_bad_durations(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+def test_help_lists_every_variable() -> None:
+    text = describe_settings()
+    for name in ("HOST", "MODELS", "KEEP_ALIVE", "NUM_PARALLEL", "MAX_LOADED_MODELS",
+                 "MAX_QUEUE", "CONTEXT_LENGTH", "ORIGINS", "FLASH_ATTENTION", "KV_CACHE_TYPE",
+                 "NOPRUNE", "NOHISTORY", "DEBUG", "LOAD_TIMEOUT", "API_KEY"):
+        assert f"CORRAL_{name} " in text
+
+
+def test_no_other_module_reads_the_environment() -> None:
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for pkg in ("api", "cli", "registry", "runner"):
+        for path in (root / pkg).rglob("*.py"):
+            if path.name == "config.py" and pkg == "api":
+                continue
+            text = path.read_text()
+            if "os.environ" in text or "os.getenv" in text:
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []
