@@ -76,7 +76,11 @@ def main(argv: list[str]) -> int:
         print(f"llama.cpp loaded ({L.llama_print_system_info().decode().strip()}); "
               "no starter model to decode with")
         return 0
-    text, rate = decode_tokens(path, "The capital of France is", 8)
+    try:
+        text, rate = decode_tokens(path, "The capital of France is", 8)
+    except RuntimeError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
     print(f"llama.cpp works: {text!r} ({rate:.1f} tok/s)")
     return 0
 

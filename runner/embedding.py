@@ -1,0 +1,85 @@
+"""Embeddings in their own context, opened with embeddings=True on first use.
+
+A generation context must not have embeddings on: llama.cpp would then compute
+262k-wide logits for every prompt token. Pooling follows the model; a model
+without a pooling type (a plain causal LM) is mean-pooled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llama_cpp as L
+
+from api.errors import BadRequest, RunnerError
+
+
+class Embedder:
+    def __init__(self, model: Any, num_ctx: int, n_threads: int) -> None:
+        self.model = model
+        self.num_ctx = num_ctx
+        self.n_threads = n_threads
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.n_embd = int(L.llama_model_n_embd(model))
+
+    def _open(self, pooling: int) -> None:
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = self.num_ctx
+        cparams.n_batch = cparams.n_ubatch = self.num_ctx  # one input = one ubatch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.embeddings = True
+        cparams.pooling_type = pooling
+        cparams.no_perf = True
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise RunnerError("llama.cpp could not create an embedding context")
+
+    def _ensure(self) -> None:
+        if self.ctx is not None:
+            return
+        self._open(L.LLAMA_POOLING_TYPE_UNSPECIFIED)
+        if L.llama_pooling_type(self.ctx) == L.LLAMA_POOLING_TYPE_NONE:
+            L.llama_free(self.ctx)
+            self._open(L.LLAMA_POOLING_TYPE_MEAN)
+        self.batch = L.llama_batch_init(self.num_ctx, 0, 1)
+
+    def embed(self, inputs: list[list[int]], truncate: bool) -> list[list[float]]:
+        """Raw pooled embeddings, one per input, in order."""
+        for tokens in inputs:
+            if not tokens:
+                raise BadRequest("cannot embed an empty input")
+            if len(tokens) > self.num_ctx and not truncate:
+                raise BadRequest("input length exceeds maximum context length")
+        self._ensure()
+        out = []
+        encoder_only = L.llama_model_has_encoder(self.model) and not L.llama_model_has_decoder(
+            self.model)
+        for tokens in inputs:
+            tokens = tokens[: self.num_ctx]
+            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+            batch = self.batch
+            for i, tok in enumerate(tokens):
+                batch.token[i] = tok
+                batch.pos[i] = i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = True
+            batch.n_tokens = len(tokens)
+            rc = (L.llama_encode if encoder_only else L.llama_decode)(self.ctx, batch)
+            if rc != 0:
+                raise RunnerError(f"embedding failed ({rc})")
+            ptr = L.llama_get_embeddings_seq(self.ctx, 0)
+            if not ptr:
+                raise RunnerError("the model produced no pooled embedding")
+            out.append([float(ptr[i]) for i in range(self.n_embd)])
+        return out
+
+    def free(self) -> None:
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            L.llama_free(self.ctx)
+            self.ctx = None

@@ -1,0 +1,137 @@
+"""Per-slot sampling: a llama.cpp sampler chain per request, grammar by rejection.
+
+Top-k runs first: with a 262k-token vocabulary every later stage is cheap only
+on a short candidate list. A grammar is never in the chain (about 56 ms per
+token over the full vocabulary); instead the chain samples freely and the
+grammar checks that one token, falling back to a grammar pass over all logits
+only when it rejects, as llama.cpp's common sampler does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, fields
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from api.errors import InvalidOption
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Ollama's per-request sampling options, with Ollama's defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
+
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0)
+
+
+def compile_grammar(vocab: Any, gbnf: str) -> Any:
+    """A grammar sampler, or InvalidOption if the grammar does not parse."""
+    sampler = L.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
+    if not sampler:
+        raise InvalidOption("invalid grammar for structured output")
+    return sampler
+
+
+class Sampler:
+    """One request's sampler. Owned and used only by the engine thread."""
+
+    def __init__(self, params: SamplingParams, vocab: Any, n_vocab: int, num_ctx: int,
+                 grammar: str | None = None) -> None:
+        self.n_vocab = n_vocab
+        self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        self.grammar = compile_grammar(vocab, grammar) if grammar else None
+        self._candidates: np.ndarray | None = None
+        add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
+        last_n = num_ctx if params.repeat_last_n < 0 else params.repeat_last_n
+        greedy = params.temperature <= 0
+        if params.top_k > 0 and (not greedy or params.penalized()):
+            add(L.llama_sampler_init_top_k(params.top_k))
+        if params.penalized():
+            add(L.llama_sampler_init_penalties(last_n, params.repeat_penalty,
+                                               params.frequency_penalty,
+                                               params.presence_penalty))
+        if greedy:
+            add(L.llama_sampler_init_greedy())
+            return
+        if params.typical_p < 1.0:
+            add(L.llama_sampler_init_typical(params.typical_p, 1))
+        if params.top_p < 1.0:
+            add(L.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(L.llama_sampler_init_min_p(params.min_p, 1))
+        add(L.llama_sampler_init_temp(params.temperature))
+        seed = L.LLAMA_DEFAULT_SEED if params.seed < 0 else params.seed & 0xFFFFFFFF
+        add(L.llama_sampler_init_dist(seed))
+
+    def remember(self, tokens: list[int]) -> None:
+        """Feed prompt tokens to the penalty history."""
+        for tok in tokens:
+            L.llama_sampler_accept(self.chain, tok)
+
+    def sample(self, ctx: Any, index: int) -> int:
+        """Sample (and accept) the next token from the logits at batch `index`."""
+        if self.grammar is None:
+            return int(L.llama_sampler_sample(self.chain, ctx, index))
+        return self._sample_with_grammar(ctx, index)
+
+    def _fill(self, ctx: Any, index: int) -> tuple[np.ndarray, Any]:
+        ptr = L.llama_get_logits_ith(ctx, index)
+        if not ptr:
+            raise RuntimeError("no logits at batch index")
+        if self._candidates is None:
+            self._candidates = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        cands = self._candidates
+        cands["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        cands["logit"] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        cands["p"] = 0.0
+        arr = L.llama_token_data_array(
+            cands.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), self.n_vocab, -1, False)
+        return cands, arr
+
+    def _sample_with_grammar(self, ctx: Any, index: int) -> int:
+        _, arr = self._fill(ctx, index)
+        L.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        token = int(arr.data[arr.selected].id)
+        single = (L.llama_token_data * 1)(L.llama_token_data(token, 1.0, 0.0))
+        one = L.llama_token_data_array(single, 1, -1, False)
+        L.llama_sampler_apply(self.grammar, ctypes.byref(one))
+        if single[0].logit == float("-inf"):
+            _, arr = self._fill(ctx, index)
+            L.llama_sampler_apply(self.grammar, ctypes.byref(arr))
+            L.llama_sampler_apply(self.chain, ctypes.byref(arr))
+            token = int(arr.data[arr.selected].id)
+        L.llama_sampler_accept(self.grammar, token)
+        L.llama_sampler_accept(self.chain, token)
+        return token
+
+    def free(self) -> None:
+        if self.chain:
+            L.llama_sampler_free(self.chain)
+            self.chain = None
+        if self.grammar:
+            L.llama_sampler_free(self.grammar)
+            self.grammar = None
