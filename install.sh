@@ -79,7 +79,10 @@ cpu_flags() {
       ;;
     *) flags="" ;;  # arm64 and others: the compiler's defaults are safe
   esac
-  echo "$flags"
+  # llamafile's sgemm takes over matmuls of more than one row, so a sequence's
+  # logits would depend on how many others share the batch; without it, greedy
+  # output is the same alone or batched.
+  echo "${flags:+$flags }-DGGML_LLAMAFILE=OFF"
 }
 
 nvidia_gpu() {

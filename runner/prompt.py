@@ -1,0 +1,128 @@
+"""Chat messages to prompt text, through the model's template.
+
+A TEMPLATE layer (Go syntax) wins; without one, the GGUF's Jinja
+`tokenizer.chat_template`; without either, a plain completion-style template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner.templates.gotemplate import GoTemplate, TemplateError
+from runner.templates.jinja import JinjaTemplate
+
+FALLBACK_TEMPLATE = """{{- if .System }}{{ .System }}
+
+{{ end }}
+{{- range .Messages }}
+{{- if eq .Role "user" }}User: {{ .Content }}
+{{ else if eq .Role "assistant" }}Assistant: {{ .Content }}
+{{ end }}
+{{- end }}Assistant:"""
+
+_SENTINEL = "\x00corral-response\x00"
+
+
+def _go_message(m: dict[str, Any]) -> dict[str, Any]:
+    calls = [{"Function": {"Name": c.get("function", {}).get("name", ""),
+                           "Arguments": c.get("function", {}).get("arguments", {})}}
+             for c in m.get("tool_calls") or []]
+    return {"Role": m.get("role", ""), "Content": m.get("content") or "", "ToolCalls": calls,
+            "Thinking": m.get("thinking") or "", "ToolName": m.get("tool_name") or "",
+            "Images": m.get("images") or []}
+
+
+def _go_tool(t: dict[str, Any]) -> dict[str, Any]:
+    fn = t.get("function", {}) or {}
+    return {"Type": t.get("type", "function"),
+            "Function": {"Name": fn.get("name", ""), "Description": fn.get("description", ""),
+                         "Parameters": fn.get("parameters", {})}}
+
+
+def _collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """Ollama's collate: system messages joined into .System; same-role runs merged."""
+    system = [m.get("content") or "" for m in messages if m.get("role") == "system"]
+    merged: list[dict[str, Any]] = []
+    for m in messages:
+        if merged and merged[-1]["role"] == m.get("role") and m.get("role") in ("user", "system"):
+            merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n\n" +
+                          (m.get("content") or "")}
+        else:
+            merged.append({**m, "content": m.get("content") or ""})
+    return "\n\n".join(system), merged
+
+
+class PromptBuilder:
+    def __init__(self, go_template: str | None = None, jinja_template: str | None = None,
+                 bos: str = "", eos: str = "") -> None:
+        self.bos, self.eos = bos, eos
+        self.jinja: JinjaTemplate | None = None
+        self.go: GoTemplate | None = None
+        if go_template:
+            self.kind, self.go = "go", GoTemplate(go_template)
+        elif jinja_template:
+            self.kind, self.jinja = "jinja", JinjaTemplate(jinja_template)
+        else:
+            self.kind, self.go = "fallback", GoTemplate(FALLBACK_TEMPLATE)
+
+    @property
+    def source(self) -> str:
+        return self.go.source if self.go else self.jinja.source if self.jinja else ""
+
+    def supports_suffix(self) -> bool:
+        return self.go is not None and ".Suffix" in self.go.source
+
+    def supports_tools(self) -> bool:
+        return ".Tools" in self.source or "tools" in self.source
+
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+             think: bool | None = None) -> tuple[str, bool]:
+        """Prompt text, and whether the tokenizer should add BOS itself."""
+        if self.jinja is not None:
+            text = self.jinja.render(messages=messages, tools=tools or None,
+                                     add_generation_prompt=True, bos_token=self.bos,
+                                     eos_token=self.eos, enable_thinking=bool(think))
+            return text, not (self.bos and text.startswith(self.bos))
+        assert self.go is not None
+        system, merged = _collate(messages)
+        data: dict[str, Any] = {"System": system, "Tools": [_go_tool(t) for t in tools or []],
+                                "Think": bool(think), "IsThinkSet": think is not None}
+        if self.go.uses_messages:
+            data["Messages"] = [_go_message(m) for m in merged]
+            return self.go.render(data), True
+        return self._legacy(merged, data), True
+
+    def _legacy(self, messages: list[dict[str, Any]], data: dict[str, Any]) -> str:
+        """Templates without .Messages run once per user turn; the last one is cut at .Response."""
+        assert self.go is not None
+        turns: list[tuple[str, str | None]] = []
+        for m in messages:
+            if m["role"] == "user":
+                turns.append((m["content"], None))
+            elif m["role"] == "assistant":
+                if turns and turns[-1][1] is None:
+                    turns[-1] = (turns[-1][0], m["content"])
+                else:
+                    turns.append(("", m["content"]))
+        if not turns or turns[-1][1] is not None:
+            turns.append(("", None))
+        out = []
+        for i, (prompt, response) in enumerate(turns):
+            last = i == len(turns) - 1
+            text = self.go.render({**data, "System": data["System"] if i == 0 else "",
+                                   "Prompt": prompt,
+                                   "Response": _SENTINEL if last else response or ""})
+            out.append(text.split(_SENTINEL)[0] if last else text)
+        return "".join(out)
+
+    def generate(self, prompt: str, system: str | None = None,
+                 suffix: str | None = None) -> tuple[str, bool]:
+        if suffix and self.go is not None and self.supports_suffix():
+            text = self.go.render({"System": system or "", "Prompt": prompt, "Suffix": suffix,
+                                   "Response": ""})
+            return text, True
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}]
+        return self.chat(messages)
+
+

@@ -1,0 +1,124 @@
+"""GGUF `tokenizer.chat_template` rendering in Jinja's immutable sandbox.
+
+Model files come from strangers, so the template is hostile until proven
+otherwise: no attribute escapes (the sandbox), no huge ranges or string
+products (intercepted operators), a wall-clock limit (a trace hook that stops
+the render), and a cap on the output.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import sys
+import time
+from datetime import datetime
+from types import FrameType
+from typing import Any, Callable
+
+from jinja2 import TemplateError as JinjaError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from runner.templates.gotemplate import TemplateError
+
+MAX_OUTPUT = 1 << 20
+MAX_SEQUENCE = 1 << 20
+TIME_LIMIT = 2.0
+MEMORY_LIMIT = 256 << 20
+
+
+def _rss() -> int:
+    """Resident bytes now; 0 where /proc is missing (the time limit still applies)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * 4096
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Env(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context: Any, operator_name: str, left: Any, right: Any) -> Any:
+        if operator_name == "**":
+            if abs(left) > 1 << 16 or abs(right) > 64:
+                raise SecurityError("exponent too large")
+            return left ** right
+        if operator_name == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    if len(seq) * n > MAX_SEQUENCE:
+                        raise SecurityError("sequence repetition too large")
+            return left * right
+        result = operator.add(left, right)
+        if isinstance(result, (str, list, tuple)) and len(result) > MAX_SEQUENCE:
+            raise SecurityError("concatenation too large")
+        return result
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(str(message)[:200])
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _env() -> _Env:
+    env = _Env(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class JinjaTemplate:
+    def __init__(self, source: str, time_limit: float = TIME_LIMIT) -> None:
+        self.source = source
+        self.time_limit = time_limit
+        try:
+            self._template = _env().from_string(source)
+        except (JinjaError, SecurityError, RecursionError, MemoryError) as exc:
+            raise TemplateError(f"invalid chat template: {exc}") from None
+
+    def render(self, **variables: Any) -> str:
+        deadline = time.monotonic() + self.time_limit
+        out: list[str] = []
+        size = 0
+        baseline = _rss()
+        events = [0]
+
+        def tracer(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+            # `~` concatenation cannot be intercepted, so memory is watched instead.
+            events[0] += 1
+            if events[0] % 16 == 0 and baseline and _rss() - baseline > MEMORY_LIMIT:
+                raise _Timeout("memory")
+            if time.monotonic() > deadline:
+                raise _Timeout("time")
+            return tracer
+
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            for piece in self._template.generate(**variables):
+                size += len(piece)
+                if size > MAX_OUTPUT:
+                    raise TemplateError("chat template output is too large")
+                out.append(piece)
+        except _Timeout as exc:
+            what = "used too much memory" if str(exc) == "memory" else "took too long"
+            raise TemplateError(f"chat template {what}") from None
+        except TemplateError:
+            raise
+        except (JinjaError, SecurityError, RecursionError, MemoryError, OverflowError) as exc:
+            raise TemplateError(f"chat template failed: {exc}"[:300]) from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError,
+                ZeroDivisionError) as exc:
+            raise TemplateError(f"chat template failed: {exc}"[:300]) from None
+        finally:
+            sys.settrace(previous)
+        return "".join(out)

@@ -1,0 +1,170 @@
+"""The engine with the real starter model: batching, reuse, sampling, limits, cancel."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from runner.engine import Engine, EngineConfig
+from runner.sampling import SamplingParams
+from runner.slot import Job
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
+           "def fibonacci(n):", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def engine(starter_gguf: Path) -> Iterator[Engine]:
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, num_ctx=512))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def collect(job: Job, timeout: float = 120) -> tuple[list[str], str, Any]:
+    pieces = []
+    while True:
+        kind, value = job.events.get(timeout=timeout)
+        if kind == "token":
+            pieces.append(value)
+        else:
+            return pieces, kind, value
+
+
+def run(engine: Engine, prompt: str, n: int = 20, **kw: Any) -> tuple[str, dict]:
+    kw.setdefault("params", GREEDY)
+    job = engine.submit(Job(prompt=engine.tokenize(prompt), num_predict=n, **kw))
+    pieces, kind, value = collect(job)
+    assert kind == "done", value
+    return "".join(pieces), value
+
+
+def run_together(engine: Engine, specs: list[tuple[str, int, dict]]) -> list[str]:
+    results: list[str] = [""] * len(specs)
+
+    def worker(i: int) -> None:
+        prompt, n, kw = specs[i]
+        results[i] = run(engine, prompt, n, **kw)[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_no_cross_talk_between_slots(engine: Engine) -> None:
+    lengths = [12, 30, 20, 25]
+    alone = [run(engine, p, n)[0] for p, n in zip(PROMPTS, lengths)]
+    for _ in range(2):  # and again once every slot has been reused
+        together = run_together(engine, [(p, n, {}) for p, n in zip(PROMPTS, lengths)])
+        assert together == alone
+    rotated = run_together(engine, [(p, n, {}) for p, n in zip(PROMPTS[1:] + PROMPTS[:1],
+                                                                lengths[1:] + lengths[:1])])
+    assert rotated == alone[1:] + alone[:1]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: Engine) -> None:
+    seeded = {"params": SamplingParams(temperature=0.9, seed=42)}
+    alone = run(engine, PROMPTS[1], 24, **seeded)[0]
+    others = [(p, 30, {"params": SamplingParams(temperature=1.0)}) for p in PROMPTS[2:]]
+    together = run_together(engine, [(PROMPTS[1], 24, seeded), *others])
+    assert together[0] == alone
+    assert run(engine, PROMPTS[1], 24, params=SamplingParams(temperature=0.9, seed=7))[0] != alone
+
+
+def test_second_turn_prefills_only_new_tokens(engine: Engine) -> None:
+    _, first = run(engine, "User: Tell me about the moon.\nAssistant:", 16)
+    followup = engine.tokenize("\nUser: And the sun?\nAssistant:", add_special=False)
+    job = engine.submit(Job(prompt=first["context"] + followup, params=GREEDY, num_predict=8))
+    _, kind, second = collect(job)
+    assert kind == "done"
+    assert second["prompt_eval_count"] == len(followup)
+    assert first["prompt_eval_count"] == first["prompt_tokens"]
+
+
+def test_stop_string_spanning_tokens_is_never_emitted(engine: Engine) -> None:
+    full, _ = run(engine, PROMPTS[0], 24)
+    pieces_job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[0]), params=GREEDY,
+                                   num_predict=24))
+    pieces, _, _ = collect(pieces_job)
+    # A stop string that starts inside one piece and ends inside a later one.
+    start = len(pieces[0]) + len(pieces[1]) - 2
+    stop = full[start:start + 6]
+    assert len(stop) == 6
+    text, stats = run(engine, PROMPTS[0], 24, stop=[stop])
+    assert text == full[: full.index(stop)]
+    assert stats["done_reason"] == "stop"
+
+
+def test_utf8_output_is_never_split(engine: Engine) -> None:
+    job = engine.submit(Job(prompt=engine.tokenize("한국어 문장: 안녕하세요, 오늘은 🎉"),
+                            params=GREEDY, num_predict=40))
+    pieces, kind, _ = collect(job)
+    assert kind == "done"
+    text = "".join(pieces)
+    assert any("\uac00" <= ch <= "\ud7a3" for ch in text) or any(ord(ch) > 0xFFFF for ch in text)
+    assert "\ufffd" not in text
+
+
+def test_cancel_frees_the_slot_within_two_steps(engine: Engine) -> None:
+    job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), params=GREEDY, num_predict=400))
+    for _ in range(5):
+        assert job.events.get(timeout=60)[0] == "token"
+    steps_at_cancel = engine.steps
+    job.cancel()
+    while True:
+        kind, value = job.events.get(timeout=60)
+        if kind != "token":
+            break
+    assert kind == "done" and value["done_reason"] == "cancel"
+    assert engine.steps - steps_at_cancel <= 2
+    assert engine.status()["busy_slots"] == 0
+
+
+def test_long_prompt_truncates_or_errors(engine: Engine) -> None:
+    long_prompt = "one two three four " * 200
+    job = engine.submit(Job(prompt=engine.tokenize(long_prompt), params=GREEDY, num_predict=4,
+                            truncate=False))
+    assert collect(job)[1] == "error"
+    text, stats = run(engine, long_prompt, 4)
+    assert stats["prompt_tokens"] < 512 and stats["eval_count"] == 4
+
+
+def test_context_shift_or_length(starter_gguf: Path) -> None:
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=64))
+    eng.start()
+    try:
+        _, shifted = run(eng, PROMPTS[1], 100)
+        assert shifted["eval_count"] == 100 and shifted["done_reason"] == "length"
+        _, unshifted = run(eng, PROMPTS[1], 100, shift=False)
+        assert unshifted["done_reason"] == "length" and unshifted["eval_count"] < 64
+        _, filled = run(eng, PROMPTS[1], -2)
+        assert filled["prompt_tokens"] + filled["eval_count"] == 64
+    finally:
+        eng.stop()
+
+
+def test_json_grammar_constrains_output(engine: Engine) -> None:
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    grammar = json_schema_to_gbnf(json.dumps(schema))
+    text, stats = run(engine, "The capital of France as JSON:", 40, grammar=grammar)
+    assert isinstance(json.loads(text)["city"], str)
+    assert stats["done_reason"] == "stop"
+
+
+def test_embeddings(engine: Engine) -> None:
+    [a, b] = engine.embed([engine.tokenize("hello world"), engine.tokenize("goodbye")])
+    assert len(a) == len(b) == 640 and a != b
+    with pytest.raises(Exception):
+        engine.embed([engine.tokenize("word " * 600)], truncate=False)
+    assert len(engine.embed([engine.tokenize("word " * 600)])[0]) == 640
