@@ -1,0 +1,173 @@
+"""The daemon's side of a runner process: start it, talk to it, notice when it dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import httpx
+
+from api.errors import CorralError, RunnerError
+
+
+class RunnerProcess:
+    def __init__(self, config: dict[str, Any], log_file: IO[bytes] | None = None,
+                 python: str = sys.executable) -> None:
+        self.config = config
+        self.log_file = log_file
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.report: dict[str, Any] = {}
+        self._http: httpx.Client | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout: float) -> dict[str, Any]:
+        """Start the process and wait for its ready line; returns the load report."""
+        cmd = [self.python, "-m", "runner.process", "--config", json.dumps(self.config)]
+        root = str(Path(__file__).resolve().parents[1])
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log_file or subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, cwd=root, start_new_session=True)
+        assert self.proc.stdout is not None
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self.kill()
+                raise RunnerError("timed out waiting for the model to load")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(remaining or 1.0, 1.0))
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                line += chunk
+        try:
+            message = json.loads(line.decode() or "{}")
+        except ValueError:
+            message = {}
+        if "port" not in message:
+            code = self.proc.poll()
+            self.kill()
+            why = message.get("error") or (f"exit status {code}" if code is not None else
+                                           "no ready signal")
+            raise RunnerError(f"llama runner process has terminated: {why}")
+        self.port = int(message["port"])
+        self.report = dict(message.get("report", {}))
+        self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
+                                  timeout=httpx.Timeout(30.0, read=None), trust_env=False)
+        return self.report
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else -1
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.alive():
+            try:
+                self._client().post("/shutdown", timeout=2.0)
+            except (httpx.HTTPError, RunnerError):
+                pass
+            assert self.proc is not None
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            raise RunnerError("runner is not running")
+        return self._http
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            resp = self._client().post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise RunnerError(f"runner process is unreachable: {exc}") from None
+        data = resp.json()
+        if resp.status_code >= 400:
+            raise _error(resp.status_code, data)
+        return dict(data)
+
+    def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Stream the runner's lines; ends with a `done` line or raises RunnerError."""
+        try:
+            with self._client().stream("POST", "/completion", json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _error(resp.status_code, resp.json())
+                for raw in resp.iter_lines():
+                    if not raw:
+                        continue
+                    line = json.loads(raw)
+                    if "error" in line:
+                        raise RunnerError(str(line["error"]))
+                    yield line
+                    if line.get("done"):
+                        return
+        except (httpx.HTTPError, ValueError):
+            pass
+        raise RunnerError("llama runner process has terminated" if not self.alive() else
+                          "lost the connection to the runner process")
+
+    def cancel(self, job_id: str) -> None:
+        try:
+            self._call("/cancel", {"id": job_id})
+        except (RunnerError, ValueError):
+            pass
+
+    def embed(self, inputs: list[str], truncate: bool = True,
+              normalize: bool = True) -> dict[str, Any]:
+        return self._call("/embed", {"input": inputs, "truncate": truncate,
+                                     "normalize": normalize})
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return list(self._call("/tokenize", {"content": text, "add_special": add_special})["tokens"])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return str(self._call("/detokenize", {"tokens": tokens})["content"])
+
+    def health(self) -> dict[str, Any]:
+        try:
+            resp = self._client().get("/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise RunnerError(f"runner process is unreachable: {exc}") from None
+        return dict(resp.json())
+
+
+def _error(status: int, data: Any) -> CorralError:
+    message = data.get("error", "runner error") if isinstance(data, dict) else "runner error"
+    exc = CorralError(str(message))
+    exc.status = status
+    return exc

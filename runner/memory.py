@@ -1,0 +1,102 @@
+"""Memory estimates for a load: weights per layer, KV per token, compute buffer.
+
+They decide how many layers go to the GPU (the rest run on the CPU) and how
+many slots fit. Pure functions of GGUF metadata, so they are unit-tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from registry.gguf import GGUFInfo
+
+KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+COMPUTE_FIXED = 64 << 20  # graph scratch beyond the logits buffer
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layers: int
+    gpu_layers: int
+    weights: int  # bytes, all layers plus embeddings/output
+    kv: int  # bytes for every slot's context
+    compute: int
+    gpu_bytes: int
+    cpu_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+
+def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
+    layers = info.block_count or 0
+    heads_kv = info.head_count_kv or info.head_count or 0
+    head_dim = (info.embedding_length or 0) // max(info.head_count or 1, 1)
+    k = info.key_length or head_dim
+    v = info.value_length or head_dim
+    per_element = KV_BYTES_PER_ELEMENT.get(kv_type, 2.0)
+    return int(layers * heads_kv * (k + v) * per_element)
+
+
+def compute_bytes(info: GGUFInfo, n_batch: int, n_vocab: int, n_slots: int) -> int:
+    # Logits for every slot's sampled row, plus activations of one batch.
+    embd = info.embedding_length or 0
+    return COMPUTE_FIXED + 4 * n_vocab * max(n_slots, 1) + 16 * n_batch * embd
+
+
+def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu: int = -1,
+             kv_type: str = "f16", n_batch: int = 512, n_vocab: int = 32000) -> Estimate:
+    """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit."""
+    per_layer = info.layer_bytes()
+    layers = info.block_count or len(per_layer)
+    weights = sum(info.tensor_bytes.values())
+    other = weights - sum(per_layer.values())  # embeddings, output head, norms
+    kv_layer = kv_bytes_per_token(info, kv_type) // max(layers, 1) * num_ctx * n_slots
+    compute = compute_bytes(info, n_batch, n_vocab, n_slots)
+    if num_gpu >= 0:
+        gpu_layers = min(num_gpu, layers)
+    elif free_vram <= 0:
+        gpu_layers = 0
+    else:
+        budget = free_vram - compute - other
+        gpu_layers = 0
+        for i in range(layers):
+            need = per_layer.get(i, 0) + kv_layer
+            if budget < need:
+                break
+            budget -= need
+            gpu_layers += 1
+    gpu = sum(per_layer.get(i, 0) + kv_layer for i in range(layers - gpu_layers, layers))
+    if gpu_layers == layers and layers:
+        gpu += other + compute
+    kv = kv_layer * layers
+    return Estimate(layers, gpu_layers, weights, kv, compute, gpu, weights + kv + compute - gpu)
+
+
+def free_gpu_memory() -> int:
+    """Free bytes summed over GPU devices that ggml reports; 0 on a CPU-only build."""
+    try:
+        import llama_cpp as L
+
+        lib = L.llama_cpp._lib
+        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        lib.ggml_backend_dev_type.restype = ctypes.c_int
+        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.POINTER(ctypes.c_size_t)]
+    except (ImportError, AttributeError):
+        return 0
+    total_free = 0
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_type(dev) not in (1, 2):  # GPU, IGPU
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        total_free += free.value
+    return total_free

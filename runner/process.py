@@ -1,0 +1,271 @@
+"""The runner process: one model, one engine, served on a loopback port.
+
+The daemon starts one per loaded model, so a crash inside llama.cpp takes down
+only this process. It prints one JSON line on stdout when it is ready (its
+port and load report), then serves:
+
+    GET  /health                  engine status
+    POST /completion              NDJSON: {"content"} lines, then a final {"done": true, ...}
+    POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
+    POST /tokenize, /detokenize
+    POST /cancel                  {"id"}
+    POST /shutdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from api.errors import BadRequest, CorralError, to_http
+from api.schema import coerce_options
+from registry.gguf import inspect_gguf
+from runner import memory
+from runner.engine import Engine, EngineConfig
+from runner.prompt import PromptBuilder
+from runner.sampling import SamplingParams
+from runner.slot import Job
+
+log = logging.getLogger("corral.runner")
+MAX_BODY = 32 << 20
+
+
+class RunnerService:
+    """Turns wire requests into engine jobs; shared by all handler threads."""
+
+    def __init__(self, engine: Engine, builder: PromptBuilder, report: dict[str, Any]) -> None:
+        self.engine = engine
+        self.builder = builder
+        self.report = report
+        self.jobs: dict[str, Job] = {}
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+
+    def prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+        builder = self.builder
+        if body.get("template"):
+            builder = PromptBuilder(body["template"], None, builder.bos, builder.eos)
+        if body.get("messages") is not None:
+            text, add_bos = builder.chat(body["messages"], body.get("tools"), body.get("think"))
+        elif body.get("raw"):
+            text, add_bos = body.get("prompt") or "", True
+        else:
+            text, add_bos = builder.generate(body.get("prompt") or "", body.get("system"),
+                                             body.get("suffix"))
+        context = [int(t) for t in body.get("context") or []]
+        tokens = context + self.engine.tokenize(text, add_special=add_bos and not context)
+        if not tokens:
+            raise BadRequest("empty prompt")
+        return tokens
+
+    def job(self, body: dict[str, Any]) -> Job:
+        options = coerce_options(body.get("options"))
+        job = Job(
+            prompt=self.prompt_tokens(body),
+            params=SamplingParams.from_options(options),
+            num_predict=int(options.get("num_predict", -1)),
+            stop=list(options.get("stop", [])),
+            num_keep=int(options.get("num_keep", 4)),
+            grammar=body.get("grammar"),
+            truncate=bool(body.get("truncate", True)),
+            shift=bool(body.get("shift", True)),
+            id=str(body.get("id") or ""),
+        )
+        self.engine.submit(job)
+        if job.id:
+            with self.lock:
+                self.jobs[job.id] = job
+        return job
+
+    def forget(self, job: Job) -> None:
+        with self.lock:
+            self.jobs.pop(job.id, None)
+
+    def cancel(self, job_id: str) -> bool:
+        with self.lock:
+            job = self.jobs.get(job_id)
+        if job is not None:
+            job.cancel()
+        return job is not None
+
+    def embed(self, body: dict[str, Any]) -> dict[str, Any]:
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            raise BadRequest("input must be a string or a list of strings")
+        tokens = [self.engine.tokenize(text) for text in inputs]
+        vectors = self.engine.embed(tokens, bool(body.get("truncate", True)))
+        if body.get("normalize", True):
+            vectors = [_normalize(v) for v in vectors]
+        return {"embeddings": vectors, "prompt_eval_count": sum(len(t) for t in tokens)}
+
+
+def _normalize(vector: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else vector
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # one request per connection; a stream ends at EOF
+    service: RunnerService
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise BadRequest("request body too large")
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            raise BadRequest("invalid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be an object")
+        return body
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, {"status": "ok", **self.service.engine.status(),
+                             "report": self.service.report})
+        else:
+            self._send(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        try:
+            body = self._body()
+            route = self.path
+            if route == "/completion":
+                self._completion(body)
+            elif route == "/embed":
+                self._send(200, self.service.embed(body))
+            elif route == "/tokenize":
+                tokens = self.service.engine.tokenize(str(body.get("content", "")),
+                                                      bool(body.get("add_special", False)))
+                self._send(200, {"tokens": tokens})
+            elif route == "/detokenize":
+                self._send(200, {"content": self.service.engine.detokenize(
+                    [int(t) for t in body.get("tokens", [])])})
+            elif route == "/cancel":
+                self._send(200, {"cancelled": self.service.cancel(str(body.get("id", "")))})
+            elif route == "/shutdown":
+                self._send(200, {"status": "shutting down"})
+                threading.Thread(target=_shutdown, args=(self.service,), daemon=True).start()
+            else:
+                self._send(404, {"error": "not found"})
+        except CorralError as exc:
+            self._send(*to_http(exc))
+        except (ValueError, TypeError) as exc:
+            self._send(400, {"error": str(exc)})
+
+    def _completion(self, body: dict[str, Any]) -> None:
+        job = self.service.job(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()
+        try:
+            while True:
+                kind, value = job.events.get()
+                if kind == "token":
+                    line: dict[str, Any] = {"content": value}
+                elif kind == "done":
+                    line = {"done": True, **value}
+                else:
+                    line = {"error": value}
+                self.wfile.write(json.dumps(line).encode() + b"\n")
+                self.wfile.flush()
+                if kind != "token":
+                    break
+        except OSError:
+            job.cancel()  # the daemon hung up: free the slot
+        finally:
+            self.service.forget(job)
+
+
+def _shutdown(service: RunnerService) -> None:
+    if service.server is not None:
+        service.server.shutdown()
+
+
+def build(config: dict[str, Any]) -> RunnerService:
+    path = config["model"]
+    info = inspect_gguf(path)  # reject malformed files before llama.cpp sees them
+    n_slots = int(config.get("n_slots", 1))
+    num_ctx = int(config.get("num_ctx", 4096))
+    kv_type = str(config.get("kv_cache_type", "f16"))
+    free_vram = memory.free_gpu_memory()
+    est = memory.estimate(info, num_ctx, n_slots, free_vram, int(config.get("num_gpu", -1)),
+                          kv_type, int(config.get("n_batch", 512)))
+    engine = Engine(path, EngineConfig(
+        n_slots=n_slots, num_ctx=num_ctx, n_batch=int(config.get("n_batch", 512)),
+        n_threads=int(config.get("n_threads", 0)), n_gpu_layers=est.gpu_layers,
+        flash_attn=config.get("flash_attn"), kv_cache_type=kv_type,
+        use_mmap=bool(config.get("use_mmap", True))))
+    import llama_cpp as L
+
+    from runner import native
+
+    bos = native.token_bytes(engine.vocab, L.llama_vocab_bos(engine.vocab), True).decode(
+        "utf-8", "replace")
+    eos = native.token_bytes(engine.vocab, L.llama_vocab_eos(engine.vocab), True).decode(
+        "utf-8", "replace")
+    builder = PromptBuilder(config.get("template"), info.chat_template, bos, eos)
+    report = {
+        "weights": est.weights, "kv": est.kv, "compute": est.compute,
+        "gpu_layers": est.gpu_layers, "layers": est.layers,
+        "size": est.total, "size_vram": est.gpu_bytes,
+        "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": n_slots,
+        "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
+        "template_kind": builder.kind, "template": builder.source,
+        "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,
+        "supports_suffix": builder.supports_suffix(),
+    }
+    return RunnerService(engine, builder, report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.process")
+    parser.add_argument("--config", required=True, help="JSON load configuration")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        stream=sys.stderr, format="runner %(levelname)s %(message)s")
+    try:
+        service = build(json.loads(args.config))
+    except CorralError as exc:
+        print(json.dumps({"error": exc.message}), flush=True)
+        return 1
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Handler,), {"service": service}))
+    server.daemon_threads = True
+    service.server = server
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
+        target=server.shutdown, daemon=True).start())
+    service.engine.start()
+    print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
+                      "report": service.report}), flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        service.engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The runner process with the real model: streaming, cancel, embed, and crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from api.errors import RunnerError
+from registry.gguf import inspect_gguf
+from runner import memory
+from runner.client import RunnerProcess
+
+GREEDY = {"temperature": 0, "num_predict": 16}
+
+
+@pytest.fixture(scope="module")
+def runner(starter_gguf: Path) -> Iterator[RunnerProcess]:
+    proc = RunnerProcess({"model": str(starter_gguf), "n_slots": 2, "num_ctx": 512})
+    proc.start(timeout=120)
+    yield proc
+    proc.stop()
+
+
+def test_load_report(runner: RunnerProcess) -> None:
+    report = runner.report
+    assert report["slots"] == 2 and report["num_ctx"] == 512 and report["n_ctx"] >= 1024
+    assert report["weights"] > 200_000_000 and report["kv"] > 0
+    assert report["gpu_layers"] == 0 and report["layers"] == 18 and report["size_vram"] == 0
+    assert report["template_kind"] == "fallback"
+
+
+def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
+    lines = list(runner.completion({"prompt": "The capital of France is", "raw": True,
+                                    "options": GREEDY}))
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 16
+    text = "".join(line.get("content", "") for line in lines)
+    assert text.strip()
+    chat = list(runner.completion({"messages": [{"role": "user", "content": "Hi"}],
+                                   "options": {**GREEDY, "stop": ["User:"]}}))
+    assert chat[-1]["done"] and chat[-1]["prompt_eval_count"] > 0
+
+
+def test_tokenize_round_trip(runner: RunnerProcess) -> None:
+    tokens = runner.tokenize("hello world")
+    assert tokens and runner.detokenize(tokens) == "hello world"
+
+
+def test_embed_normalised(runner: RunnerProcess) -> None:
+    out = runner.embed(["hello", "world"])
+    assert len(out["embeddings"]) == 2 and out["prompt_eval_count"] > 0
+    norm = sum(x * x for x in out["embeddings"][0])
+    assert abs(norm - 1.0) < 1e-3
+    raw = runner.embed(["hello"], normalize=False)["embeddings"][0]
+    assert abs(sum(x * x for x in raw) - 1.0) > 1e-3
+
+
+def test_cancel_by_id(runner: RunnerProcess) -> None:
+    stream = runner.completion({"prompt": "Once upon a time", "raw": True, "id": "job-1",
+                                "options": {"temperature": 0, "num_predict": 500}})
+    first = next(stream)
+    assert "content" in first
+    runner.cancel("job-1")
+    last = list(stream)[-1]
+    assert last["done_reason"] == "cancel"
+    assert runner.health()["busy_slots"] == 0
+
+
+def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
+    with pytest.raises(Exception):
+        list(runner.completion({"prompt": "x", "raw": True, "options": {"temperature": "hot"}}))
+    assert runner.alive()
+
+
+def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:
+    proc = RunnerProcess({"model": str(starter_gguf), "n_slots": 1, "num_ctx": 256})
+    proc.start(timeout=120)
+    stream = proc.completion({"prompt": "Once upon a time", "raw": True,
+                              "options": {"temperature": 0, "num_predict": 5000}})
+    next(stream)
+    killer = threading.Timer(0.2, os.kill, args=(proc.pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RunnerError, match="terminated|lost"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 30
+    proc.kill()
+
+
+def test_malformed_model_fails_to_start(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 32)
+    proc = RunnerProcess({"model": str(bad)})
+    with pytest.raises(RunnerError, match="invalid model file"):
+        proc.start(timeout=60)
+
+
+def test_offload_estimate(starter_gguf: Path) -> None:
+    info = inspect_gguf(starter_gguf)
+    cpu = memory.estimate(info, 4096, 4, free_vram=0, n_vocab=262144)
+    assert cpu.gpu_layers == 0 and cpu.gpu_bytes == 0 and cpu.cpu_bytes == cpu.total
+    assert cpu.kv == memory.kv_bytes_per_token(info) * 4096 * 4
+    assert memory.kv_bytes_per_token(info) == 18 * 1 * (256 + 256) * 2
+    big = memory.estimate(info, 4096, 4, free_vram=64 << 30, n_vocab=262144)
+    assert big.gpu_layers == 18 and big.cpu_bytes == 0
+    per_layer = info.layer_bytes()[0] + cpu.kv // 18
+    part = memory.estimate(info, 4096, 4, free_vram=big.compute + (big.weights - sum(
+        info.layer_bytes().values())) + 5 * per_layer + 10, n_vocab=262144)
+    assert 4 <= part.gpu_layers <= 5 and 0 < part.gpu_bytes < part.total
+    forced = memory.estimate(info, 4096, 4, free_vram=0, num_gpu=7)
+    assert forced.gpu_layers == 7
