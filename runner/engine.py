@@ -62,7 +62,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.step_time = 0.0
+        self.step_time = 0.0  # seconds inside _step
+        self.native_time = 0.0  # of which in llama_decode and samplers
         native.init_backend()
         t0 = clock()
         self._load(model_path)
@@ -292,7 +293,9 @@ class Engine:
             taken[slot.seq] = take
         if batch.n_tokens == 0:
             return
+        t0 = self.clock()
         rc = L.llama_decode(self.ctx, batch)
+        self.native_time += self.clock() - t0
         if rc != 0:
             self._decode_failed(rc, decoding + [s for s in prefilling if s.seq in taken])
             return
@@ -326,7 +329,9 @@ class Engine:
     def _sample(self, slot: Slot) -> None:
         assert slot.sampler is not None and 0 <= slot.i_batch < self.batch.n_tokens
         assert self.batch.logits[slot.i_batch]
+        t0 = self.clock()
         token = slot.sampler.sample(self.ctx, slot.i_batch)
+        self.native_time += self.clock() - t0
         slot.n_generated += 1
         slot.last_token = token
         if L.llama_vocab_is_eog(self.vocab, token):

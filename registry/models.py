@@ -1,0 +1,82 @@
+"""A stored model, read back from its manifest: what show, the scheduler and the CLI need."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from api.errors import CorralError
+from registry import manifest as mt
+from registry.names import Name
+from registry.store import Store
+
+
+@dataclass
+class ModelRecord:
+    name: Name
+    digest: str  # manifest sha256 hex (the model ID)
+    size: int
+    modified_at: float
+    model_path: Path
+    model_digest: str
+    config: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    licenses: list[str] = field(default_factory=list)
+    projector: bool = False
+    adapters: int = 0
+
+    def details(self) -> dict[str, Any]:
+        family = self.config.get("model_family", "")
+        return {
+            "parent_model": "",
+            "format": self.config.get("model_format", "gguf"),
+            "family": family,
+            "families": self.config.get("model_families") or ([family] if family else None),
+            "parameter_size": self.config.get("model_type", ""),
+            "quantization_level": self.config.get("file_type", ""),
+        }
+
+
+def _text(store: Store, digest: str) -> str:
+    return store.read_blob(digest).decode("utf-8", errors="replace")
+
+
+def load_record(store: Store, name: Name | str) -> ModelRecord:
+    entry = store.entry(name)
+    manifest = entry.manifest
+    models = manifest.layers_of(mt.MODEL)
+    if not models:
+        raise CorralError(f"model '{entry.name.display()}' has no weights layer")
+    record = ModelRecord(
+        name=entry.name, digest=entry.digest, size=entry.size, modified_at=entry.modified_at,
+        model_path=store.blob_path(models[0].digest), model_digest=models[0].digest)
+    try:
+        record.config = json.loads(store.read_blob(manifest.config.digest))
+    except (ValueError, CorralError):
+        record.config = {}
+    for layer in manifest.layers:
+        kind = layer.media_type
+        if kind in (mt.TEMPLATE, mt.PROMPT):
+            record.template = _text(store, layer.digest)
+        elif kind == mt.SYSTEM:
+            record.system = _text(store, layer.digest)
+        elif kind == mt.PARAMS:
+            params = json.loads(store.read_blob(layer.digest))
+            if isinstance(params, dict):
+                record.parameters = params
+        elif kind == mt.MESSAGES:
+            messages = json.loads(store.read_blob(layer.digest))
+            if isinstance(messages, list):
+                record.messages = messages
+        elif kind == mt.LICENSE:
+            record.licenses.append(_text(store, layer.digest))
+        elif kind == mt.PROJECTOR:
+            record.projector = True
+        elif kind == mt.ADAPTER:
+            record.adapters += 1
+    return record

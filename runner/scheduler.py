@@ -1,0 +1,321 @@
+"""The scheduler: which models are loaded, for how long, and who waits.
+
+Each loaded model is a small state machine (LOADING -> READY -> UNLOADING) with
+a reference count of active requests and a keep-alive deadline that only runs
+while the count is zero. Loads happen one at a time; requests for models that
+are already loaded go on meanwhile. All state lives under one lock and every
+transition is in this file.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from api.config import FOREVER, Settings
+from api.errors import CorralError, RunnerError, ServerBusy
+from registry.gguf import inspect_gguf
+from registry.models import ModelRecord
+from runner import memory
+
+log = logging.getLogger("corral.scheduler")
+
+LOAD_KEYS = ("num_ctx", "num_batch", "num_gpu", "num_thread", "use_mmap", "main_gpu")
+BUSY = "server busy, please try again.  maximum pending requests exceeded"
+
+
+class Runner(Protocol):
+    report: dict[str, Any]
+
+    def start(self, timeout: float) -> dict[str, Any]: ...
+    def stop(self, timeout: float = 10.0) -> None: ...
+    def kill(self) -> None: ...
+    def alive(self) -> bool: ...
+
+
+class ModelState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+
+
+@dataclass
+class Loaded:
+    record: ModelRecord
+    options: dict[str, Any]  # normalised load-time options
+    slots: int
+    runner: Runner | None = None
+    state: ModelState = ModelState.LOADING
+    refcount: int = 0
+    keep_alive: float = 300.0
+    expires_at: float | None = None  # wall clock; None while busy or forever
+    error: str | None = None
+    load_duration: float = 0.0
+    reload: bool = False
+    inflight: int = 0  # admitted requests, running or queued in the runner
+    requests: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.record.digest
+
+
+def physical_memory_available() -> int:
+    """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class Scheduler:
+    def __init__(self, settings: Settings,
+                 runner_factory: Callable[[dict[str, Any]], Runner],
+                 clock: Callable[[], float] = time.time,
+                 free_memory: Callable[[], int] = physical_memory_available,
+                 free_vram: Callable[[], int] = memory.free_gpu_memory) -> None:
+        self.settings = settings
+        self.runner_factory = runner_factory
+        self.clock = clock
+        self.free_memory = free_memory
+        self.free_vram = free_vram
+        self.loaded: dict[str, Loaded] = {}
+        self.cond = threading.Condition()
+        self.pending = 0
+        self._load_lock = threading.Lock()
+        self._stopping = False
+        self._timer = threading.Thread(target=self._expire_loop, name="keepalive", daemon=True)
+        self._timer.start()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Count a new pending request, or refuse it at once when the queue is full."""
+        with self.cond:
+            waiting = self.pending + sum(max(0, m.inflight - m.slots)
+                                         for m in self.loaded.values())
+            if waiting >= self.settings.max_queue:
+                raise ServerBusy(BUSY)
+            self.pending += 1
+
+    def acquire(self, record: ModelRecord, options: dict[str, Any],
+                keep_alive: float | None) -> Loaded:
+        """Return a READY model with this request counted in; loads or reloads as needed.
+
+        The caller must have called admit(); acquire always balances it.
+        """
+        load_opts = self._load_options(options)
+        try:
+            while True:
+                with self.cond:
+                    if self._stopping:
+                        raise RunnerError("server is shutting down")
+                    current = self.loaded.get(record.digest)
+                    if current is not None and current.state is ModelState.READY:
+                        if current.runner is not None and not current.runner.alive():
+                            self._forget(current, "runner process died")
+                            continue
+                        if not _changed(current.options, load_opts):
+                            current.refcount += 1
+                            current.inflight += 1
+                            current.expires_at = None
+                            if keep_alive is not None:
+                                current.keep_alive = keep_alive
+                            return current
+                        current.reload = True
+                        if current.refcount == 0:
+                            self._begin_unload(current)
+                    if current is not None:
+                        self.cond.wait(timeout=0.5)
+                        continue
+                    if not self._make_room(record):
+                        self.cond.wait(timeout=0.5)
+                        continue
+                    slots = self._choose_slots(record, load_opts)
+                    entry = Loaded(record, load_opts, slots,
+                                   keep_alive=self.settings.keep_alive if keep_alive is None
+                                   else keep_alive)
+                    self.loaded[record.digest] = entry
+                self._load(entry)
+        finally:
+            with self.cond:
+                self.pending -= 1
+                self.cond.notify_all()
+
+    def release(self, entry: Loaded, keep_alive: float | None = None) -> None:
+        with self.cond:
+            entry.refcount -= 1
+            entry.inflight -= 1
+            if keep_alive is not None:
+                entry.keep_alive = keep_alive
+            if entry.refcount == 0 and entry.state is ModelState.READY:
+                if entry.reload or entry.keep_alive == 0:
+                    self._begin_unload(entry)
+                elif entry.keep_alive == FOREVER:
+                    entry.expires_at = None
+                else:
+                    entry.expires_at = self.clock() + entry.keep_alive
+            self.cond.notify_all()
+
+    def runner_failed(self, entry: Loaded) -> None:
+        """A request saw the runner die: mark it unloaded so the next request reloads."""
+        with self.cond:
+            if entry.runner is not None and not entry.runner.alive():
+                self._forget(entry, "llama runner process has terminated")
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def _load_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        opts = {k: options[k] for k in LOAD_KEYS if k in options}
+        opts.setdefault("num_ctx", self.settings.context_length)
+        if opts.get("num_gpu") == -1:
+            del opts["num_gpu"]  # auto never forces a reload
+        return opts
+
+    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any]) -> int:
+        if self.settings.num_parallel > 0:
+            return self.settings.num_parallel
+        try:
+            info = inspect_gguf(record.model_path)
+        except CorralError:
+            return 1
+        vram, ram = self.free_vram(), self.free_memory()
+        budget = vram if vram > 0 else ram
+        if budget <= 0:
+            return 1
+        for slots in (4, 3, 2):
+            est = memory.estimate(info, int(opts["num_ctx"]), slots, 0,
+                                  kv_type=self.settings.kv_cache_type)
+            if est.total <= budget:
+                return slots
+        return 1
+
+    def _make_room(self, record: ModelRecord) -> bool:
+        """Evict idle models (shortest keep-alive first) until the new one may load."""
+        limit = self.settings.max_loaded_models or 3
+        need = record.model_path.stat().st_size if record.model_path.exists() else 0
+        while True:
+            live = [m for m in self.loaded.values() if m.state is not ModelState.UNLOADING]
+            fits = len(live) < limit and (not live or need <= self._spare_memory())
+            if fits:
+                return not any(m.state is ModelState.UNLOADING for m in self.loaded.values())
+            idle = [m for m in live if m.refcount == 0 and m.state is ModelState.READY]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda m: (m.keep_alive if m.keep_alive >= 0 else 1e18,
+                                              m.expires_at or 0))
+            self._begin_unload(victim)
+
+    def _spare_memory(self) -> int:
+        free = self.free_vram() or self.free_memory()
+        return free if free > 0 else 1 << 62
+
+    def _load(self, entry: Loaded) -> None:
+        with self._load_lock:  # one load at a time
+            start = self.clock()
+            config = {"model": str(entry.record.model_path), "n_slots": entry.slots,
+                      "num_ctx": entry.options["num_ctx"],
+                      "n_batch": entry.options.get("num_batch", 512),
+                      "n_threads": entry.options.get("num_thread", 0),
+                      "num_gpu": entry.options.get("num_gpu", -1),
+                      "use_mmap": entry.options.get("use_mmap", True),
+                      "flash_attn": self.settings.flash_attention,
+                      "kv_cache_type": self.settings.kv_cache_type,
+                      "template": entry.record.template}
+            runner = self.runner_factory(config)
+            try:
+                runner.start(self.settings.load_timeout)
+            except CorralError as exc:
+                with self.cond:
+                    self.loaded.pop(entry.key, None)
+                    self.cond.notify_all()
+                log.error("loading %s failed: %s", entry.record.name.display(), exc.message)
+                raise
+        with self.cond:
+            entry.runner = runner
+            entry.load_duration = self.clock() - start
+            entry.state = ModelState.READY
+            self.cond.notify_all()
+        log.info("loaded %s with %d slots", entry.record.name.display(), entry.slots)
+
+    # ---- unloading -------------------------------------------------------------------------
+
+    def _begin_unload(self, entry: Loaded) -> None:
+        """READY -> UNLOADING (lock held); the runner stops on a helper thread."""
+        if entry.state is not ModelState.READY:
+            return
+        entry.state = ModelState.UNLOADING
+        threading.Thread(target=self._finish_unload, args=(entry,), daemon=True).start()
+
+    def _finish_unload(self, entry: Loaded) -> None:
+        if entry.runner is not None:
+            entry.runner.stop()
+        with self.cond:
+            if self.loaded.get(entry.key) is entry:
+                del self.loaded[entry.key]
+            self.cond.notify_all()
+        log.info("unloaded %s", entry.record.name.display())
+
+    def _forget(self, entry: Loaded, why: str) -> None:
+        log.error("%s: %s", entry.record.name.display(), why)
+        entry.state = ModelState.UNLOADING
+        if self.loaded.get(entry.key) is entry:
+            del self.loaded[entry.key]
+        if entry.runner is not None:
+            threading.Thread(target=entry.runner.kill, daemon=True).start()
+        self.cond.notify_all()
+
+    def unload(self, record: ModelRecord) -> None:
+        """keep_alive 0 without a prompt: unload once idle."""
+        with self.cond:
+            entry = self.loaded.get(record.digest)
+            if entry is None:
+                return
+            entry.keep_alive = 0
+            if entry.refcount == 0:
+                self._begin_unload(entry)
+
+    def _expire_loop(self) -> None:
+        with self.cond:
+            while not self._stopping:
+                now = self.clock()
+                deadlines = []
+                for entry in list(self.loaded.values()):
+                    if entry.state is ModelState.READY and entry.runner is not None \
+                            and not entry.runner.alive():
+                        self._forget(entry, "llama runner process has terminated")
+                    elif entry.refcount == 0 and entry.expires_at is not None:
+                        if entry.expires_at <= now:
+                            self._begin_unload(entry)
+                        else:
+                            deadlines.append(entry.expires_at)
+                wait = min([d - now for d in deadlines] + [1.0])
+                self.cond.wait(timeout=max(wait, 0.01))
+
+    def running(self) -> list[Loaded]:
+        with self.cond:
+            return [m for m in self.loaded.values() if m.state is ModelState.READY]
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopping = True
+            entries = list(self.loaded.values())
+            self.cond.notify_all()
+        for entry in entries:
+            if entry.runner is not None:
+                entry.runner.stop(timeout=5)
+        with self.cond:
+            self.loaded.clear()
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A load-time option the request names differs from the loaded one."""
+    return any(old.get(k) != v for k, v in new.items())

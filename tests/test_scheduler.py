@@ -1,0 +1,220 @@
+"""The scheduler as a pure state machine, with fake runners and a fake clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.config import FOREVER, load_settings
+from api.errors import RunnerError, ServerBusy
+from registry.models import ModelRecord
+from registry.names import parse_name
+from runner.scheduler import ModelState, Scheduler
+from tests.gguf_files import write_tiny_gguf
+
+
+class FakeRunner:
+    started: list["FakeRunner"] = []
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.report: dict[str, Any] = {}
+        self.running = False
+        self.stopped = False
+
+    def start(self, timeout: float) -> dict[str, Any]:
+        if "broken" in self.config["model"]:
+            raise RunnerError("llama runner process has terminated: boom")
+        self.running = True
+        FakeRunner.started.append(self)
+        return self.report
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.running, self.stopped = False, True
+
+    def kill(self) -> None:
+        self.running = False
+
+    def alive(self) -> bool:
+        return self.running
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make(clock: Clock, **env: str) -> Scheduler:
+    FakeRunner.started = []
+    settings = load_settings({"CORRAL_NUM_PARALLEL": "2", **{f"CORRAL_{k}": v
+                                                             for k, v in env.items()}})
+    return Scheduler(settings, FakeRunner, clock=clock, free_memory=lambda: 1 << 40,
+                     free_vram=lambda: 0)
+
+
+def record(tmp_path: Path, name: str) -> ModelRecord:
+    path = write_tiny_gguf(tmp_path / f"{name}.gguf")
+    return ModelRecord(parse_name(name), name * 8, 1, 0.0, path, "sha256:" + "0" * 64)
+
+
+def acquire(s: Scheduler, rec: ModelRecord, keep_alive: float | None = None,
+            **options: Any):  # type: ignore[no-untyped-def]
+    s.admit()
+    return s.acquire(rec, options, keep_alive)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def tick(s: Scheduler, clock: Clock, seconds: float) -> None:
+    clock.now += seconds
+    with s.cond:
+        s.cond.notify_all()
+
+
+def test_loads_once_and_counts_references(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "a")
+    first = acquire(s, rec)
+    second = acquire(s, rec)
+    assert first is second and first.refcount == 2 and len(FakeRunner.started) == 1
+    assert first.slots == 2 and first.state is ModelState.READY
+    s.release(first)
+    s.release(second)
+    assert first.expires_at == clock.now + 300.0
+    s.stop()
+
+
+def test_keep_alive_never_fires_while_busy(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "a")
+    entry = acquire(s, rec, keep_alive=1.0)
+    tick(s, clock, 60)
+    time.sleep(0.1)
+    assert entry.state is ModelState.READY and entry.expires_at is None
+    s.release(entry)
+    assert entry.expires_at == clock.now + 1.0
+    tick(s, clock, 0.5)
+    time.sleep(0.1)
+    assert entry.state is ModelState.READY
+    tick(s, clock, 0.6)
+    wait_for(lambda: not s.loaded)
+    assert FakeRunner.started[0].stopped
+    s.stop()
+
+
+def test_keep_alive_zero_and_forever(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    a, b = record(tmp_path, "a"), record(tmp_path, "b")
+    ea = acquire(s, a, keep_alive=0)
+    eb = acquire(s, b, keep_alive=FOREVER)
+    s.release(ea)
+    s.release(eb)
+    wait_for(lambda: a.digest not in s.loaded)
+    tick(s, clock, 10**9)
+    time.sleep(0.1)
+    assert b.digest in s.loaded and eb.expires_at is None
+    s.unload(b)
+    wait_for(lambda: not s.loaded)
+    s.stop()
+
+
+def test_omitted_keep_alive_keeps_the_current_value(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "a")
+    s.release(acquire(s, rec, keep_alive=30.0))
+    entry = acquire(s, rec, keep_alive=None)
+    s.release(entry)
+    assert entry.keep_alive == 30.0 and entry.expires_at == clock.now + 30.0
+    s.stop()
+
+
+def test_queue_limit(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock, MAX_QUEUE="3")
+    rec = record(tmp_path, "a")
+    held = [acquire(s, rec) for _ in range(5)]  # 2 slots busy, 3 queued in the runner
+    with pytest.raises(ServerBusy, match="maximum pending requests exceeded"):
+        s.admit()
+    s.release(held.pop())
+    s.admit()  # room again
+    s.stop()
+
+
+def test_eviction_prefers_idle_with_shortest_keep_alive(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock, MAX_LOADED_MODELS="2")
+    a, b, c = record(tmp_path, "a"), record(tmp_path, "b"), record(tmp_path, "c")
+    s.release(acquire(s, a, keep_alive=600))
+    s.release(acquire(s, b, keep_alive=60))
+    acquire(s, c)
+    assert set(s.loaded) == {a.digest, c.digest}
+    s.stop()
+
+
+def test_busy_models_are_not_evicted(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock, MAX_LOADED_MODELS="1")
+    a, b = record(tmp_path, "a"), record(tmp_path, "b")
+    ea = acquire(s, a)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(acquire(s, b)))
+    t.start()
+    time.sleep(0.3)
+    assert not got and a.digest in s.loaded
+    s.release(ea)
+    t.join(timeout=5)
+    assert got and set(s.loaded) == {b.digest}
+    s.stop()
+
+
+def test_changed_load_option_reloads_after_active_requests(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "a")
+    first = acquire(s, rec, num_ctx=1024)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(acquire(s, rec, num_ctx=2048)))
+    t.start()
+    time.sleep(0.3)
+    assert not got and first.refcount == 1
+    s.release(first)
+    t.join(timeout=5)
+    assert got[0] is not first and got[0].options["num_ctx"] == 2048
+    assert len(FakeRunner.started) == 2 and FakeRunner.started[0].stopped
+    same = acquire(s, rec, num_ctx=2048, temperature=0.1, num_gpu=-1)
+    assert same is got[0]
+    s.stop()
+
+
+def test_crashed_runner_is_replaced_on_next_request(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "a")
+    entry = acquire(s, rec)
+    FakeRunner.started[0].running = False  # died
+    s.runner_failed(entry)
+    s.release(entry)
+    again = acquire(s, rec)
+    assert again is not entry and len(FakeRunner.started) == 2
+    s.stop()
+
+
+def test_failed_load_is_an_error_and_leaves_nothing(tmp_path: Path, clock: Clock) -> None:
+    s = make(clock)
+    rec = record(tmp_path, "broken")
+    with pytest.raises(RunnerError, match="boom"):
+        acquire(s, rec)
+    assert not s.loaded and s.pending == 0
+    s.stop()
