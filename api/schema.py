@@ -140,3 +140,26 @@ def coerce_options(options: Any, strict: bool = False) -> dict[str, Any]:
             continue
         out[name] = coerce_option(name, value)
     return out
+
+
+# ---- wire formatting shared by server and client -----------------------------------------
+
+def rfc3339(ts: float, utc: bool = True) -> str:
+    """RFC3339 with nanosecond digits, as Go prints times (UTC `Z` for created_at)."""
+    import datetime as _dt
+
+    if utc:
+        moment = _dt.datetime.fromtimestamp(ts, _dt.timezone.utc)
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000Z"
+    moment = _dt.datetime.fromtimestamp(ts).astimezone()
+    offset = moment.strftime("%z")
+    return (moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000"
+            + f"{offset[:3]}:{offset[3:]}")
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+STREAM_CONTENT_TYPE = "application/x-ndjson"
+JSON_CONTENT_TYPE = "application/json; charset=utf-8"

@@ -75,7 +75,16 @@ app.command("ls", hidden=True)(list_models)
 @app.command(epilog=describe_settings())
 def serve() -> None:
     """Start the daemon (Ollama-compatible API on CORRAL_HOST)."""
-    raise CorralError("the daemon is not part of this build yet")
+    from api.daemon import Daemon, configure_logging
+
+    cfg = settings()
+    configure_logging(cfg.debug)
+    try:
+        daemon = Daemon(cfg, runner_log=sys.stderr.buffer)
+    except OSError as exc:
+        raise CorralError(f"could not listen on {cfg.host}: {exc.strerror or exc}") from None
+    daemon.prune()
+    daemon.serve_forever()
 
 
 def main() -> None:

@@ -1,0 +1,128 @@
+"""The daemon: store, scheduler and HTTP server wired together.
+
+`Daemon(settings)` is what `corral serve` runs and what the in-process tests
+start on port 0. Runner processes come from `runner_factory`, a constructor
+seam the scheduler tests use for fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import IO, Any, Callable
+
+from api import manage, native, openai
+from api.config import Settings
+from api.http import Handler, Route, Server, origin_pattern
+from api.inference import Inference
+from api.metrics import Metrics
+from registry.store import Store
+from runner.client import RunnerProcess
+from runner.scheduler import Runner, Scheduler
+
+log = logging.getLogger("corral")
+
+
+def routes(inf: Inference) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
+    table: dict[tuple[str, str], Route] = {
+        ("GET", "/"): manage.root(inf),
+        ("GET", "/api/version"): manage.version(inf),
+        ("POST", "/api/generate"): native.generate(inf),
+        ("POST", "/api/chat"): native.chat(inf),
+        ("POST", "/api/embed"): native.embed(inf),
+        ("POST", "/api/embeddings"): native.embeddings(inf),
+        ("GET", "/api/tags"): manage.tags(inf),
+        ("POST", "/api/show"): manage.show(inf),
+        ("POST", "/api/create"): manage.create(inf),
+        ("POST", "/api/copy"): manage.copy(inf),
+        ("DELETE", "/api/delete"): manage.delete(inf),
+        ("GET", "/api/ps"): manage.ps(inf),
+        ("POST", "/api/pull"): manage.unsupported("pulling models is not available yet"),
+        ("POST", "/api/push"): manage.unsupported("pushing models is not supported yet"),
+        ("GET", "/metrics"): manage.metrics(inf),
+        ("POST", "/v1/chat/completions"): openai.chat_completions(inf),
+        ("POST", "/v1/completions"): openai.completions(inf),
+        ("POST", "/v1/embeddings"): openai.embeddings(inf),
+        ("GET", "/v1/models"): openai.models(inf),
+    }
+    blobs = manage.blobs(inf)
+    prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),
+                ("GET", "/v1/models/", openai.model(inf))]
+    return table, prefixes
+
+
+class Daemon:
+    def __init__(self, settings: Settings,
+                 runner_factory: Callable[[dict[str, Any]], Runner] | None = None,
+                 runner_log: IO[bytes] | None = None) -> None:
+        self.settings = settings
+        self.store = Store(settings.models)
+        factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
+        self.scheduler = Scheduler(settings, factory)
+        self.inference = Inference(self.store, self.scheduler, Metrics())
+        table, prefixes = routes(self.inference)
+        handler = type("CorralHandler", (Handler,), {
+            "routes": table, "prefix_routes": prefixes, "settings": settings,
+            "origins": origin_pattern(settings.origins),
+            "loopback": settings.host.is_loopback(),
+        })
+        self.server = Server((settings.host.host, settings.host.port), handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.server.server_address[:2]
+        return str(host), int(port)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{host}:{port}"
+
+    def start(self) -> "Daemon":
+        """Serve on a background thread (tests); `serve_forever` is the blocking form."""
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def prune(self) -> None:
+        if not self.settings.noprune:
+            removed = self.store.prune()
+            if removed:
+                log.info("pruned %d unused blobs", len(removed))
+
+    def serve_forever(self) -> None:
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("received signal %d, shutting down", signum)
+            stop.set()
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        host, port = self.address
+        if not self.settings.host.is_loopback():
+            log.warning("listening on %s:%d, which is reachable from other machines", host, port)
+        log.info("Listening on %s:%d", host, port)
+        try:
+            self.server.serve_forever(poll_interval=0.2)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.server.server_close()
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.close()
+
+
+def configure_logging(debug: int, stream: IO[str] = sys.stderr) -> None:
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, stream=stream,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per runner call would drown the daemon's own log.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if debug > 1 else logging.WARNING)

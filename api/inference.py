@@ -1,0 +1,174 @@
+"""What the native and OpenAI routes share: model lookup, options, and one generation.
+
+A generation counts itself in with the scheduler, holds its model for the
+duration, cancels its runner job when the client goes away, and always
+releases the model, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from api.config import parse_duration
+from api.errors import BadRequest, CorralError, ModelNotFound, RunnerError
+from api.metrics import Metrics
+from api.schema import coerce_options
+from registry.gguf import inspect_gguf
+from registry.models import ModelRecord, load_record
+from registry.names import parse_name
+from registry.store import Store
+from runner.scheduler import Scheduler
+
+log = logging.getLogger("corral.inference")
+
+
+@dataclass
+class Outcome:
+    """Collected while a generation streams; read by the route for its final object."""
+
+    text: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    load_duration: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def keep_alive_of(body: dict[str, Any]) -> float | None:
+    if body.get("keep_alive") is None:
+        return None
+    try:
+        return parse_duration(body["keep_alive"])
+    except ValueError:
+        raise BadRequest(f"invalid keep_alive duration: {body['keep_alive']!r}") from None
+
+
+def grammar_for(fmt: Any) -> str | None:
+    """Ollama's `format`: "json", a JSON schema object, or nothing."""
+    if fmt in (None, "", "null"):
+        return None
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    if fmt == "json":
+        return str(JSON_GBNF)
+    if isinstance(fmt, dict):
+        try:
+            return str(json_schema_to_gbnf(json.dumps(fmt)))
+        except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
+            raise BadRequest(f"invalid JSON schema in format: {exc}") from None
+    raise BadRequest("invalid format")
+
+
+def capabilities(record: ModelRecord, template: str) -> list[str]:
+    caps = []
+    try:
+        info = inspect_gguf(record.model_path)
+        embedding = f"{info.architecture}.pooling_type" in info.metadata
+        vision = f"{info.architecture}.vision.block_count" in info.metadata or record.projector
+    except CorralError:
+        embedding, vision = False, record.projector
+    caps.append("embedding" if embedding else "completion")
+    if ".Tools" in template or "tools" in template or "tool_call" in template:
+        caps.append("tools")
+    if ".Suffix" in template:
+        caps.append("insert")
+    if vision:
+        caps.append("vision")
+    if "<think>" in template or ".Think" in template:
+        caps.append("thinking")
+    return caps
+
+
+class Inference:
+    def __init__(self, store: Store, scheduler: Scheduler, metrics: Metrics) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    def record(self, name: Any, not_found: str = "model '{}' not found") -> ModelRecord:
+        if not isinstance(name, str) or not name:
+            raise BadRequest("model is required")
+        parsed = parse_name(name)
+        if self.store.resolve(parsed) is None:
+            raise ModelNotFound(not_found.format(name))
+        return load_record(self.store, parsed)
+
+    def options(self, record: ModelRecord, requested: Any) -> dict[str, Any]:
+        """Built-in defaults < the model's PARAMETERs < the request's options."""
+        merged = coerce_options(record.parameters)
+        merged.update(coerce_options(requested))
+        return merged
+
+    def template_text(self, record: ModelRecord) -> str:
+        if record.template:
+            return record.template
+        try:
+            return inspect_gguf(record.model_path).chat_template or ""
+        except CorralError:
+            return ""
+
+    def load_only(self, record: ModelRecord, options: dict[str, Any],
+                  keep_alive: float | None) -> float:
+        """Schedule the model without generating; returns the load time in seconds."""
+        start = time.perf_counter()
+        self.scheduler.admit()
+        entry = self.scheduler.acquire(record, options, keep_alive)
+        self.scheduler.release(entry)
+        return time.perf_counter() - start
+
+    def generate(self, record: ModelRecord, runner_body: dict[str, Any], options: dict[str, Any],
+                 keep_alive: float | None, outcome: Outcome,
+                 on_disconnect: Callable[[Callable[[], None]], Any] | None = None,
+                 ) -> Iterator[str]:
+        """Yield text pieces; fills `outcome` with the runner's final statistics."""
+        model = record.name.display()
+        self.scheduler.admit()
+        gone = [False]
+        job_id = uuid.uuid4().hex
+        entry = None
+        watcher = None
+
+        def cancel() -> None:
+            gone[0] = True
+            if entry is not None and entry.runner is not None:
+                entry.runner.cancel(job_id)
+
+        if on_disconnect is not None:
+            watcher = on_disconnect(cancel)
+        try:
+            t0 = time.perf_counter()
+            entry = self.scheduler.acquire(record, options, keep_alive)
+            outcome.load_duration = time.perf_counter() - t0
+            if gone[0]:
+                self.metrics.request(model, "cancelled")
+                return
+            body = {**runner_body, "options": options, "id": job_id}
+            first = None
+            runner = entry.runner
+            assert runner is not None
+            try:
+                for line in runner.completion(body):
+                    if "content" in line:
+                        if first is None:
+                            first = time.perf_counter()
+                            self.metrics.ttft(model, first - outcome.started)
+                        outcome.text.append(line["content"])
+                        yield line["content"]
+                    if line.get("done"):
+                        outcome.stats = line
+            except RunnerError:
+                self.scheduler.runner_failed(entry)
+                self.metrics.request(model, "error")
+                raise
+            stats = outcome.stats
+            self.metrics.tokens(model, stats.get("prompt_eval_count", 0),
+                                stats.get("eval_count", 0), stats.get("eval_duration", 0))
+            self.metrics.request(model, "cancelled" if gone[0] else "ok")
+        finally:
+            if watcher is not None:
+                watcher.set()
+            if entry is not None:
+                self.scheduler.release(entry)
