@@ -79,10 +79,7 @@ cpu_flags() {
       ;;
     *) flags="" ;;  # arm64 and others: the compiler's defaults are safe
   esac
-  # llamafile's sgemm takes over matmuls of more than one row, so a sequence's
-  # logits would depend on how many others share the batch; without it, greedy
-  # output is the same alone or batched.
-  echo "${flags:+$flags }-DGGML_LLAMAFILE=OFF"
+  echo "$flags"
 }
 
 nvidia_gpu() {
@@ -169,6 +166,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && "$VENV/bin/python" -c 
   say "packages are up to date"
 else
   say "installing corral into $VENV"
+  # The version never changes when only the build flags do, so pip would keep
+  # an old binary: replace it explicitly.
+  "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
   if [ "$MODE" = dev ]; then
     "$VENV/bin/python" -m pip install --quiet "$WHEEL" -e "$SPEC"
   else

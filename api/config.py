@@ -312,3 +312,13 @@ def describe_settings() -> str:
     for spec in SPECS:
         lines.append(f"  CORRAL_{spec.name:<18} {spec.doc} (default: {spec.shown_default or 'unset'})")
     return "\n".join(lines)
+
+
+def apply_native_defaults() -> None:
+    """Environment knobs read by ggml itself, set before the first model loads.
+
+    ggml's tiled matmul takes over from 8 rows per batch, so a sequence's logits
+    would depend on how many other tokens share its batch; with it off, greedy
+    output is the same alone or batched, at no measurable cost on CPUs.
+    """
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")

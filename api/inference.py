@@ -114,8 +114,8 @@ class Inference:
                   keep_alive: float | None) -> float:
         """Schedule the model without generating; returns the load time in seconds."""
         start = time.perf_counter()
-        self.scheduler.admit()
-        entry = self.scheduler.acquire(record, options, keep_alive)
+        ticket = self.scheduler.admit(record)
+        entry = self.scheduler.acquire(ticket, record, options, keep_alive)
         self.scheduler.release(entry)
         return time.perf_counter() - start
 
@@ -125,7 +125,7 @@ class Inference:
                  ) -> Iterator[str]:
         """Yield text pieces; fills `outcome` with the runner's final statistics."""
         model = record.name.display()
-        self.scheduler.admit()
+        ticket = self.scheduler.admit(record)
         gone = [False]
         job_id = uuid.uuid4().hex
         entry = None
@@ -140,7 +140,7 @@ class Inference:
             watcher = on_disconnect(cancel)
         try:
             t0 = time.perf_counter()
-            entry = self.scheduler.acquire(record, options, keep_alive)
+            entry = self.scheduler.acquire(ticket, record, options, keep_alive)
             outcome.load_duration = time.perf_counter() - t0
             if gone[0]:
                 self.metrics.request(model, "cancelled")

@@ -235,9 +235,9 @@ def embeddings(inf: Inference) -> Any:
 def _run_embed(inf: Inference, record: ModelRecord, body: dict[str, Any], inputs: list[str],
                normalize: bool) -> tuple[dict[str, Any], float]:
     options = inf.options(record, body.get("options"))
-    inf.scheduler.admit()
+    ticket = inf.scheduler.admit(record)
     start = time.perf_counter()
-    entry = inf.scheduler.acquire(record, options, keep_alive_of(body))
+    entry = inf.scheduler.acquire(ticket, record, options, keep_alive_of(body))
     load = time.perf_counter() - start
     try:
         assert entry.runner is not None

@@ -93,7 +93,11 @@ class Engine:
         cparams.n_seq_max = cfg.n_slots
         cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.kv_unified = True
+        # One KV stream per slot. In a shared (unified) stream, a sequence's new
+        # cells can land in holes another slot left behind, which changes the
+        # order flash attention visits them in, and so its floating-point sums:
+        # outputs would then depend on the neighbours.
+        cparams.kv_unified = False
         # Gemma 3's sliding-window cache must be full size, or prefix reuse and
         # context shift would need KV that has already been evicted.
         cparams.swa_full = True

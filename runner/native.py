@@ -12,6 +12,8 @@ from typing import Any
 
 import llama_cpp as L
 
+from api.config import apply_native_defaults
+
 _log_hook: Any = None
 
 
@@ -20,6 +22,7 @@ def init_backend(verbose: bool = False) -> None:
     global _log_hook
     if _log_hook is not None:
         return
+    apply_native_defaults()
 
     def _log(level: int, text: bytes, _user: Any) -> None:
         if verbose and text:

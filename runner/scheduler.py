@@ -64,6 +64,14 @@ class Loaded:
         return self.record.digest
 
 
+@dataclass
+class Ticket:
+    """An admitted request: counted against a loaded model, or as pending a load."""
+
+    entry: Loaded | None
+    settled: bool = False
+
+
 def physical_memory_available() -> int:
     """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
     try:
@@ -97,21 +105,29 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def admit(self) -> None:
-        """Count a new pending request, or refuse it at once when the queue is full."""
+    def admit(self, record: ModelRecord) -> "Ticket":
+        """Count a new request in, or refuse it at once when too many are waiting.
+
+        A request for a loaded model counts against that model straight away, so
+        a burst is judged by how many would wait beyond the model's slots.
+        """
         with self.cond:
             waiting = self.pending + sum(max(0, m.inflight - m.slots)
                                          for m in self.loaded.values())
+            entry = self.loaded.get(record.digest)
+            if entry is not None and entry.state is ModelState.READY:
+                if entry.inflight >= entry.slots and waiting >= self.settings.max_queue:
+                    raise ServerBusy(BUSY)
+                entry.inflight += 1
+                return Ticket(entry)
             if waiting >= self.settings.max_queue:
                 raise ServerBusy(BUSY)
             self.pending += 1
+            return Ticket(None)
 
-    def acquire(self, record: ModelRecord, options: dict[str, Any],
+    def acquire(self, ticket: "Ticket", record: ModelRecord, options: dict[str, Any],
                 keep_alive: float | None) -> Loaded:
-        """Return a READY model with this request counted in; loads or reloads as needed.
-
-        The caller must have called admit(); acquire always balances it.
-        """
+        """Return a READY model with this request counted in; loads or reloads as needed."""
         load_opts = self._load_options(options)
         try:
             while True:
@@ -125,7 +141,10 @@ class Scheduler:
                             continue
                         if not _changed(current.options, load_opts):
                             current.refcount += 1
-                            current.inflight += 1
+                            if ticket.entry is not current:
+                                current.inflight += 1
+                                self._settle(ticket)
+                            ticket.entry, ticket.settled = current, True
                             current.expires_at = None
                             if keep_alive is not None:
                                 current.keep_alive = keep_alive
@@ -147,8 +166,18 @@ class Scheduler:
                 self._load(entry)
         finally:
             with self.cond:
-                self.pending -= 1
+                self._settle(ticket)
                 self.cond.notify_all()
+
+    def _settle(self, ticket: "Ticket") -> None:
+        """Undo the admission count once the request holds (or gave up on) a model."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        if ticket.entry is not None:
+            ticket.entry.inflight -= 1
+        else:
+            self.pending -= 1
 
     def release(self, entry: Loaded, keep_alive: float | None = None) -> None:
         with self.cond:

@@ -71,8 +71,7 @@ def record(tmp_path: Path, name: str) -> ModelRecord:
 
 def acquire(s: Scheduler, rec: ModelRecord, keep_alive: float | None = None,
             **options: Any):  # type: ignore[no-untyped-def]
-    s.admit()
-    return s.acquire(rec, options, keep_alive)
+    return s.acquire(s.admit(rec), rec, options, keep_alive)
 
 
 def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -150,9 +149,9 @@ def test_queue_limit(tmp_path: Path, clock: Clock) -> None:
     rec = record(tmp_path, "a")
     held = [acquire(s, rec) for _ in range(5)]  # 2 slots busy, 3 queued in the runner
     with pytest.raises(ServerBusy, match="maximum pending requests exceeded"):
-        s.admit()
+        s.admit(rec)
     s.release(held.pop())
-    s.admit()  # room again
+    s.admit(rec)  # room again
     s.stop()
 
 
