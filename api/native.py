@@ -151,7 +151,10 @@ def chat(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
         record = inf.record(body.get("model"))
-        messages = body.get("messages") or []
+        messages = body.get("messages")
+        messages = [] if messages is None else messages
+        if not isinstance(messages, list):
+            raise BadRequest("messages must be a list")
         tools = body.get("tools") or []
         template, caps = _model_caps(inf, record)
         if tools and "tools" not in caps:

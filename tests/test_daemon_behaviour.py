@@ -1,0 +1,264 @@
+"""The real daemon under load and faults: queue limit, keep-alive, disconnects, crashes,
+and the protections (Host check, CORS, API key, body limit, option ranges)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from api.daemon import Daemon
+from registry.store import Store
+from tests.daemon_fixtures import start_daemon
+
+MODEL = "gemma3:270m-base"
+
+
+@pytest.fixture(scope="module")
+def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("behaviour"))
+    yield d
+    d.shutdown()
+
+
+def post(d: Daemon, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=120, **kw)
+
+
+def ps_names(d: Daemon) -> list[str]:
+    return [m["name"] for m in httpx.get(d.url + "/api/ps").json()["models"]]
+
+
+def wait_for(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_queue_overflow(starter_store: Store, tmp_path: Path) -> None:
+    d = start_daemon(starter_store, tmp_path, NUM_PARALLEL="2", MAX_QUEUE="3")
+    try:
+        assert post(d, "/api/generate", {"model": MODEL}).json()["done_reason"] == "load"
+        barrier = threading.Barrier(9)
+        results: list[Any] = []
+
+        def fire() -> None:
+            barrier.wait()
+            try:
+                r = post(d, "/api/generate", {"model": MODEL, "prompt": "Once upon a time",
+                                              "stream": False,
+                                              "options": {"temperature": 0, "num_predict": 40}})
+                results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+            except httpx.HTTPError as exc:  # a reset would land here
+                results.append(("reset", None, str(exc)))
+
+        threads = [threading.Thread(target=fire) for _ in range(9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        busy = [r for r in results if r[0] == 503]
+        ok = [r for r in results if r[0] == 200]
+        assert len(busy) == 4 and len(ok) == 5, results
+        assert all(r[2] == {"error": "server busy, please try again.  maximum pending "
+                                     "requests exceeded"} and r[1] for r in busy)
+    finally:
+        d.shutdown()
+
+
+def test_keep_alive_zero_unloads(daemon: Daemon) -> None:
+    post(daemon, "/api/generate", {"model": MODEL, "prompt": "Hi",
+                                   "options": {"num_predict": 2}, "stream": False})
+    assert MODEL in ps_names(daemon)
+    r = post(daemon, "/api/generate", {"model": MODEL, "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload"
+    wait_for(lambda: MODEL not in ps_names(daemon))
+
+
+def test_short_keep_alive_never_fires_while_streaming(daemon: Daemon) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "keep_alive": "1s", "raw": True,
+            "options": {"temperature": 0, "num_predict": 80}}
+    lines = []
+    with httpx.stream("POST", daemon.url + "/api/generate", json=body, timeout=120) as resp:
+        for raw in resp.iter_lines():
+            lines.append(json.loads(raw))
+            if len(lines) == 1:
+                start = time.monotonic()
+    assert time.monotonic() - start > 1.5  # the stream outlived the keep-alive
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 80
+    assert MODEL in ps_names(daemon)  # still loaded when the stream ended
+    wait_for(lambda: MODEL not in ps_names(daemon), timeout=10)
+
+
+def greedy(d: Daemon, n: int = 20) -> str:
+    r = post(d, "/api/generate", {"model": MODEL, "prompt": "The history of bread",
+                                  "raw": True, "stream": False,
+                                  "options": {"temperature": 0, "num_predict": n}})
+    return str(r.json()["response"])
+
+
+def busy_slots(d: Daemon) -> float:
+    text = httpx.get(d.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith("corral_busy_slots{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_disconnect_frees_the_slot(daemon: Daemon) -> None:
+    expected = greedy(daemon)
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "raw": True,
+                       "options": {"temperature": 0, "num_predict": 2000}}).encode()
+    host, port = daemon.address
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while received.count(b'"response"') < 3:
+            received += sock.recv(4096)
+    wait_for(lambda: busy_slots(daemon) == 0, timeout=10)
+    assert greedy(daemon) == expected
+
+
+def test_runner_crash_mid_stream(daemon: Daemon) -> None:
+    greedy(daemon, 2)
+    [entry] = daemon.scheduler.running()
+    pid = entry.runner.pid  # type: ignore[union-attr]
+    body = {"model": MODEL, "prompt": "Once upon a time", "raw": True,
+            "options": {"temperature": 0, "num_predict": 3000}}
+    lines = []
+    with httpx.stream("POST", daemon.url + "/api/generate", json=body, timeout=60) as resp:
+        for raw in resp.iter_lines():
+            lines.append(json.loads(raw))
+            if len(lines) == 3:
+                os.kill(pid, signal.SIGKILL)
+    assert "error" in lines[-1] and not lines[-1].get("done")
+    assert greedy(daemon, 4)  # the next request loads a fresh runner
+
+
+@pytest.mark.parametrize("host", ["evil.example.com", "attacker.com:11434", "1.2.3.4.nip.io"])
+def test_host_check(daemon: Daemon, host: str) -> None:
+    assert httpx.get(daemon.url + "/api/tags", headers={"Host": host}).status_code == 403
+
+
+@pytest.mark.parametrize("host", ["localhost:11434", "127.0.0.1", "[::1]:80", "box.local"])
+def test_local_hosts_pass(daemon: Daemon, host: str) -> None:
+    assert httpx.get(daemon.url + "/api/tags", headers={"Host": host}).status_code == 200
+
+
+def test_cors(daemon: Daemon) -> None:
+    ok = httpx.get(daemon.url + "/api/tags", headers={"Origin": "http://localhost:3000"})
+    assert ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+    for origin in ("app://obsidian.md", "vscode-webview://abc", "tauri://localhost"):
+        r = httpx.get(daemon.url + "/api/tags", headers={"Origin": origin})
+        assert r.headers.get("access-control-allow-origin") == origin
+    bad = httpx.get(daemon.url + "/api/tags", headers={"Origin": "https://evil.example"})
+    assert bad.status_code == 403 and "access-control-allow-origin" not in bad.headers
+    pre = httpx.options(daemon.url + "/api/chat", headers={
+        "Origin": "http://127.0.0.1:8080", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
+
+
+def test_extra_origins(starter_store: Store, tmp_path: Path) -> None:
+    d = start_daemon(starter_store, tmp_path, ORIGINS="chrome-extension://*")
+    try:
+        r = httpx.get(d.url + "/api/tags", headers={"Origin": "chrome-extension://abc"})
+        assert r.headers["access-control-allow-origin"] == "chrome-extension://abc"
+    finally:
+        d.shutdown()
+
+
+def test_api_key(starter_store: Store, tmp_path: Path) -> None:
+    d = start_daemon(starter_store, tmp_path, API_KEY="s3cret")
+    try:
+        assert httpx.get(d.url + "/").status_code == 200
+        assert httpx.head(d.url + "/").status_code == 200
+        assert httpx.get(d.url + "/api/tags").status_code == 401
+        wrong = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json() == {"error": "unauthorized"}
+        right = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+    finally:
+        d.shutdown()
+
+
+def test_body_limit(daemon: Daemon) -> None:
+    big = b'{"model":"' + b"x" * (17 << 20) + b'"}'
+    r = httpx.post(daemon.url + "/api/generate", content=big, timeout=60)
+    assert r.status_code == 413 and "error" in r.json()
+    assert httpx.get(daemon.url + "/api/version").status_code == 200
+
+
+@pytest.mark.parametrize("options", [
+    {"temperature": "hot"}, {"temperature": -1}, {"temperature": float("nan")},
+    {"top_k": -1}, {"num_ctx": 2}, {"num_ctx": 2**31}, {"num_predict": -3},
+    {"top_p": 1.5}, {"seed": 2**70}, {"num_thread": 10000}, {"stop": [1, 2]},
+])
+def test_bad_options_are_400(daemon: Daemon, options: dict[str, Any]) -> None:
+    r = httpx.post(daemon.url + "/api/generate", timeout=60, content=json.dumps(
+        {"model": MODEL, "prompt": "x", "options": options}, allow_nan=True))
+    assert r.status_code == 400 and "error" in r.json()
+
+
+@pytest.mark.parametrize("body,status", [
+    (b"", 400), (b"not json", 400), (b"[1]", 400), (b'{"model": 5}', 400),
+    (b'{"model": "../x", "prompt": "a"}', 400), (b"[" * 100000 + b"]" * 100000, 400),
+    (b'{"model": "gemma3:270m-base", "messages": {}}', 400),
+    (b'{"model": "gemma3:270m-base", "prompt": "x", "keep_alive": "soon"}', 400),
+    (b'{"model": "gemma3:270m-base", "prompt": "x", "format": "yaml"}', 400),
+    (b'{"model": "gemma3:270m-base", "prompt": "x", "raw": true, "system": "s"}', 400),
+    (b'{"model": "gemma3:270m-base", "prompt": "x", "images": ["aGk="]}', 400),
+    (b'{"model": "gemma3:270m-base", "messages": [{"role":"user","content":"x"}], '
+     b'"think": true}', 400),
+    (b'{"model": "gemma3:270m-base", "messages": [{"role":"user","content":"x"}], '
+     b'"tools": [{"type":"function","function":{"name":"f"}}]}', 400),
+])
+def test_bad_requests(daemon: Daemon, body: bytes, status: int) -> None:
+    path = "/api/chat" if b"messages" in body else "/api/generate"
+    r = httpx.post(daemon.url + path, content=body, timeout=60)
+    assert r.status_code == status and "error" in r.json()
+
+
+@pytest.mark.parametrize("digest", ["sha256:../../etc/passwd", "sha256-" + "a" * 63,
+                                    "sha512:" + "a" * 128, "sha256:" + "A" * 64])
+def test_blob_digests(daemon: Daemon, digest: str) -> None:
+    assert httpx.head(daemon.url + "/api/blobs/" + digest).status_code == 400
+    r = httpx.post(daemon.url + "/api/blobs/" + digest, content=b"data")
+    assert r.status_code == 400
+
+
+def test_blob_upload_verifies(daemon: Daemon) -> None:
+    import hashlib
+
+    data = b"some layer"
+    good = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert httpx.head(daemon.url + "/api/blobs/" + good).status_code == 404
+    bad = httpx.post(daemon.url + "/api/blobs/sha256:" + "0" * 64, content=data)
+    assert bad.status_code == 400 and "mismatch" in bad.json()["error"]
+    assert httpx.post(daemon.url + "/api/blobs/" + good, content=data).status_code == 201
+    assert httpx.head(daemon.url + "/api/blobs/" + good).status_code == 200
+
+
+def test_unknown_path_and_method(daemon: Daemon) -> None:
+    assert httpx.get(daemon.url + "/nope").status_code == 404
+    assert httpx.get(daemon.url + "/api/generate").status_code == 405
+
+
+def test_metrics_format(daemon: Daemon) -> None:
+    greedy(daemon, 3)
+    text = httpx.get(daemon.url + "/metrics").text
+    for family in ("corral_requests_total", "corral_prompt_tokens_total",
+                   "corral_generated_tokens_total", "corral_time_to_first_token_seconds_bucket",
+                   "corral_time_per_output_token_seconds_count", "corral_queue_depth",
+                   "corral_busy_slots", "corral_kv_cells_used", "corral_kv_cells_reserved"):
+        assert family in text
+    assert f'corral_requests_total{{model="{MODEL}",status="ok"}}' in text
