@@ -1,0 +1,66 @@
+"""`corral serve` as a user runs it: a real process that answers and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from registry.store import Store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
+    port = free_port()
+    env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(starter_store.root),
+               CORRAL_NOPRUNE="1")
+    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url).text == "Corral is running":
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        r = httpx.post(url + "/api/generate", timeout=120, json={
+            "model": "gemma3:270m-base", "prompt": "Hello", "stream": False,
+            "options": {"num_predict": 3}})
+        assert r.status_code == 200 and r.json()["eval_count"] == 3
+        runners = subprocess.run(["pgrep", "-f", "runner.process"], capture_output=True,
+                                 text=True).stdout.split()
+        assert runners
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        time.sleep(0.5)
+        for pid in runners:
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(
+                f"/proc/{pid}/status").read().lower()
+        assert "Listening on 127.0.0.1" in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_warns_when_not_loopback(starter_store: Store) -> None:
+    env = dict(os.environ, CORRAL_HOST=f"0.0.0.0:{free_port()}",
+               CORRAL_MODELS=str(starter_store.root), CORRAL_NOPRUNE="1")
+    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert "reachable from other machines" in (proc.stderr.read() if proc.stderr else "")
