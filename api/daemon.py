@@ -18,6 +18,8 @@ from api.config import Settings
 from api.http import Handler, Route, Server, origin_pattern
 from api.inference import Inference
 from api.metrics import Metrics
+from registry.download import DownloadOptions, Downloader
+from registry.pull import Puller
 from registry.store import Store
 from runner.client import RunnerProcess
 from runner.scheduler import Runner, Scheduler
@@ -25,7 +27,8 @@ from runner.scheduler import Runner, Scheduler
 log = logging.getLogger("corral")
 
 
-def routes(inf: Inference) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
+def routes(inf: Inference, puller: Puller
+           ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
     table: dict[tuple[str, str], Route] = {
         ("GET", "/"): manage.root(inf),
         ("GET", "/api/version"): manage.version(inf),
@@ -39,7 +42,7 @@ def routes(inf: Inference) -> tuple[dict[tuple[str, str], Route], list[tuple[str
         ("POST", "/api/copy"): manage.copy(inf),
         ("DELETE", "/api/delete"): manage.delete(inf),
         ("GET", "/api/ps"): manage.ps(inf),
-        ("POST", "/api/pull"): manage.unsupported("pulling models is not available yet"),
+        ("POST", "/api/pull"): manage.pull(inf, puller),
         ("POST", "/api/push"): manage.unsupported("pushing models is not supported yet"),
         ("GET", "/metrics"): manage.metrics(inf),
         ("POST", "/v1/chat/completions"): openai.chat_completions(inf),
@@ -56,13 +59,16 @@ def routes(inf: Inference) -> tuple[dict[tuple[str, str], Route], list[tuple[str
 class Daemon:
     def __init__(self, settings: Settings,
                  runner_factory: Callable[[dict[str, Any]], Runner] | None = None,
-                 runner_log: IO[bytes] | None = None) -> None:
+                 runner_log: IO[bytes] | None = None,
+                 download_options: DownloadOptions | None = None) -> None:
         self.settings = settings
         self.store = Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
         self.scheduler = Scheduler(settings, factory)
         self.inference = Inference(self.store, self.scheduler, Metrics())
-        table, prefixes = routes(self.inference)
+        self.downloader = Downloader(self.store, download_options or DownloadOptions())
+        self.puller = Puller(self.store, self.downloader)
+        table, prefixes = routes(self.inference, self.puller)
         handler = type("CorralHandler", (Handler,), {
             "routes": table, "prefix_routes": prefixes, "settings": settings,
             "origins": origin_pattern(settings.origins),

@@ -265,3 +265,27 @@ def metrics(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         handler.send_text(200, inf.metrics.render(gauges), "text/plain; version=0.0.4")
     return route
+
+
+def pull(inf: Inference, puller: Any) -> Any:
+    def route(req: Request, handler: Handler) -> None:
+        body = req.json()
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("model is required")
+        insecure = bool(body.get("insecure"))
+        if body.get("stream", True) is False:
+            puller.pull(name, lambda event: None, insecure)
+            handler.send_json(200, {"status": "success"})
+            return
+        writer = handler.start_stream(STREAM_CONTENT_TYPE)
+
+        def progress(event: dict[str, Any]) -> None:
+            writer.write(json.dumps(event).encode() + b"\n")
+
+        try:
+            puller.pull(name, progress, insecure, cancelled=lambda: writer.closed)
+        except CorralError as exc:
+            writer.write(json.dumps({"error": exc.message}).encode() + b"\n")
+        writer.end()
+    return route

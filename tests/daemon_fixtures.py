@@ -11,16 +11,17 @@ from api.daemon import Daemon
 from registry.store import Store
 
 
-def start_daemon(store: Store, tmp: Path, **env: str) -> Daemon:
-    """A daemon over a copy-on-write view of `store` (manifests copied, blobs linked)."""
+def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:
+    """A daemon over a view of `store` (manifests copied, blobs linked), or an empty store."""
     root = tmp / "models"
     (root / "blobs").mkdir(parents=True, exist_ok=True)
-    for blob in store.blobs.iterdir():
-        target = root / "blobs" / blob.name
-        if not target.exists():
-            target.hardlink_to(blob)
-    if store.manifests.exists():
-        shutil.copytree(store.manifests, root / "manifests", dirs_exist_ok=True)
+    if store is not None:
+        for blob in store.blobs.iterdir():
+            target = root / "blobs" / blob.name
+            if not target.exists():
+                target.hardlink_to(blob)
+        if store.manifests.exists():
+            shutil.copytree(store.manifests, root / "manifests", dirs_exist_ok=True)
     settings = load_settings({"CORRAL_HOST": "127.0.0.1:0", "CORRAL_MODELS": str(root),
                               "CORRAL_NUM_PARALLEL": "2", "CORRAL_CONTEXT_LENGTH": "1024",
                               **{f"CORRAL_{k}": v for k, v in env.items()}})
