@@ -1,33 +1,35 @@
-"""`corral` commands. Every failure prints `Error: <message>` and exits 1."""
+"""`corral` commands. Every failure prints `Error: <message>` to stderr and exits 1."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
-from api.config import Settings, describe_settings, load_settings
+from api.client import Client
+from api.config import Settings, describe_settings, load_settings, parse_duration
 from api.errors import CorralError
 from cli import tables
-from registry.store import Store
+from cli.progress import show_progress
 
 EXAMPLES = """
 Examples:
 
   corral run gemma3:270m-base            chat with the starter model
   corral run gemma3:270m-base "Hi"       one answer, then exit
+  cat notes.txt | corral run MODEL "Summarize:"
+  corral pull llama3.2                   fetch a model from the registry
   corral list                            models in the store
+  corral ps                              loaded models
 """
 
-app = typer.Typer(
-    help="Corral runs local models behind an Ollama-compatible API." + EXAMPLES,
-    no_args_is_help=True,
-    add_completion=False,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-)
+app = typer.Typer(help="Corral runs local models behind an Ollama-compatible API.\n" + EXAMPLES,
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  pretty_exceptions_enable=False)
 
 
 def corral_version() -> str:
@@ -35,12 +37,6 @@ def corral_version() -> str:
         return version("corral")
     except PackageNotFoundError:
         return "0.0.0+unknown"
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"corral version {corral_version()}")
-        raise typer.Exit()
 
 
 class _State:
@@ -53,23 +49,26 @@ def settings() -> Settings:
     return _State.settings
 
 
+def client(start: bool = True) -> Client:
+    """A client for the daemon, starting one in the background when none answers."""
+    c = Client(settings())
+    if start:
+        log = c.ensure_daemon()
+        if log is not None:
+            typer.echo(f"Started corral server in the background (log: {log})", err=True)
+    return c
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"corral version {corral_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(
-    show_version: bool = typer.Option(
-        False, "--version", "-v", callback=_version, is_eager=True, help="Show the version."
-    ),
-) -> None:
+def _root(show_version: bool = typer.Option(False, "--version", "-v", callback=_version,
+                                            is_eager=True, help="Show the version.")) -> None:
     """Corral: local models, an Ollama-compatible API, continuous batching."""
-
-
-@app.command("list")
-def list_models() -> None:
-    """List models in the store."""
-    entries = Store(settings().models).list_models()
-    tables.print_models(entries)
-
-
-app.command("ls", hidden=True)(list_models)
 
 
 @app.command(epilog=describe_settings())
@@ -87,6 +86,144 @@ def serve() -> None:
     daemon.serve_forever()
 
 
+@app.command("list")
+def list_models(prefix: str = typer.Argument("", help="Only names starting with this.")) -> None:
+    """List models in the store."""
+    models = [m for m in client().tags() if m["name"].lower().startswith(prefix.lower())]
+    typer.echo(tables.models_table(models))
+
+
+app.command("ls", hidden=True)(list_models)
+
+
+@app.command()
+def ps() -> None:
+    """List loaded models."""
+    typer.echo(tables.ps_table(client().ps()))
+
+
+@app.command()
+def pull(model: str, insecure: bool = typer.Option(False, help="Allow a plain-HTTP registry.")
+         ) -> None:
+    """Pull a model from a registry."""
+    show_progress(client().stream("/api/pull", {"model": model, "insecure": insecure}))
+
+
+@app.command()
+def show(model: str,
+         license: bool = typer.Option(False, "--license"),
+         modelfile: bool = typer.Option(False, "--modelfile"),
+         parameters: bool = typer.Option(False, "--parameters"),
+         system: bool = typer.Option(False, "--system"),
+         template: bool = typer.Option(False, "--template")) -> None:
+    """Show a model's details, or one of its parts."""
+    flags = {"license": license, "modelfile": modelfile, "parameters": parameters,
+             "system": system, "template": template}
+    chosen = [k for k, v in flags.items() if v]
+    if len(chosen) > 1:
+        raise CorralError("only one of '--license', '--modelfile', '--parameters', '--system', "
+                          "or '--template' can be specified")
+    info = client().show(model)
+    if chosen:
+        typer.echo(info.get(chosen[0], "") or "")
+    else:
+        typer.echo(tables.show_text(info))
+
+
+@app.command()
+def rm(models: List[str]) -> None:
+    """Remove models (unloading them first)."""
+    c = client()
+    for model in models:
+        c.delete(model)
+        typer.echo(f"deleted '{model}'")
+
+
+@app.command()
+def cp(source: str, destination: str) -> None:
+    """Copy a model under a new name."""
+    client().copy(source, destination)
+    typer.echo(f"copied '{source}' to '{destination}'")
+
+
+@app.command()
+def stop(model: str) -> None:
+    """Unload a running model."""
+    client().stop(model)
+
+
+@app.command()
+def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f",
+                                                help="The Modelfile (default ./Modelfile).")
+           ) -> None:
+    """Create a model from a Modelfile."""
+    from registry.create import looks_like_path
+    from registry.gguf import inspect_gguf
+    from registry.modelfile import parse_modelfile
+
+    if not file.is_file():
+        raise CorralError(f"specified Modelfile wasn't found: {file}")
+    mf = parse_modelfile(file.read_text(encoding="utf-8", errors="replace"))
+    c = client()
+    body: dict[str, object] = {"model": name, "template": mf.template, "system": mf.system,
+                               "license": mf.licenses, "parameters": mf.parameters,
+                               "messages": mf.messages}
+    if looks_like_path(mf.from_):
+        path = Path(mf.from_).expanduser()
+        path = path if path.is_absolute() else file.parent / path
+        inspect_gguf(path)  # refuse a bad file before uploading it
+        digest = "sha256:" + _sha256(path)
+        typer.echo(f"copying file {digest}", err=True)
+        c.create_blob(path, digest)
+        body["files"] = {path.name: digest}
+    else:
+        body["from"] = mf.from_
+    show_progress(c.stream("/api/create", {k: v for k, v in body.items() if v is not None}))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+@app.command()
+def run(model: str,
+        prompt: List[str] = typer.Argument(None, help="Answer this and exit."),
+        verbose: bool = typer.Option(False, "--verbose", help="Print timings after answers."),
+        format: str = typer.Option("", "--format", help="Response format, e.g. json."),
+        keepalive: str = typer.Option("", "--keepalive", help="How long to keep the model."),
+        think: bool = typer.Option(False, "--think", help="Ask a thinking model to think."),
+        nowordwrap: bool = typer.Option(False, "--nowordwrap", help="Do not wrap words."),
+        insecure: bool = typer.Option(False, "--insecure", help="Pull over plain HTTP.")) -> None:
+    """Run a model: one answer with a PROMPT or piped input, else an interactive chat."""
+    from cli import repl
+
+    c = client()
+    if not c.exists(model):
+        show_progress(c.stream("/api/pull", {"model": model, "insecure": insecure}))
+    keep_alive = None
+    if keepalive:
+        try:
+            parse_duration(keepalive)
+        except ValueError:
+            raise CorralError(f"invalid duration {keepalive!r}") from None
+        keep_alive = keepalive
+    text = " ".join(prompt or [])
+    if not sys.stdin.isatty():
+        piped = sys.stdin.read()
+        text = (piped + " " + text).strip() if text else piped
+    opts = repl.RunOptions(model=model, verbose=verbose, format=format or None,
+                           keep_alive=keep_alive, think=think or None, wordwrap=not nowordwrap,
+                           history=not settings().nohistory)
+    if text or not sys.stdin.isatty() or not sys.stdout.isatty():
+        repl.one_shot(c, opts, text)
+    else:
+        repl.interactive(c, opts)
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)
@@ -97,7 +234,7 @@ def main() -> None:
         sys.exit(1)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except Exception as exc:
         # Usage errors come from the click that typer vendors; match them by shape.
@@ -108,3 +245,4 @@ def main() -> None:
             raise
         typer.echo(f"Error: {exc}", err=True)
         sys.exit(1)
+

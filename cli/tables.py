@@ -1,34 +1,75 @@
-"""Ollama-style tables: no borders, left-aligned, a 4-space gap, uppercase headers."""
+"""Ollama-style tables and human formats: no borders, 4-space gaps, uppercase headers."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
-from typing import Sequence
-
-import typer
-
-from registry.store import ModelEntry
+from typing import Any, Sequence
 
 
 def human_bytes(n: float) -> str:
     """Decimal units as Ollama prints them: 253 MB, 2.0 GB."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.0f} {unit}" if n >= 10 else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} TB"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v >= 10 or v == int(v) else f"{v:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _span(seconds: float) -> str:
+    s = int(seconds)
+    if s < 1:
+        return "Less than a second"
+    if s < 60:
+        return "1 second" if s == 1 else f"{s} seconds"
+    if s < 120:
+        return "About a minute"
+    if s < 3600:
+        return f"{s // 60} minutes"
+    if s < 7200:
+        return "About an hour"
+    if s < 48 * 3600:
+        return f"{s // 3600} hours"
+    if s < 14 * 86400:
+        return f"{s // 86400} days"
+    if s < 60 * 86400:
+        return f"{s // (7 * 86400)} weeks"
+    if s < 730 * 86400:
+        return f"{s // (30 * 86400)} months"
+    return f"{s // (365 * 86400)} years"
 
 
 def human_ago(then: float, now: float | None = None) -> str:
-    delta = max(0.0, (time.time() if now is None else now) - then)
-    for size, unit in ((86400 * 365, "year"), (86400 * 30, "month"), (86400 * 7, "week"),
-                       (86400, "day"), (3600, "hour"), (60, "minute"), (1, "second")):
-        if delta >= size:
-            n = int(delta // size)
-            return f"{n} {unit}{'s' if n != 1 else ''} ago"
-    return "Less than a second ago"
+    return _span((time.time() if now is None else now) - then) + " ago"
+
+
+def human_until(when: float, now: float | None = None) -> str:
+    delta = when - (time.time() if now is None else now)
+    if delta > 20 * 365 * 86400:
+        return "Forever"
+    if delta < 0:
+        return "Stopping..."
+    return _span(delta) + " from now"
+
+
+def parse_time(text: str) -> float:
+    """RFC3339 with up to 9 fractional digits, as the daemon sends it."""
+    text = text.replace("Z", "+00:00")
+    if "." in text:
+        head, rest = text.split(".", 1)
+        digits = "".join(ch for ch in rest if ch.isdigit())
+        tz = rest[len(digits):]
+        text = f"{head}.{digits[:6].ljust(6, '0')}{tz}"
+    return dt.datetime.fromisoformat(text).timestamp()
+
+
+def processor(size: int, vram: int) -> str:
+    if vram <= 0 or size <= 0:
+        return "100% CPU"
+    if vram >= size:
+        return "100% GPU"
+    cpu = round((size - vram) / size * 100)
+    return f"{cpu}%/{100 - cpu}% CPU/GPU"
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -42,9 +83,73 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def print_models(entries: Sequence[ModelEntry]) -> None:
-    rows = [
-        [e.name.display(), e.digest[:12], human_bytes(e.size), human_ago(e.modified_at)]
-        for e in sorted(entries, key=lambda e: -e.modified_at)
-    ]
-    typer.echo(render(["NAME", "ID", "SIZE", "MODIFIED"], rows))
+def models_table(models: list[dict[str, Any]]) -> str:
+    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
+             human_ago(parse_time(m["modified_at"]))] for m in models]
+    return render(["NAME", "ID", "SIZE", "MODIFIED"], rows)
+
+
+def ps_table(models: list[dict[str, Any]]) -> str:
+    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
+             processor(m["size"], m.get("size_vram", 0)), str(m.get("context_length", "")),
+             human_until(parse_time(m["expires_at"]))] for m in models]
+    return render(["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows)
+
+
+def show_text(info: dict[str, Any]) -> str:
+    """`corral show MODEL` sections."""
+    mi = info.get("model_info", {})
+    arch = mi.get("general.architecture", "")
+    details = info.get("details", {})
+    out = ["  Model"]
+    rows = [("architecture", arch), ("parameters", details.get("parameter_size", "")),
+            ("context length", mi.get(f"{arch}.context_length", "")),
+            ("embedding length", mi.get(f"{arch}.embedding_length", "")),
+            ("quantization", details.get("quantization_level", ""))]
+    out += [f"    {k:<20}{v}" for k, v in rows if v != ""]
+    out += ["", "  Capabilities"] + [f"    {c}" for c in info.get("capabilities", [])]
+    if info.get("parameters"):
+        out += ["", "  Parameters"] + [f"    {line}" for line in info["parameters"].splitlines()]
+    for title, key in (("System", "system"), ("License", "license")):
+        text = [line for line in (info.get(key) or "").splitlines() if line.strip()]
+        if text:
+            out += ["", f"  {title}"] + [f"    {line}" for line in text[:2]]
+            if len(text) > 2:
+                out.append("    ...")
+    return "\n".join(out) + "\n"
+
+
+def go_duration(ns: int) -> str:
+    """Go's time.Duration.String(): 1.2345678s, 130.079ms, 12µs."""
+    if ns < 1000:
+        return f"{ns}ns"
+    for unit, scale in (("µs", 1e3), ("ms", 1e6)):
+        if ns < scale * 1000:
+            return f"{ns / scale:.6f}".rstrip("0").rstrip(".") + unit
+    seconds = ns / 1e9
+    if seconds < 60:
+        return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    text = f"{minutes}m" + (f"{secs:.9f}".rstrip("0").rstrip(".") + "s")
+    return (f"{hours}h" if hours else "") + text
+
+
+def verbose_stats(final: dict[str, Any]) -> str:
+    lines = []
+
+    def add(label: str, value: str) -> None:
+        lines.append(f"{label + ':':<22}{value}")
+
+    if final.get("total_duration"):
+        add("total duration", go_duration(final["total_duration"]))
+    if final.get("load_duration"):
+        add("load duration", go_duration(final["load_duration"]))
+    for prefix, label in (("prompt_eval", "prompt eval"), ("eval", "eval")):
+        count, dur = final.get(f"{prefix}_count", 0), final.get(f"{prefix}_duration", 0)
+        if count:
+            add(f"{label} count", f"{count} token(s)")
+        if dur:
+            add(f"{label} duration", go_duration(dur))
+            add(f"{label} rate", f"{count / (dur / 1e9):.2f} tokens/s")
+    return "\n".join(lines)

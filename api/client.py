@@ -1,0 +1,162 @@
+"""The HTTP client the CLI uses: the same wire types as the server, errors as CorralError.
+
+If nothing answers on a loopback CORRAL_HOST, `ensure_daemon` starts `corral serve`
+in the background, logging to the state dir, and waits until it is healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from api.config import Settings, state_dir
+from api.errors import CorralError, NotFound
+
+
+class ClientError(CorralError):
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(resp: httpx.Response) -> ClientError:
+    try:
+        body = resp.json()
+        message = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        message = None
+    return ClientError(str(message or resp.text.strip() or f"HTTP {resp.status_code}"),
+                       resp.status_code)
+
+
+class Client:
+    def __init__(self, settings: Settings, timeout: float | None = None) -> None:
+        self.settings = settings
+        self.base = settings.host.base_url()
+        headers = {"User-Agent": "corral-cli"}
+        if settings.api_key:
+            headers["Authorization"] = f"Bearer {settings.api_key}"
+        # The daemon is local; a proxy from the environment must not get in between.
+        self.http = httpx.Client(base_url=self.base, headers=headers, trust_env=False,
+                                 timeout=httpx.Timeout(timeout or 30.0, read=None))
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ---- the daemon ----------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        try:
+            return self.http.head("/", timeout=2.0).status_code < 500
+        except httpx.HTTPError:
+            return False
+
+    def ensure_daemon(self, wait: float = 30.0) -> Path | None:
+        """Start a background daemon when none answers locally; returns its log path."""
+        if self.alive():
+            return None
+        if not self.settings.host.is_loopback() and self.settings.host.host not in ("0.0.0.0", "::"):
+            raise CorralError(f"could not connect to corral server at {self.base}; "
+                              "is CORRAL_HOST right and is 'corral serve' running there?")
+        log_dir = state_dir()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / "server.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], stdout=log,
+                                    stderr=log, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(Path.home()))
+        (log_dir / "server.pid").write_text(str(proc.pid))
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.alive():
+                return log_path
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise CorralError(f"could not start corral server; see {log_path}")
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            resp = self.http.request(method, path, json=body)
+        except httpx.ConnectError:
+            raise CorralError(f"could not connect to corral server at {self.base}, "
+                              "run 'corral serve' to start it") from None
+        except httpx.HTTPError as exc:
+            raise CorralError(f"request to corral server failed: {exc}") from None
+        if resp.status_code >= 400:
+            raise _error(resp)
+        return resp.json() if resp.content else {}
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """NDJSON objects; an `error` line raises."""
+        try:
+            with self.http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _error(resp)
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    obj = json.loads(line)
+                    if "error" in obj:
+                        raise ClientError(str(obj["error"]))
+                    yield obj
+        except httpx.ConnectError:
+            raise CorralError(f"could not connect to corral server at {self.base}, "
+                              "run 'corral serve' to start it") from None
+        except httpx.HTTPError as exc:
+            raise CorralError(f"lost the connection to corral server: {exc}") from None
+
+    def tags(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/api/tags")["models"])
+
+    def ps(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/api/ps")["models"])
+
+    def show(self, model: str) -> dict[str, Any]:
+        return dict(self._call("POST", "/api/show", {"model": model}))
+
+    def exists(self, model: str) -> bool:
+        try:
+            self.show(model)
+        except ClientError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def copy(self, src: str, dst: str) -> None:
+        self._call("POST", "/api/copy", {"source": src, "destination": dst})
+
+    def delete(self, model: str) -> None:
+        self._call("DELETE", "/api/delete", {"model": model})
+
+    def stop(self, model: str) -> None:
+        try:
+            self._call("POST", "/api/generate", {"model": model, "keep_alive": 0})
+        except ClientError as exc:
+            if exc.status == 404:
+                raise NotFound(f'couldn\'t find model "{model}" to stop') from None
+            raise
+
+    def create_blob(self, path: Path, digest: str) -> None:
+        try:
+            if self.http.head(f"/api/blobs/{digest}").status_code == 200:
+                return
+            with open(path, "rb") as f:
+                resp = self.http.post(f"/api/blobs/{digest}", content=iter(
+                    lambda: f.read(1 << 20), b""), headers={
+                        "Content-Length": str(os.fstat(f.fileno()).st_size)})
+        except httpx.HTTPError as exc:
+            raise CorralError(f"uploading {path.name} failed: {exc}") from None
+        if resp.status_code >= 400:
+            raise _error(resp)

@@ -1,0 +1,221 @@
+"""The CLI as a user runs it, against a real daemon with the starter model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pexpect
+import pytest
+
+from api.daemon import Daemon
+from registry.store import Store
+from tests.daemon_fixtures import start_daemon
+
+MODEL = "gemma3:270m-base"
+CORRAL = [sys.executable, "-c", "from cli.main import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("cli"))
+    yield d
+    d.shutdown()
+
+
+def env_for(daemon: Daemon | None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, **extra)
+    if daemon is not None:
+        host, port = daemon.address
+        env["CORRAL_HOST"] = f"{host}:{port}"
+    env.pop("NO_COLOR", None)
+    return env
+
+
+def corral(daemon: Daemon | None, *args: str, stdin: str | None = None,
+           **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CORRAL, *args], capture_output=True, text=True, input=stdin,
+                          env=env_for(daemon, **extra), timeout=180)
+
+
+def test_list_and_ps_tables(daemon: Daemon) -> None:
+    out = corral(daemon, "list")
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert any(r.startswith(MODEL + "    ") and "253 MB" in r for r in rows)
+    assert "\x1b[" not in out.stdout
+    names = [line.split()[0] for line in corral(daemon, "ls", "gemma").stdout.splitlines()]
+    assert names == ["NAME", MODEL]
+    corral(daemon, "run", MODEL, "Hi")
+    ps = corral(daemon, "ps").stdout.splitlines()
+    assert ps[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert MODEL in ps[1] and "100% CPU" in ps[1] and "1024" in ps[1] and "from now" in ps[1]
+
+
+def test_show_variants(daemon: Daemon) -> None:
+    full = corral(daemon, "show", MODEL)
+    assert full.returncode == 0 and "architecture        gemma3" in full.stdout
+    assert "Capabilities" in full.stdout
+    assert corral(daemon, "show", MODEL, "--modelfile").stdout.lstrip().startswith("# Modelfile")
+    assert "User:" in corral(daemon, "show", MODEL, "--parameters").stdout
+    assert ".Messages" in corral(daemon, "show", MODEL, "--template").stdout
+    assert "Gemma" in corral(daemon, "show", MODEL, "--license").stdout
+    both = corral(daemon, "show", MODEL, "--license", "--system")
+    assert both.returncode == 1 and both.stderr.startswith("Error: only one of")
+
+
+def test_cp_rm_stop_create(daemon: Daemon, tmp_path: Path) -> None:
+    assert corral(daemon, "cp", MODEL, "copy1").stdout.strip() == f"copied '{MODEL}' to 'copy1'"
+    out = corral(daemon, "rm", "copy1")
+    assert out.returncode == 0 and out.stdout.strip() == "deleted 'copy1'"
+    gone = corral(daemon, "rm", "copy1")
+    assert gone.returncode == 1 and gone.stderr.startswith("Error: model 'copy1' not found")
+    assert corral(daemon, "stop", MODEL).returncode == 0
+    missing = corral(daemon, "stop", "nope")
+    assert missing.returncode == 1 and 'couldn\'t find model "nope" to stop' in missing.stderr
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text(f"FROM {MODEL}\nSYSTEM You are terse.\nPARAMETER temperature 0.1\n")
+    made = corral(daemon, "create", "terse", "-f", str(modelfile))
+    assert made.returncode == 0 and "success" in made.stderr
+    assert "You are terse." in corral(daemon, "show", "terse", "--system").stdout
+    nofile = subprocess.run([*CORRAL, "create", "x"], capture_output=True, text=True,
+                            env=env_for(daemon), cwd=tmp_path / "..", timeout=60)
+    assert nofile.returncode == 1 and "Modelfile wasn't found" in nofile.stderr
+
+
+def test_errors_are_clean(daemon: Daemon) -> None:
+    out = corral(daemon, "show", "nope")
+    assert out.returncode == 1 and out.stderr == "Error: model 'nope:latest' not found\n"
+    bad = corral(daemon, "run", "../x", "hi")
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: ") and "Traceback" not in bad.stderr
+
+
+def test_one_shot_and_piped_output_is_clean(daemon: Daemon) -> None:
+    one = corral(daemon, "run", MODEL, "Say hi.")
+    assert one.returncode == 0 and one.stdout.strip() and "\x1b" not in one.stdout
+    piped = corral(daemon, "run", MODEL, "Summarize:", stdin="Cats sleep a lot. Dogs bark.\n")
+    assert piped.returncode == 0 and piped.stdout.strip() and "\x1b" not in piped.stdout
+    verbose = corral(daemon, "run", MODEL, "Hi", "--verbose")
+    assert "eval rate:" in verbose.stderr and "\x1b" not in verbose.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_auto_start(starter_store: Store, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    port = free_port()
+    env = {"CORRAL_HOST": f"127.0.0.1:{port}", "CORRAL_MODELS": str(starter_store.root),
+           "XDG_STATE_HOME": str(state), "CORRAL_NOPRUNE": "1"}
+    out = corral(None, "list", **env)
+    pid_file = state / "corral" / "server.pid"
+    try:
+        assert out.returncode == 0, out.stderr
+        assert "Started corral server in the background" in out.stderr
+        assert MODEL in out.stdout and (state / "corral" / "server.log").exists()
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
+        again = corral(None, "list", **env)
+        assert "Started" not in again.stderr  # already running
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            time.sleep(1)
+
+
+def test_pull_progress(daemon: Daemon, starter_gguf: Path) -> None:
+    from registry import manifest as mt
+    from tests.registry_server import FakeRegistry
+
+    reg = FakeRegistry()
+    try:
+        reg.add_model("library", "starter", "v1", [(mt.MODEL, starter_gguf),
+                                                   (mt.TEMPLATE, b"{{ .Prompt }}")])
+        name = f"{reg.host}/library/starter:v1"
+        plain = corral(daemon, "pull", name, "--insecure")
+        assert plain.returncode == 0, plain.stderr
+        lines = plain.stderr.splitlines()
+        assert lines[0] == "pulling manifest" and lines[-1] == "success"
+        assert any(line.endswith(": 100%") for line in lines)
+        tty = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "pull", name, "--insecure"],
+                            env=env_for(daemon), encoding="utf-8", timeout=120,
+                            dimensions=(40, 120))
+        tty.expect("success")
+        tty.expect(pexpect.EOF)
+        tty.close()
+        assert tty.exitstatus == 0
+        missing = corral(daemon, "pull", f"{reg.host}/library/none", "--insecure")
+        assert missing.returncode == 1 and "file does not exist" in missing.stderr
+    finally:
+        reg.close()
+
+
+def visible(text: str) -> str:
+    """Terminal text without escape sequences or spinner frames."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    return re.sub(r"[\u2800-\u28ff\r]", "", text).strip()
+
+
+def test_repl(daemon: Daemon, tmp_path: Path) -> None:
+    httpx.post(daemon.url + "/api/create", timeout=60, json={
+        "model": "rambler", "from": MODEL, "parameters": {"stop": [], "num_predict": -1},
+        "stream": False})
+    child = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "run", MODEL],
+                          env=env_for(daemon, XDG_STATE_HOME=str(tmp_path)),
+                          encoding="utf-8", timeout=120, dimensions=(40, 100))
+    child.expect(">>> ")
+    child.sendline("Hello there")
+    child.expect(">>> ")  # a streamed answer, then the prompt again
+    child.sendline('"""Line one')
+    child.expect(r"\.\.\. ")
+    child.sendline('line two"""')
+    child.expect(">>> ")
+    child.sendline("/set parameter temperature 0")
+    child.expect("Set parameter 'temperature' to '0'")
+    child.expect(">>> ")
+    answers = []
+    for _ in range(2):
+        child.sendline("/clear")
+        child.expect("Cleared session context")
+        child.expect(">>> ")
+        child.sendline("What is the capital of France?")
+        child.expect(">>> ")
+        answers.append(visible(child.before.split("France?", 1)[-1]))
+    assert answers[0] == answers[1] and answers[0]
+    child.sendline("/set system You are a pirate.")
+    child.expect("Set system message.")
+    child.expect(">>> ")
+    child.sendline("/show modelfile")
+    child.expect("FROM ")
+    child.expect(">>> ")
+    child.sendline("/load rambler")
+    child.expect("Loading model 'rambler'")
+    child.expect(">>> ")
+    child.sendline("Count from one to one thousand:")
+    child.expect(r"\w+ \w+ \w+")  # some streamed words
+    time.sleep(1.0)
+    child.sendintr()
+    child.expect(">>> ", timeout=30)
+    child.sendline("/set parameter num_predict 3")
+    child.expect(">>> ")
+    child.sendline("Hi")
+    child.expect(">>> ")
+    child.sendintr()
+    child.expect("Use Ctrl \\+ d or /bye to exit.")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert (tmp_path / "corral" / "history").exists()
