@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-from registry.store import Store
 
 
 def corral(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -18,15 +17,6 @@ def corral(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Co
 def test_version() -> None:
     out = corral("--version")
     assert out.returncode == 0 and out.stdout.startswith("corral version ")
-
-
-def test_list_plain_table(starter_store: Store) -> None:
-    out = corral("list", env_extra={"CORRAL_MODELS": str(starter_store.root)})
-    assert out.returncode == 0
-    header, row = out.stdout.splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
-    assert row.startswith("gemma3:270m-base    ")
-    assert "\x1b[" not in out.stdout
 
 
 def test_unknown_command_is_an_error_without_traceback() -> None:
