@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator
 
 import httpx
 
@@ -96,7 +96,7 @@ class Client:
             raise _error(resp)
         return resp.json() if resp.content else {}
 
-    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def stream(self, path: str, body: dict[str, Any]) -> Generator[dict[str, Any], None, None]:
         """NDJSON objects; an `error` line raises."""
         try:
             with self.http.stream("POST", path, json=body) as resp:

@@ -223,7 +223,7 @@ def ps(inf: Inference) -> Any:
                            "expires_at": rfc3339(expires, utc=False),
                            "size_vram": int(report.get("size_vram", 0)),
                            "context_length": int(report.get("num_ctx", 0))})
-        models.sort(key=lambda m: m["expires_at"], reverse=True)
+        models.sort(key=lambda m: str(m["expires_at"]), reverse=True)
         handler.send_json(200, {"models": models})
     return route
 
@@ -253,7 +253,7 @@ def metrics(inf: Inference) -> Any:
             values: dict[str, float] = {"slots": entry.slots}
             try:
                 assert entry.runner is not None
-                health = entry.runner.health()  # type: ignore[attr-defined]
+                health = entry.runner.health()
                 values.update({"queue_depth": health.get("waiting", 0),
                                "busy_slots": health.get("busy_slots", 0),
                                "kv_cells_used": health.get("kv_used", 0),

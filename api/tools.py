@@ -29,7 +29,8 @@ def _candidates(text: str) -> list[Any]:
 def _as_call(obj: Any, names: set[str]) -> dict[str, Any] | None:
     if not isinstance(obj, dict):
         return None
-    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+    inner = obj.get("function")
+    fn: dict[str, Any] = inner if isinstance(inner, dict) else obj
     name = fn.get("name")
     args = fn.get("arguments", fn.get("parameters", {}))
     if isinstance(args, str):

@@ -150,7 +150,8 @@ class Downloader:
 
     def _plan(self, total: int) -> list[Part]:
         size = max(self.options.part_size, -(-total // max(self.options.parts, 1)) if total else 1)
-        parts, offset, n = [], 0, 0
+        parts: list[Part] = []
+        offset, n = 0, 0
         while offset < total or not parts:
             length = min(size, total - offset)
             parts.append(Part(n, offset, length))

@@ -131,4 +131,5 @@ def _layer(item: Any, config: bool = False) -> Layer:
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_BLOB_SIZE:
         raise BadRequest("invalid manifest: bad layer size")
     source = item.get("from")
-    return Layer(media_type, canonical_digest(digest), size, source if isinstance(source, str) else None)
+    return Layer(media_type, canonical_digest(digest if isinstance(digest, str) else ""), size,
+                 source if isinstance(source, str) else None)
