@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 from api.config import Settings
-from api.errors import BadRequest, CorralError, Forbidden, PayloadTooLarge, Unauthorized, to_http
+from api.errors import BadRequest, CorralError, PayloadTooLarge, Unauthorized, to_http
 from api.schema import JSON_CONTENT_TYPE
 
 log = logging.getLogger("corral.http")

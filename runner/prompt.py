@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.templates.gotemplate import GoTemplate, TemplateError
+from runner.templates.gotemplate import GoTemplate
 from runner.templates.jinja import JinjaTemplate
 
 FALLBACK_TEMPLATE = """{{- if .System }}{{ .System }}
