@@ -43,6 +43,8 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
                      ("presence_penalty", "presence_penalty")):
         if body.get(src) is not None:
             opts[dst] = body[src]
+    if body.get("ignore_eos") is not None:  # llama-server's extension, for benchmarks
+        opts["ignore_eos"] = bool(body["ignore_eos"])
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):

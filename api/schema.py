@@ -33,6 +33,7 @@ OPTION_TYPES: dict[str, tuple[type, str]] = {
     "presence_penalty": (float, "request"),
     "frequency_penalty": (float, "request"),
     "stop": (list, "request"),
+    "ignore_eos": (bool, "request"),  # Corral extension, for benchmarks
 }
 LOAD_OPTIONS = frozenset(k for k, (_, kind) in OPTION_TYPES.items() if kind == "load")
 

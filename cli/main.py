@@ -224,6 +224,47 @@ def run(model: str,
         repl.interactive(c, opts)
 
 
+@app.command()
+def bench(model: str,
+          concurrency: str = typer.Option("1,2,4,8", help="Closed-loop sweep levels."),
+          request_rate: float = typer.Option(0.0, help="Open loop: Poisson arrivals per second."),
+          max_concurrency: int = typer.Option(0, help="Open loop: most requests in flight."),
+          requests: int = typer.Option(0, help="Requests per level (default 4 x concurrency)."),
+          prompt_tokens: int = typer.Option(32, help="Prompt length in tokens."),
+          max_tokens: int = typer.Option(64, help="Tokens to generate, exactly."),
+          dataset: str = typer.Option("random", help="random, or chat (multi-turn)."),
+          seed: int = typer.Option(0),
+          api: str = typer.Option("native", help="native or openai."),
+          base_url: str = typer.Option("", help="Any Ollama- or OpenAI-compatible server."),
+          json_path: Optional[Path] = typer.Option(None, "--json", help="Write results here."),
+          plot_dir: Optional[Path] = typer.Option(None, "--plot-dir",
+                                                  help="Where charts go (plot extra).")) -> None:
+    """Benchmark a server: TTFT, TPOT, ITL and throughput across concurrency levels."""
+    from cli import bench as b
+    from cli.benchreport import print_report
+
+    if api not in ("native", "openai") or dataset not in ("random", "chat"):
+        raise CorralError("--api must be native or openai, --dataset random or chat")
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise CorralError(f"invalid --concurrency {concurrency!r}") from None
+    if not levels or min(levels) < 1 or max_tokens < 1 or prompt_tokens < 1:
+        raise CorralError("concurrency, --max-tokens and --prompt-tokens must be positive")
+    url = base_url.rstrip("/") or client().base
+    cfg = b.BenchConfig(model=model, base_url=url, api=api, requests=requests,
+                        prompt_tokens=prompt_tokens, max_tokens=max_tokens, dataset=dataset,
+                        seed=seed, request_rate=request_rate, max_concurrency=max_concurrency)
+    summaries = print_report(cfg, levels if request_rate <= 0 else [max_concurrency or 1])
+    if json_path is not None:
+        b.save_json(json_path, cfg, summaries)
+    charts = b.plot(summaries, plot_dir or (json_path.parent if json_path else Path(".")))
+    for chart in charts:
+        typer.echo(f"chart: {chart}", err=True)
+    if not charts:
+        typer.echo("charts need the plot extra: pip install 'corral[plot]'", err=True)
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

@@ -119,6 +119,7 @@ class Engine:
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.eog_tokens = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -247,7 +248,8 @@ class Engine:
             keep = 0
         if keep == 0:
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-        sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar)
+        sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
+                          self.eog_tokens if job.ignore_eos else None)
         if job.params.penalized():
             sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
         slot.start(job, keep, sampler, self._limit(job, len(prompt)))

@@ -77,6 +77,7 @@ class RunnerService:
             grammar=body.get("grammar"),
             truncate=bool(body.get("truncate", True)),
             shift=bool(body.get("shift", True)),
+            ignore_eos=bool(options.get("ignore_eos", False)),
             id=str(body.get("id") or ""),
         )
         self.engine.submit(job)

@@ -60,12 +60,16 @@ class Sampler:
     """One request's sampler. Owned and used only by the engine thread."""
 
     def __init__(self, params: SamplingParams, vocab: Any, n_vocab: int, num_ctx: int,
-                 grammar: str | None = None) -> None:
+                 grammar: str | None = None, banned: list[int] | None = None) -> None:
         self.n_vocab = n_vocab
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         self.grammar = compile_grammar(vocab, grammar) if grammar else None
         self._candidates: np.ndarray | None = None
         add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731
+        if banned:  # ignore_eos: end-of-generation tokens can never be chosen
+            biases = (L.llama_logit_bias * len(banned))(
+                *(L.llama_logit_bias(t, float("-inf")) for t in banned))
+            add(L.llama_sampler_init_logit_bias(n_vocab, len(banned), biases))
         last_n = num_ctx if params.repeat_last_n < 0 else params.repeat_last_n
         greedy = params.temperature <= 0
         if params.top_k > 0 and (not greedy or params.penalized()):

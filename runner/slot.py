@@ -52,6 +52,7 @@ class Job:
     grammar: str | None = None
     truncate: bool = True
     shift: bool = True
+    ignore_eos: bool = False  # benchmarks: always generate num_predict tokens
     id: str = ""
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -1,0 +1,49 @@
+"""Running a sweep with a progress bar, and the rich table of its results."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cli.bench import BenchConfig, run_level, total_requests
+from cli.benchmetrics import Summary
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
+
+
+def print_report(cfg: BenchConfig, levels: list[int]) -> list[Summary]:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # a file or pipe gets the whole table
+    err = Console(stderr=True)
+    summaries = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task(f"bench {cfg.model}", total=total_requests(cfg, levels))
+        for level in levels:
+            summaries.append(run_level(cfg, level, lambda: progress.advance(task)))
+    table = Table(title=f"{cfg.model} via {cfg.api} ({cfg.prompt_tokens} in / "
+                        f"{cfg.max_tokens} out, {cfg.dataset})")
+    for col in ("conc", "ok/fail", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99",
+                "TPOT mean", "ITL p50", "E2E p50", "server tok/s", "peak"):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        table.add_row(s.label, f"{s.completed}/{s.failed}", f"{s.request_throughput:.2f}",
+                      f"{s.output_throughput:.1f}", _ms(s.ttft["mean"]), _ms(s.ttft["median"]),
+                      _ms(s.ttft["p99"]), _ms(s.tpot["mean"]), _ms(s.itl["median"]),
+                      _ms(s.e2e["median"]),
+                      "-" if math.isnan(s.server_decode_rate) else f"{s.server_decode_rate:.1f}",
+                      str(s.peak_concurrency))
+    console.print(table)
+    console.print("times in ms; TPOT is per request, ITL per token; server tok/s is "
+                  "eval_count/eval_duration, so a gap to 1/TPOT is HTTP or scheduling overhead.")
+    for s in summaries:
+        if cfg.dataset == "chat" and s.ttft_by_turn:
+            turns = ", ".join(f"turn {t}: {v * 1000:.0f}" for t, v in s.ttft_by_turn.items())
+            console.print(f"[{s.label}] TTFT p50 by turn (ms): {turns}")
+    return summaries
