@@ -214,7 +214,7 @@ def run(model: str,
     text = " ".join(prompt or [])
     if not sys.stdin.isatty():
         piped = sys.stdin.read()
-        text = (piped + " " + text).strip() if text else piped
+        text = f"{text}\n\n{piped}".strip() if text else piped
     opts = repl.RunOptions(model=model, verbose=verbose, format=format or None,
                            keep_alive=keep_alive, think=think or None, wordwrap=not nowordwrap,
                            history=not settings().nohistory)
