@@ -85,6 +85,18 @@ def _load_or_unload(handler: Handler, inf: Inference, record: ModelRecord, body:
     handler.send_json(200, {**base, "done": True, "done_reason": "load"})
 
 
+def _start(inf: Inference, record: ModelRecord, body: dict[str, Any], req: Request,
+           runner_body: dict[str, Any]) -> tuple[Outcome, Iterator[str]]:
+    """The parts of a generation that /api/generate and /api/chat share."""
+    runner_body.update({"grammar": grammar_for(body.get("format")),
+                        "truncate": body.get("truncate", True),
+                        "shift": body.get("shift", True)})
+    outcome = Outcome()
+    pieces = inf.generate(record, runner_body, inf.options(record, body.get("options")),
+                          keep_alive_of(body), outcome, req.on_disconnect)
+    return outcome, pieces
+
+
 def generate(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
@@ -104,15 +116,10 @@ def generate(inf: Inference) -> Any:
         if not prompt and not suffix:
             _load_or_unload(handler, inf, record, body, chat=False)
             return
-        options = inf.options(record, body.get("options"))
-        runner_body = {"prompt": prompt, "raw": bool(body.get("raw")), "suffix": suffix,
-                       "system": body.get("system") or record.system,
-                       "template": body.get("template"), "context": body.get("context"),
-                       "grammar": grammar_for(body.get("format")),
-                       "truncate": body.get("truncate", True), "shift": body.get("shift", True)}
-        outcome = Outcome()
-        pieces = inf.generate(record, runner_body, options, keep_alive_of(body), outcome,
-                              req.on_disconnect)
+        outcome, pieces = _start(inf, record, body, req, {
+            "prompt": prompt, "raw": bool(body.get("raw")), "suffix": suffix,
+            "system": body.get("system") or record.system, "template": body.get("template"),
+            "context": body.get("context")})
 
         def objects() -> Iterator[dict[str, Any]]:
             for piece in pieces:
@@ -165,13 +172,8 @@ def chat(inf: Inference) -> Any:
         if not messages:
             _load_or_unload(handler, inf, record, body, chat=True)
             return
-        options = inf.options(record, body.get("options"))
-        runner_body = {"messages": full, "tools": tools or None, "think": body.get("think"),
-                       "grammar": grammar_for(body.get("format")),
-                       "truncate": body.get("truncate", True), "shift": body.get("shift", True)}
-        outcome = Outcome()
-        pieces = inf.generate(record, runner_body, options, keep_alive_of(body), outcome,
-                              req.on_disconnect)
+        outcome, pieces = _start(inf, record, body, req, {
+            "messages": full, "tools": tools or None, "think": body.get("think")})
 
         def objects() -> Iterator[dict[str, Any]]:
             held: list[str] = []
