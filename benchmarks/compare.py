@@ -47,7 +47,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
         if proc.poll() is not None:
             raise SystemExit(f"Error: server at {url} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health" if "llama" in url else url, timeout=2).status_code == 200:
+            # llama-server answers /health; Corral answers /.
+            if any(httpx.get(url + path, timeout=2).status_code == 200 for path in ("/health", "/")):
                 return
         except httpx.HTTPError:
             pass

@@ -11,12 +11,15 @@ from typing import Any
 from runner.templates.gotemplate import GoTemplate
 from runner.templates.jinja import JinjaTemplate
 
+# A reply is rendered exactly as it was generated (the model's first token
+# carries its own leading space), so the next turn's prompt starts with the
+# very tokens the slot already holds, and only the new turn is prefilled.
 FALLBACK_TEMPLATE = """{{- if .System }}{{ .System }}
 
 {{ end }}
 {{- range .Messages }}
 {{- if eq .Role "user" }}User: {{ .Content }}
-{{ else if eq .Role "assistant" }}Assistant: {{ .Content }}
+{{ else if eq .Role "assistant" }}Assistant:{{ .Content }}
 {{ end }}
 {{- end }}Assistant:"""
 

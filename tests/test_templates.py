@@ -98,7 +98,7 @@ def test_fallback_and_messages_mode() -> None:
     assert builder.kind == "fallback" and builder.go and builder.go.source == FALLBACK_TEMPLATE
     text, add_bos = builder.chat([
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+        {"role": "assistant", "content": " Hello."}, {"role": "user", "content": "Bye"}])
     assert text == "Be brief.\n\nUser: Hi\nAssistant: Hello.\nUser: Bye\nAssistant:"
     assert add_bos is True
 
