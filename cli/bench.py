@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import httpx
 
+from api.errors import CorralError
 from cli.benchmetrics import RequestResult, Summary, calculate
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
@@ -196,6 +197,16 @@ def run_level(cfg: BenchConfig, concurrency: int, on_done: Callable[[], None]) -
     duration = time.perf_counter() - start
     http.close()
     return calculate(label, results, duration)
+
+
+def warm_up(cfg: BenchConfig) -> None:
+    """One uncounted request, so a model load never lands in the first level's TTFT."""
+    with httpx.Client(base_url=cfg.base_url, timeout=httpx.Timeout(600.0),
+                      trust_env=False) as http:
+        result, _ = send(http, BenchConfig(**{**cfg.__dict__, "max_tokens": 2}),
+                         "warm up", None, cfg.seed)
+    if not result.success:
+        raise CorralError(f"the server did not answer a first request: {result.error}")
 
 
 def total_requests(cfg: BenchConfig, levels: list[int]) -> int:

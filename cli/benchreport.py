@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli.bench import BenchConfig, run_level, total_requests
+from cli.bench import BenchConfig, run_level, total_requests, warm_up
 from cli.benchmetrics import Summary
 
 
@@ -22,6 +22,7 @@ def print_report(cfg: BenchConfig, levels: list[int]) -> list[Summary]:
         console = Console(width=160)  # a file or pipe gets the whole table
     err = Console(stderr=True)
     summaries = []
+    warm_up(cfg)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task(f"bench {cfg.model}", total=total_requests(cfg, levels))
