@@ -205,7 +205,7 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
             *[f"| {name} | {value} |" for name, value in targets], "",
             f"Engine floor (llama-bench, {threads} threads): "
             + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "",
-            f"Chat TTFT p50 by turn (ms): "
+            "Chat TTFT p50 by turn (ms): "
             + ", ".join(f"{k}: {v * 1000:.0f}" for k, v in chat.items()), "", ""]
     print("\n".join(text))
     results_md = ROOT / "benchmarks" / "RESULTS.md"
