@@ -86,7 +86,7 @@ def test_keep_alive_zero_unloads(daemon: Daemon) -> None:
 
 def test_short_keep_alive_never_fires_while_streaming(daemon: Daemon) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "keep_alive": "1s", "raw": True,
-            "options": {"temperature": 0, "num_predict": 80}}
+            "options": {"temperature": 0, "num_predict": 160}}
     lines = []
     with httpx.stream("POST", daemon.url + "/api/generate", json=body, timeout=120) as resp:
         for raw in resp.iter_lines():
@@ -94,7 +94,7 @@ def test_short_keep_alive_never_fires_while_streaming(daemon: Daemon) -> None:
             if len(lines) == 1:
                 start = time.monotonic()
     assert time.monotonic() - start > 1.5  # the stream outlived the keep-alive
-    assert lines[-1]["done"] and lines[-1]["eval_count"] == 80
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 160
     assert MODEL in ps_names(daemon)  # still loaded when the stream ended
     wait_for(lambda: MODEL not in ps_names(daemon), timeout=10)
 
