@@ -267,7 +267,10 @@ def bench(model: str,
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode typer returns exit codes (130 for Ctrl-C) instead of exiting.
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except CorralError as exc:
         typer.echo(f"Error: {exc.message}", err=True)
         if settings().debug:

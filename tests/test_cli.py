@@ -219,3 +219,42 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
     child.close()
     assert child.exitstatus == 0
     assert (tmp_path / "corral" / "history").exists()
+
+
+def test_pull_ctrl_c_then_resume(daemon: Daemon, starter_gguf: Path) -> None:
+    from registry import manifest as mt
+    from tests.registry_server import FakeRegistry
+
+    reg = FakeRegistry()
+    try:
+        payload = os.urandom(64 << 20)  # a blob the daemon's store does not have yet
+        reg.add_model("library", "slow", "v1", [(mt.MODEL, payload)])
+        digest = json_digest(reg)
+        size = len(payload)
+        reg.faults.blob_delay = 0.02  # about 13 MB/s, so there is time to interrupt
+        name = f"{reg.host}/library/slow:v1"
+        proc = subprocess.Popen([*CORRAL, "pull", name, "--insecure"], env=env_for(daemon),
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while reg.stats.blob_bytes < size // 4:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+        time.sleep(1.0)  # the daemon notices the hang-up and stops the download
+        served = reg.stats.blob_bytes
+        reg.faults.blob_delay = 0.0
+        again = corral(daemon, "pull", name, "--insecure")
+        assert again.returncode == 0 and again.stderr.splitlines()[-1] == "success"
+        assert reg.stats.blob_bytes - served < size * 0.9  # resumed, not restarted
+        assert digest
+    finally:
+        reg.close()
+
+
+def json_digest(reg: object) -> str:
+    import json
+
+    raw = reg.manifests[("library", "slow", "v1")]  # type: ignore[attr-defined]
+    return str(json.loads(raw)["layers"][0]["digest"])
