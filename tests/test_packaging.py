@@ -1,0 +1,21 @@
+"""The built wheel carries every package and subpackage a user install needs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+
+def test_wheel_contains_every_module(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                    "-w", str(tmp_path), str(root)], check=True,
+                   timeout=300)
+    [wheel] = list(tmp_path.glob("corral-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {str(p.relative_to(root)) for pkg in ("api", "cli", "registry", "runner")
+                for p in (root / pkg).rglob("*.py")}
+    assert expected <= names, sorted(expected - names)
+    assert not any(n.startswith("tests/") for n in names)
