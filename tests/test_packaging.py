@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,9 +11,14 @@ from pathlib import Path
 
 def test_wheel_contains_every_module(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # a clean copy: a stale build/ would hide missing packages
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for pkg in ("api", "cli", "registry", "runner"):
+        shutil.copytree(root / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-                    "-w", str(tmp_path), str(root)], check=True,
-                   timeout=300)
+                    "-w", str(tmp_path), str(src)], check=True, timeout=300)
     [wheel] = list(tmp_path.glob("corral-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {str(p.relative_to(root)) for pkg in ("api", "cli", "registry", "runner")
