@@ -16,6 +16,10 @@ def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
 
+def _rate(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
+
+
 def print_report(cfg: BenchConfig, levels: list[int]) -> list[Summary]:
     console = Console()
     if not console.is_terminal:
@@ -31,18 +35,20 @@ def print_report(cfg: BenchConfig, levels: list[int]) -> list[Summary]:
     table = Table(title=f"{cfg.model} via {cfg.api} ({cfg.prompt_tokens} in / "
                         f"{cfg.max_tokens} out, {cfg.dataset})")
     for col in ("conc", "ok/fail", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99",
-                "TPOT mean", "ITL p50", "E2E p50", "server tok/s", "peak"):
+                "TPOT mean", "ITL p50", "E2E p50", "server tok/s", "server pp tok/s", "peak"):
         table.add_column(col, justify="right")
     for s in summaries:
         table.add_row(s.label, f"{s.completed}/{s.failed}", f"{s.request_throughput:.2f}",
                       f"{s.output_throughput:.1f}", _ms(s.ttft["mean"]), _ms(s.ttft["median"]),
                       _ms(s.ttft["p99"]), _ms(s.tpot["mean"]), _ms(s.itl["median"]),
                       _ms(s.e2e["median"]),
-                      "-" if math.isnan(s.server_decode_rate) else f"{s.server_decode_rate:.1f}",
+                      _rate(s.server_decode_rate), _rate(s.server_prompt_rate),
                       str(s.peak_concurrency))
     console.print(table)
     console.print("times in ms; TPOT is per request, ITL per token; server tok/s is "
-                  "eval_count/eval_duration, so a gap to 1/TPOT is HTTP or scheduling overhead.")
+                  "eval_count/eval_duration and server pp tok/s prompt_eval_count/"
+                  "prompt_eval_duration (native API only), so a gap between 1/TPOT and server "
+                  "tok/s is HTTP or scheduling overhead.")
     for s in summaries:
         if cfg.dataset == "chat" and s.ttft_by_turn:
             turns = ", ".join(f"turn {t}: {v * 1000:.0f}" for t, v in s.ttft_by_turn.items())
