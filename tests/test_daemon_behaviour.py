@@ -262,3 +262,40 @@ def test_metrics_format(daemon: Daemon) -> None:
                    "corral_busy_slots", "corral_kv_cells_used", "corral_kv_cells_reserved"):
         assert family in text
     assert f'corral_requests_total{{model="{MODEL}",status="ok"}}' in text
+
+
+def metric(d: Daemon, name: str) -> float:
+    for line in httpx.get(d.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            if f'model="{MODEL}"' in line or "{" not in line:
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_queued_request_of_a_gone_client_never_runs(starter_store: Store, tmp_path: Path
+                                                    ) -> None:
+    d = start_daemon(starter_store, tmp_path, NUM_PARALLEL="1")
+    try:
+        post(d, "/api/generate", {"model": MODEL})  # load
+        before = metric(d, "corral_generated_tokens_total")
+        long_body = {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": False,
+                     "options": {"temperature": 0, "num_predict": 60}}
+        holder = threading.Thread(target=post, args=(d, "/api/generate", long_body))
+        holder.start()
+        wait_for(lambda: busy_slots(d) == 1)
+        body = json.dumps({"model": MODEL, "prompt": "queued", "raw": True,
+                           "options": {"num_predict": 50}}).encode()
+        host, port = d.address
+        with socket.create_connection((host, port)) as sock:  # queued behind the holder...
+            sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
+                         b"%d\r\n\r\n%s" % (len(body), body))
+            time.sleep(1.0)
+        holder.join()  # ...and gone before its turn
+        # Had it run, its slot would stay busy for its 50 tokens (well over a second here).
+        wait_for(lambda: busy_slots(d) == 0, timeout=0.5)
+        for _ in range(10):
+            assert busy_slots(d) == 0
+            time.sleep(0.1)
+        assert metric(d, "corral_generated_tokens_total") - before == 60
+    finally:
+        d.shutdown()
