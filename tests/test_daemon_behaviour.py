@@ -297,5 +297,7 @@ def test_queued_request_of_a_gone_client_never_runs(starter_store: Store, tmp_pa
             assert busy_slots(d) == 0
             time.sleep(0.1)
         assert metric(d, "corral_generated_tokens_total") - before == 60
+        # The only slot still caches the holder's prompt and answer, not the queued prompt.
+        assert metric(d, "corral_kv_cells_used") >= 60
     finally:
         d.shutdown()
