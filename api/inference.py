@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from api.config import parse_duration
@@ -22,7 +23,7 @@ from registry.gguf import inspect_gguf
 from registry.models import ModelRecord, load_record
 from registry.names import parse_name
 from registry.store import Store
-from runner.scheduler import Scheduler
+from runner.scheduler import Loaded, Scheduler
 
 log = logging.getLogger("corral.inference")
 
@@ -31,7 +32,6 @@ log = logging.getLogger("corral.inference")
 class Outcome:
     """Collected while a generation streams; read by the route for its final object."""
 
-    text: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     load_duration: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -110,14 +110,40 @@ class Inference:
         except CorralError:
             return ""
 
+    @contextmanager
+    def hold(self, record: ModelRecord, options: dict[str, Any],
+             keep_alive: float | None) -> Iterator[Loaded]:
+        """Count the request in, hold a ready model, and always release it."""
+        ticket = self.scheduler.admit(record)
+        entry = self.scheduler.acquire(ticket, record, options, keep_alive)
+        try:
+            yield entry
+        finally:
+            self.scheduler.release(entry)
+
     def load_only(self, record: ModelRecord, options: dict[str, Any],
                   keep_alive: float | None) -> float:
         """Schedule the model without generating; returns the load time in seconds."""
         start = time.perf_counter()
-        ticket = self.scheduler.admit(record)
-        entry = self.scheduler.acquire(ticket, record, options, keep_alive)
-        self.scheduler.release(entry)
+        with self.hold(record, options, keep_alive):
+            pass
         return time.perf_counter() - start
+
+    def embed(self, record: ModelRecord, inputs: list[str], options: dict[str, Any],
+              keep_alive: float | None, truncate: bool, normalize: bool
+              ) -> tuple[dict[str, Any], float]:
+        """The runner's embeddings and the seconds spent getting the model ready."""
+        start = time.perf_counter()
+        with self.hold(record, options, keep_alive) as entry:
+            load = time.perf_counter() - start
+            assert entry.runner is not None
+            try:
+                result = entry.runner.embed(inputs, truncate, normalize)
+            except CorralError as exc:
+                if "exceeds" in exc.message:
+                    raise BadRequest("the input length exceeds the context length") from None
+                raise
+        return result, load
 
     def generate(self, record: ModelRecord, runner_body: dict[str, Any], options: dict[str, Any],
                  keep_alive: float | None, outcome: Outcome,
@@ -125,50 +151,49 @@ class Inference:
                  ) -> Iterator[str]:
         """Yield text pieces; fills `outcome` with the runner's final statistics."""
         model = record.name.display()
-        ticket = self.scheduler.admit(record)
         gone = [False]
         job_id = uuid.uuid4().hex
-        entry = None
-        watcher = None
+        held: list[Loaded] = []
 
         def cancel() -> None:
             gone[0] = True
-            if entry is not None and entry.runner is not None:
-                entry.runner.cancel(job_id)
+            if held and held[0].runner is not None:
+                held[0].runner.cancel(job_id)
 
-        if on_disconnect is not None:
-            watcher = on_disconnect(cancel)
+        watcher = on_disconnect(cancel) if on_disconnect is not None else None
         try:
             t0 = time.perf_counter()
-            entry = self.scheduler.acquire(ticket, record, options, keep_alive)
-            outcome.load_duration = time.perf_counter() - t0
-            if gone[0]:
-                self.metrics.request(model, "cancelled")
-                return
-            body = {**runner_body, "options": options, "id": job_id}
-            first = None
-            runner = entry.runner
-            assert runner is not None
-            try:
-                for line in runner.completion(body):
-                    if "content" in line:
-                        if first is None:
-                            first = time.perf_counter()
-                            self.metrics.ttft(model, first - outcome.started)
-                        outcome.text.append(line["content"])
-                        yield line["content"]
-                    if line.get("done"):
-                        outcome.stats = line
-            except RunnerError:
-                self.scheduler.runner_failed(entry)
-                self.metrics.request(model, "error")
-                raise
-            stats = outcome.stats
-            self.metrics.tokens(model, stats.get("prompt_eval_count", 0),
-                                stats.get("eval_count", 0), stats.get("eval_duration", 0))
-            self.metrics.request(model, "cancelled" if gone[0] else "ok")
+            with self.hold(record, options, keep_alive) as entry:
+                held.append(entry)
+                outcome.load_duration = time.perf_counter() - t0
+                if gone[0]:
+                    self.metrics.request(model, "cancelled")
+                    return
+                yield from self._stream(entry, model, {**runner_body, "options": options,
+                                                       "id": job_id}, outcome)
+                stats = outcome.stats
+                self.metrics.tokens(model, stats.get("prompt_eval_count", 0),
+                                    stats.get("eval_count", 0), stats.get("eval_duration", 0))
+                self.metrics.request(model, "cancelled" if gone[0] else "ok")
         finally:
             if watcher is not None:
                 watcher.set()
-            if entry is not None:
-                self.scheduler.release(entry)
+
+    def _stream(self, entry: Loaded, model: str, body: dict[str, Any],
+                outcome: Outcome) -> Iterator[str]:
+        runner = entry.runner
+        assert runner is not None
+        first = True
+        try:
+            for line in runner.completion(body):
+                if "content" in line:
+                    if first:
+                        first = False
+                        self.metrics.ttft(model, time.perf_counter() - outcome.started)
+                    yield line["content"]
+                if line.get("done"):
+                    outcome.stats = line
+        except RunnerError:
+            self.scheduler.runner_failed(entry)
+            self.metrics.request(model, "error")
+            raise

@@ -33,7 +33,7 @@ def _stream(handler: Handler, objects: Iterator[dict[str, Any]], stream: bool) -
         merged: dict[str, Any] = {}
         for obj in objects:
             for key, value in obj.items():
-                if key in ("response",) and key in merged:
+                if key == "response" and key in merged:
                     merged[key] += value
                 elif key == "message" and "message" in merged:
                     merged["message"]["content"] += value.get("content", "")
@@ -239,22 +239,8 @@ def embeddings(inf: Inference) -> Any:
 
 def _run_embed(inf: Inference, record: ModelRecord, body: dict[str, Any], inputs: list[str],
                normalize: bool) -> tuple[dict[str, Any], float]:
-    options = inf.options(record, body.get("options"))
-    ticket = inf.scheduler.admit(record)
-    start = time.perf_counter()
-    entry = inf.scheduler.acquire(ticket, record, options, keep_alive_of(body))
-    load = time.perf_counter() - start
-    try:
-        assert entry.runner is not None
-        try:
-            result = entry.runner.embed(inputs, bool(body.get("truncate", True)), normalize)
-        except CorralError as exc:
-            if "exceeds" in exc.message:
-                raise BadRequest("the input length exceeds the context length") from None
-            raise
-    finally:
-        inf.scheduler.release(entry)
-    return result, load
+    return inf.embed(record, inputs, inf.options(record, body.get("options")),
+                     keep_alive_of(body), bool(body.get("truncate", True)), normalize)
 
 
 def _renormalize(vector: list[float]) -> list[float]:

@@ -120,6 +120,7 @@ class Engine:
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.eog_tokens = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
+        self._eog = frozenset(self.eog_tokens)  # a set lookup on the per-token path
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -239,15 +240,13 @@ class Engine:
         prompt = self._fit_prompt(job)
         job.prompt = prompt
         # The idle slot sharing the longest prefix wins; ties go to the least recently used.
-        slot = max(idle, key=lambda s: (common_prefix(s.cached, prompt), -s.last_used))
-        keep = common_prefix(slot.cached, prompt)
-        if keep >= len(prompt):
-            keep = len(prompt) - 1  # at least one token must be decoded to get logits
-        if keep < slot.n_past and not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
+        keep, _, slot = max(((common_prefix(s.cached, prompt), -s.last_used, s) for s in idle),
+                            key=lambda c: (c[0], c[1]))
+        # At least one prompt token must be decoded to get logits.
+        keep = min(keep, len(prompt) - 1)
+        if keep == 0 or not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             keep = 0
-        if keep == 0:
-            L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
         sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
                           self.eog_tokens if job.ignore_eos else None)
         if job.params.penalized():
@@ -340,7 +339,7 @@ class Engine:
         self.native_time += self.clock() - t0
         slot.n_generated += 1
         slot.last_token = token
-        if L.llama_vocab_is_eog(self.vocab, token):
+        if token in self._eog:
             self._finish(slot, DoneReason.STOP)
             return
         slot.generated.append(token)
