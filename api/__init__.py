@@ -1,1 +1,1 @@
-"""HTTP server, wire schema, error map, configuration and the client the CLI uses."""
+"""What a client needs, as in Ollama's api/: the wire types and the HTTP client."""

@@ -16,8 +16,8 @@ from typing import Any, Generator
 
 import httpx
 
-from api.config import Settings, state_dir
-from api.errors import CorralError, NotFound
+from corral.config import Settings, state_dir
+from corral.errors import CorralError, NotFound
 
 
 class ClientError(CorralError):

@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from api.config import load_settings  # noqa: E402
+from corral.config import load_settings  # noqa: E402
 from registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from registry.store import Store  # noqa: E402
 from runner.native import physical_cores  # noqa: E402

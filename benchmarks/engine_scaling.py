@@ -17,12 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.config import load_settings  # noqa: E402
+from corral.config import load_settings  # noqa: E402
 from registry.starter import starter_model_path  # noqa: E402
 from registry.store import Store  # noqa: E402
-from runner.engine import Engine, EngineConfig  # noqa: E402
-from runner.sampling import SamplingParams  # noqa: E402
-from runner.slot import Job  # noqa: E402
+from runner.context import EngineConfig  # noqa: E402
+from runner.engine import Engine  # noqa: E402
+from runner.jobs import Done, Failed, Job, SamplingParams  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "A recipe for bread starts with",
            "The main causes of the French Revolution were", "In a distant galaxy,",
@@ -39,13 +39,14 @@ def run_load(engine: Engine, concurrency: int, tokens: int) -> tuple[float, floa
         job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[i % len(PROMPTS)]),
                                 params=SamplingParams(temperature=0), num_predict=tokens))
         while True:
-            kind, value = job.events.get()
-            if kind == "done":
-                done[0] += value["eval_count"]
-                rates.append(value["eval_count"] / max(value["eval_duration"] / 1e9, 1e-9))
+            event = job.events.get()
+            if isinstance(event, Done):
+                stats = event.stats
+                done[0] += stats["eval_count"]
+                rates.append(stats["eval_count"] / max(stats["eval_duration"] / 1e9, 1e-9))
                 return
-            if kind == "error":
-                raise RuntimeError(value)
+            if isinstance(event, Failed):
+                raise event.error
 
     start = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import httpx
 
-from api.errors import CorralError
 from cli.benchmetrics import RequestResult, Summary, calculate
+from corral.errors import CorralError
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact river house music "

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from api.client import Client
-from api.config import Settings, describe_settings, load_settings, parse_duration
-from api.errors import CorralError
 from cli import tables
 from cli.progress import show_progress
+from corral.config import Settings, describe_settings, load_settings, parse_duration
+from corral.errors import CorralError
+from corral.version import corral_version
 
 EXAMPLES = """
 Examples:
@@ -30,13 +29,6 @@ Examples:
 app = typer.Typer(help="Corral runs local models behind an Ollama-compatible API.\n" + EXAMPLES,
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   pretty_exceptions_enable=False)
-
-
-def corral_version() -> str:
-    try:
-        return version("corral")
-    except PackageNotFoundError:
-        return "0.0.0+unknown"
 
 
 class _State:
@@ -74,7 +66,7 @@ def _root(show_version: bool = typer.Option(False, "--version", "-v", callback=_
 @app.command(epilog=describe_settings())
 def serve() -> None:
     """Start the daemon (Ollama-compatible API on CORRAL_HOST)."""
-    from api.daemon import Daemon, configure_logging
+    from server.daemon import Daemon, configure_logging
 
     cfg = settings()
     configure_logging(cfg.debug)
@@ -157,9 +149,9 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
                                                 help="The Modelfile (default ./Modelfile).")
            ) -> None:
     """Create a model from a Modelfile."""
-    from registry.create import looks_like_path
-    from registry.gguf import inspect_gguf
+    from registry.create import local_model_file, looks_like_path
     from registry.modelfile import parse_modelfile
+    from registry.store import file_sha256
 
     if not file.is_file():
         raise CorralError(f"specified Modelfile wasn't found: {file}")
@@ -169,10 +161,8 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
                                "license": mf.licenses, "parameters": mf.parameters,
                                "messages": mf.messages}
     if looks_like_path(mf.from_):
-        path = Path(mf.from_).expanduser()
-        path = path if path.is_absolute() else file.parent / path
-        inspect_gguf(path)  # refuse a bad file before uploading it
-        digest = "sha256:" + _sha256(path)
+        path = local_model_file(mf.from_, file.parent)  # refuse a bad file before uploading it
+        digest = file_sha256(path)
         typer.echo(f"copying file {digest}", err=True)
         c.create_blob(path, digest)
         body["files"] = {path.name: digest}
@@ -180,13 +170,6 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
         body["from"] = mf.from_
     show_progress(c.stream("/api/create", {k: v for k, v in body.items() if v is not None}))
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 @app.command()

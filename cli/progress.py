@@ -6,8 +6,15 @@ import sys
 from typing import Any, Iterable
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn,
-                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 
 def show_progress(events: Iterable[dict[str, Any]], console: Console | None = None) -> None:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import shutil
 import sys
-
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rich.console import Console
 
 from api.client import Client, ClientError
-from api.config import state_dir
-from api.errors import CorralError, InvalidOption
-from api.schema import coerce_option
 from cli.tables import verbose_stats
+from corral.config import state_dir
+from corral.errors import CorralError, InvalidOption
+from corral.options import coerce_option
 
 HELP = """Available Commands:
   /set            Set session variables

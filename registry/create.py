@@ -13,22 +13,17 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from api.errors import InvalidModelFile, ModelfileError, ModelNotFound
-from api.schema import IGNORED_OPTIONS, coerce_option
+from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
+from corral.options import IGNORED_OPTIONS, coerce_option
 from registry import manifest as mt
-from registry.gguf import human_parameter_count, inspect_gguf, open_regular
+from registry.gguf import human_parameter_count, inspect_gguf
 from registry.manifest import Layer, Manifest, canonical_digest
-from registry.modelfile import ROLES, Modelfile
+from registry.modelfile import ROLES
 from registry.names import Name, is_valid_name, parse_name
+from registry.progress import Progress, quiet
 from registry.store import Store
-
-Progress = Callable[[dict[str, Any]], None]
-
-
-def _quiet(_: dict[str, Any]) -> None:
-    pass
 
 
 @dataclass
@@ -79,14 +74,9 @@ def _model_config(info_path: Path) -> dict[str, Any]:
     }
 
 
-def create_model(store: Store, req: CreateRequest, progress: Progress = _quiet,
-                 prune: bool = True) -> Name:
-    """Build layers for `req` and write the manifest last."""
-    name = parse_name(req.model)
-    if req.adapters:
-        raise ModelfileError("adapters are not supported yet")
-    if not req.from_ and not req.files:
-        raise ModelfileError("neither 'from' or 'files' was specified")
+def _base(store: Store, req: CreateRequest, progress: Progress
+          ) -> tuple[list[Layer], dict[str, Any], dict[str, Any]]:
+    """The layers, config and parameters a create starts from: `from`, then `files`."""
     base_layers: list[Layer] = []
     config: dict[str, Any] = {}
     base_params: dict[str, Any] = {}
@@ -100,20 +90,35 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = _quiet,
             base_params = json.loads(store.read_blob(layer.digest))
     if req.files:
         model_layers = []
+        inspected: dict[str, dict[str, Any]] = {}  # each blob is parsed once, however often named
         for filename, digest in req.files.items():
             _check_filename(filename)
             digest = canonical_digest(digest)
-            if not store.has_blob(digest):
-                raise ModelNotFound(f"blob {digest} not found")
-            progress({"status": "parsing GGUF"})
-            try:
-                config = _model_config(store.blob_path(digest))
-            except InvalidModelFile:
-                raise InvalidModelFile("supplied file was not in GGUF format") from None
+            if digest not in inspected:
+                if not store.has_blob(digest):
+                    raise ModelNotFound(f"blob {digest} not found")
+                progress({"status": "parsing GGUF"})
+                try:
+                    inspected[digest] = _model_config(store.blob_path(digest))
+                except InvalidModelFile:
+                    raise InvalidModelFile("supplied file was not in GGUF format") from None
+            config = inspected[digest]
             model_layers.append(Layer(mt.MODEL, digest, store.blob_size(digest)))
         base_layers = model_layers + [ly for ly in base_layers if ly.media_type != mt.MODEL]
     if not any(ly.media_type == mt.MODEL for ly in base_layers):
         raise ModelfileError("the model has no weights layer")
+    return base_layers, config, base_params
+
+
+def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
+                 prune: bool = True) -> Name:
+    """Build layers for `req` and write the manifest last."""
+    name = parse_name(req.model)
+    if req.adapters:
+        raise ModelfileError("adapters are not supported yet")
+    if not req.from_ and not req.files:
+        raise ModelfileError("neither 'from' or 'files' was specified")
+    base_layers, config, base_params = _base(store, req, progress)
 
     layers = list(base_layers)
 
@@ -180,34 +185,17 @@ def looks_like_path(ref: str) -> bool:
     return os.sep in ref and not is_valid_name(ref)
 
 
-def import_gguf(store: Store, path: Path, progress: Progress = _quiet) -> str:
-    """Copy a local GGUF into the store after inspecting it; returns its digest.
+def local_model_file(ref: str, base_dir: Path) -> Path:
+    """A FROM path, resolved against the Modelfile's folder and checked to be a GGUF.
 
     A path that is missing, unreadable, not a regular file or not a valid GGUF
     gets the same error, so the answer says nothing about what exists.
     """
-    shown = str(path)
+    path = Path(os.path.expanduser(ref))
+    if not path.is_absolute():
+        path = base_dir / path
     try:
         inspect_gguf(path)
-        progress({"status": "copying file"})
-        with open_regular(path) as f:
-            digest, _ = store.import_blob(f)
     except InvalidModelFile:
-        raise InvalidModelFile(f"{shown}: invalid model file") from None
-    return digest
-
-
-def create_from_modelfile(store: Store, model: str, mf: Modelfile, base_dir: Path,
-                          progress: Progress = _quiet) -> Name:
-    """Local create (CLI and install): FROM may be a GGUF path or an existing model."""
-    req = CreateRequest(model=model, template=mf.template, system=mf.system,
-                        license=list(mf.licenses), parameters=dict(mf.parameters),
-                        messages=mf.messages)
-    if looks_like_path(mf.from_):
-        path = Path(os.path.expanduser(mf.from_))
-        if not path.is_absolute():
-            path = base_dir / path
-        req.files = {path.name or "model.gguf": import_gguf(store, path, progress)}
-    else:
-        req.from_ = mf.from_
-    return create_model(store, req, progress)
+        raise InvalidModelFile(f"{path}: invalid model file") from None
+    return path

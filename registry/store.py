@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from api.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
+from corral.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
 from registry.manifest import Manifest, canonical_digest, digest_hex, parse_manifest
 from registry.names import Name, parse_name
 
@@ -55,6 +55,15 @@ def _raise_disk_error(exc: OSError) -> None:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         raise NoSpace("no space left on device") from exc
     raise exc
+
+
+def file_sha256(path: Path) -> str:
+    """`sha256:<hex>` of a file's content, read in chunks."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            hasher.update(block)
+    return "sha256:" + hasher.hexdigest()
 
 
 class Store:

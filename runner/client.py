@@ -14,11 +14,12 @@ from typing import IO, Any, Iterator
 
 import httpx
 
-from api.errors import CorralError, RunnerError
+from corral.errors import RunnerError, from_wire
+from runner.loadconfig import LoadConfig
 
 
 class RunnerProcess:
-    def __init__(self, config: dict[str, Any], log_file: IO[bytes] | None = None,
+    def __init__(self, config: LoadConfig, log_file: IO[bytes] | None = None,
                  python: str = sys.executable) -> None:
         self.config = config
         self.log_file = log_file
@@ -32,7 +33,7 @@ class RunnerProcess:
 
     def start(self, timeout: float) -> dict[str, Any]:
         """Start the process and wait for its ready line; returns the load report."""
-        cmd = [self.python, "-m", "runner.process", "--config", json.dumps(self.config)]
+        cmd = [self.python, "-m", "runner.process", "--config", self.config.to_json()]
         root = str(Path(__file__).resolve().parents[1])
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log_file or subprocess.DEVNULL,
@@ -117,7 +118,7 @@ class RunnerProcess:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
         data = resp.json()
         if resp.status_code >= 400:
-            raise _error(resp.status_code, data)
+            raise from_wire(resp.status_code, data)
         return dict(data)
 
     def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -126,13 +127,13 @@ class RunnerProcess:
             with self._client().stream("POST", "/completion", json=body) as resp:
                 if resp.status_code >= 400:
                     resp.read()
-                    raise _error(resp.status_code, resp.json())
+                    raise from_wire(resp.status_code, resp.json())
                 for raw in resp.iter_lines():
                     if not raw:
                         continue
                     line = json.loads(raw)
                     if "error" in line:
-                        raise RunnerError(str(line["error"]))
+                        raise from_wire(None, line)
                     yield line
                     if line.get("done"):
                         return
@@ -147,10 +148,10 @@ class RunnerProcess:
         except (RunnerError, ValueError):
             pass
 
-    def embed(self, inputs: list[str], truncate: bool = True,
-              normalize: bool = True) -> dict[str, Any]:
+    def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
+              dimensions: int = 0) -> dict[str, Any]:
         return self._call("/embed", {"input": inputs, "truncate": truncate,
-                                     "normalize": normalize})
+                                     "normalize": normalize, "dimensions": dimensions})
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return list(self._call("/tokenize", {"content": text, "add_special": add_special})["tokens"])
@@ -164,10 +165,3 @@ class RunnerProcess:
         except httpx.HTTPError as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
         return dict(resp.json())
-
-
-def _error(status: int, data: Any) -> CorralError:
-    message = data.get("error", "runner error") if isinstance(data, dict) else "runner error"
-    exc = CorralError(str(message))
-    exc.status = status
-    return exc

@@ -11,7 +11,8 @@ from typing import Any
 
 import llama_cpp as L
 
-from api.errors import BadRequest, RunnerError
+from corral.errors import BadRequest, ContextOverflow, RunnerError
+from runner import native
 
 
 class Embedder:
@@ -51,7 +52,7 @@ class Embedder:
             if not tokens:
                 raise BadRequest("cannot embed an empty input")
             if len(tokens) > self.num_ctx and not truncate:
-                raise BadRequest("input length exceeds maximum context length")
+                raise ContextOverflow("the input length exceeds the context length")
         self._ensure()
         out = []
         encoder_only = L.llama_model_has_encoder(self.model) and not L.llama_model_has_decoder(
@@ -59,15 +60,9 @@ class Embedder:
         for tokens in inputs:
             tokens = tokens[: self.num_ctx]
             L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-            batch = self.batch
-            for i, tok in enumerate(tokens):
-                batch.token[i] = tok
-                batch.pos[i] = i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = True
-            batch.n_tokens = len(tokens)
-            rc = (L.llama_encode if encoder_only else L.llama_decode)(self.ctx, batch)
+            native.fill_batch(self.batch, [(tok, i, 0, True) for i, tok in enumerate(tokens)],
+                              self.num_ctx)
+            rc = (L.llama_encode if encoder_only else L.llama_decode)(self.ctx, self.batch)
             if rc != 0:
                 raise RunnerError(f"embedding failed ({rc})")
             ptr = L.llama_get_embeddings_seq(self.ctx, 0)

@@ -1,13 +1,15 @@
 """The engine: one llama.cpp context, fixed slots, continuous batching.
 
-Exactly one thread (the engine thread) touches the model's context. Requests
-arrive on a queue; each request's results leave on its own queue as events:
-("token", text), then ("done", stats) or ("error", message).
+Exactly one thread (the engine thread) touches the model's context. Commands
+arrive on one queue (runner.jobs: Submit, Embed, Stop); each job's results
+leave on its own queue as Token events, then Done or Failed.
 
-Each step builds one llama_batch: the next token of every decoding slot first,
-then prompt chunks of prefilling slots within the n_batch budget. Every batch
-and index is checked before it reaches native code, because llama.cpp aborts
-the whole process on misuse instead of raising.
+Each step is plan -> decode -> apply: runner.batchplan chooses the next token
+of every decoding slot and prompt chunks of prefilling slots within the
+n_batch budget, one llama_decode runs them, and the results advance each
+slot's state machine. Every batch and index is checked before it reaches
+native code, because llama.cpp aborts the whole process on misuse instead of
+raising.
 """
 
 from __future__ import annotations
@@ -16,38 +18,22 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections import deque
+from typing import Callable
 
 import llama_cpp as L
 
-from api.errors import BadRequest, RunnerError
+from corral.errors import BadRequest, ContextOverflow, CorralError, RunnerError
 from runner import native
+from runner.batchplan import StepPlan, plan_step
+from runner.context import EngineConfig, LlamaContext
 from runner.embedding import Embedder
+from runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
 from runner.sampling import Sampler
-from runner.slot import DoneReason, Job, Slot, SlotState, common_prefix
+from runner.slot import DoneReason, Slot, SlotState, common_prefix
 from runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    n_slots: int = 1
-    num_ctx: int = 4096  # per slot
-    n_batch: int = 512
-    n_threads: int = 0  # 0: physical cores
-    n_gpu_layers: int = 0
-    flash_attn: bool | None = None
-    kv_cache_type: str = "f16"
-    use_mmap: bool = True
-    # llama.cpp's extra CPU buffer types (weight repacking, AMX) make a row's
-    # logits depend on how many rows share the batch, so greedy output would
-    # change with load; on this class of CPU they are not faster either.
-    extra_bufts: bool = False
-
-
-_KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 
 
 class Engine:
@@ -57,8 +43,8 @@ class Engine:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
         self.clock = clock
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._waiting: list[Job] = []
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._waiting: deque[Job] = deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
@@ -66,61 +52,27 @@ class Engine:
         self.native_time = 0.0  # of which in llama_decode and samplers
         native.init_backend()
         t0 = clock()
-        self._load(model_path)
+        self.llama = LlamaContext(model_path, config)
         self.load_seconds = clock() - t0
+        llama = self.llama
+        self.model, self.vocab, self.ctx, self.mem = llama.model, llama.vocab, llama.ctx, llama.mem
+        self.batch, self.n_batch, self.n_ctx, self.num_ctx = (llama.batch, llama.n_batch,
+                                                              llama.n_ctx, llama.num_ctx)
+        self.n_vocab, self.n_ctx_train, self.n_threads = (llama.n_vocab, llama.n_ctx_train,
+                                                          llama.n_threads)
+        self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
+        self._eog_tokens: list[int] | None = None
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads)
 
-    # ---- loading (called before the engine thread exists) ---------------------------
-
-    def _load(self, path: str) -> None:
-        cfg = self.config
-        mparams = L.llama_model_default_params()
-        mparams.n_gpu_layers = cfg.n_gpu_layers
-        mparams.use_extra_bufts = cfg.extra_bufts
-        if not cfg.use_mmap:
-            mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
-        self.model = L.llama_model_load_from_file(path.encode(), mparams)
-        if not self.model:
-            raise RunnerError(f"llama.cpp could not load {path}")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
-        self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
-        self.n_threads = cfg.n_threads or native.physical_cores()
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = self.num_ctx * cfg.n_slots
-        cparams.n_seq_max = cfg.n_slots
-        cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
-        cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        # One KV stream per slot. In a shared (unified) stream, a sequence's new
-        # cells can land in holes another slot left behind, which changes the
-        # order flash attention visits them in, and so its floating-point sums:
-        # outputs would then depend on the neighbours.
-        cparams.kv_unified = False
-        # Gemma 3's sliding-window cache must be full size, or prefix reuse and
-        # context shift would need KV that has already been evicted.
-        cparams.swa_full = True
-        cparams.embeddings = False
-        cparams.no_perf = True
-        fa = cfg.flash_attn
-        cparams.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
-                                   L.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else
-                                   L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
-        cparams.type_k = cparams.type_v = kv_type
-        self.ctx = L.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            L.llama_model_free(self.model)
-            raise RunnerError("llama.cpp could not create a context (out of memory?)")
-        self.mem = L.llama_get_memory(self.ctx)
-        self.n_batch = int(L.llama_n_batch(self.ctx))
-        self.n_ctx = int(L.llama_n_ctx(self.ctx))
-        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self.eog_tokens = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
-        self._eog = frozenset(self.eog_tokens)  # a set lookup on the per-token path
+    @property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
+        found on first use rather than by a vocabulary-wide scan at every load."""
+        if self._eog_tokens is None:
+            self._eog_tokens = [t for t in range(self.n_vocab)
+                                if L.llama_vocab_is_eog(self.vocab, t)]
+        return self._eog_tokens
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -135,16 +87,17 @@ class Engine:
             raise BadRequest("empty prompt")
         if any(t < 0 or t >= self.n_vocab for t in job.prompt):
             raise BadRequest("prompt contains invalid token ids")
-        self._commands.put(("job", job))
+        job.submitted = self.clock()
+        self._commands.put(Submit(job))
         return job
 
     def embed(self, inputs: list[list[int]], truncate: bool = True) -> list[list[float]]:
-        reply: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._commands.put(("embed", (inputs, truncate, reply)))
-        kind, value = reply.get()
-        if kind == "error":
-            raise value
-        return list(value)
+        command = Embed(inputs, truncate, queue.Queue())
+        self._commands.put(command)
+        result = command.reply.get()
+        if isinstance(result, Failed):
+            raise result.error
+        return result
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         # llama_tokenize only reads the vocab, which is safe from any thread.
@@ -167,7 +120,7 @@ class Engine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._commands.put(("stop", None))
+        self._commands.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._free()
@@ -200,16 +153,14 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            kind, value = item
-            if kind == "job":
-                self._waiting.append(value)
-            elif kind == "embed":
-                inputs, truncate, reply = value
+            if isinstance(item, Submit):
+                self._waiting.append(item.job)
+            elif isinstance(item, Embed):
                 try:
-                    reply.put(("ok", self.embedder.embed(inputs, truncate)))
-                except Exception as exc:  # noqa: BLE001 - returned to the caller
-                    reply.put(("error", exc))
-            elif kind == "stop":
+                    item.reply.put(self.embedder.embed(item.inputs, item.truncate))
+                except CorralError as exc:
+                    item.reply.put(Failed(exc))
+            elif isinstance(item, Stop):
                 self._stopping = True
             try:
                 item = self._commands.get_nowait()
@@ -220,7 +171,7 @@ class Engine:
         # A queued request whose client has gone is dropped without running.
         for job in [j for j in self._waiting if j.cancelled.is_set()]:
             self._waiting.remove(job)
-            job.events.put(("done", {"done_reason": DoneReason.CANCEL.value}))
+            job.events.put(Done({"done_reason": DoneReason.CANCEL.value}))
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled.is_set():
                 self._finish(slot, DoneReason.CANCEL)
@@ -230,11 +181,11 @@ class Engine:
             idle = [s for s in self.slots if s.state is SlotState.IDLE]
             if not idle:
                 return
-            job = self._waiting.pop(0)
+            job = self._waiting.popleft()  # oldest first
             try:
                 self._prepare(job, idle)
             except BadRequest as exc:
-                job.events.put(("error", exc.message))
+                job.events.put(Failed(exc))
 
     def _prepare(self, job: Job, idle: list[Slot]) -> None:
         prompt = self._fit_prompt(job)
@@ -251,14 +202,14 @@ class Engine:
                           self.eog_tokens if job.ignore_eos else None)
         if job.params.penalized():
             sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
-        slot.start(job, keep, sampler, self._limit(job, len(prompt)))
+        slot.start(job, keep, sampler, self._limit(job, len(prompt)), self.clock())
 
     def _fit_prompt(self, job: Job) -> list[int]:
         prompt, n_ctx = job.prompt, self.num_ctx
         if len(prompt) < n_ctx:
             return prompt
         if not job.truncate:
-            raise BadRequest(
+            raise ContextOverflow(
                 f"the input length ({len(prompt)} tokens) exceeds the context length ({n_ctx})")
         keep = max(0, min(job.num_keep if job.num_keep >= 0 else len(prompt), n_ctx // 2))
         tail = n_ctx - keep - 1
@@ -277,69 +228,41 @@ class Engine:
         for slot in self.slots:
             if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
                 self._make_room(slot)
-        batch = self.batch
-        batch.n_tokens = 0
-        decoding = [s for s in self.slots if s.state is SlotState.DECODE]
-        prefilling = sorted((s for s in self.slots if s.state is SlotState.PREFILL),
-                            key=lambda s: s.t_start)
-        for slot in decoding:
-            slot.i_batch = self._add(slot.last_token, slot.n_past, slot.seq, True)
-        taken: dict[int, int] = {}
-        for slot in prefilling:
-            budget = self.n_batch - batch.n_tokens
-            if budget <= 0:
-                break
-            take = min(budget, len(slot.pending))
-            last_chunk = take == len(slot.pending)
-            for k in range(take):
-                idx = self._add(slot.pending[k], slot.n_past + k, slot.seq,
-                                last_chunk and k == take - 1)
-            slot.i_batch = idx if last_chunk else -1
-            taken[slot.seq] = take
-        if batch.n_tokens == 0:
+        plan = plan_step(self.slots, self.n_batch)
+        if not plan.entries:
             return
+        native.fill_batch(self.batch, plan.entries, self.n_batch)
         t0 = self.clock()
-        rc = L.llama_decode(self.ctx, batch)
+        rc = L.llama_decode(self.ctx, self.batch)
         self.native_time += self.clock() - t0
         if rc != 0:
-            self._decode_failed(rc, decoding + [s for s in prefilling if s.seq in taken])
+            self._decode_failed(rc, plan.slots)
             return
-        for slot in prefilling:
-            n = taken.get(slot.seq, 0)
-            if n:
-                slot.cached.extend(slot.pending[:n])
-                del slot.pending[:n]
-                if not slot.pending:
-                    slot.transition(SlotState.DECODE)
-                    slot.t_first = self.clock()
-                    self._sample(slot)
-        for slot in decoding:
+        self._apply(plan)
+
+    def _apply(self, plan: StepPlan) -> None:
+        """The batch decoded: prompt chunks become cached, and slots with logits sample."""
+        for slot, taken in plan.prefill:
+            slot.cached.extend(slot.pending[:taken])
+            del slot.pending[:taken]
+            if not slot.pending:
+                slot.transition(SlotState.DECODE)
+                slot.t_first = self.clock()
+                self._sample(slot, plan.sample_at[slot.seq])
+        for slot in plan.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
-                self._sample(slot)
+                self._sample(slot, plan.sample_at[slot.seq])
 
-    def _add(self, token: int, pos: int, seq: int, logits: bool) -> int:
-        batch = self.batch
-        i = batch.n_tokens
-        if i >= self.n_batch:
-            raise RuntimeError("batch overflow")  # never reaches llama_decode's abort
-        batch.token[i] = token
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
-        batch.n_tokens = i + 1
-        return i
-
-    def _sample(self, slot: Slot) -> None:
-        assert slot.sampler is not None and 0 <= slot.i_batch < self.batch.n_tokens
-        assert self.batch.logits[slot.i_batch]
+    def _sample(self, slot: Slot, row: int) -> None:
+        assert slot.sampler is not None and 0 <= row < self.batch.n_tokens
+        assert self.batch.logits[row]
         t0 = self.clock()
-        token = slot.sampler.sample(self.ctx, slot.i_batch)
+        token = slot.sampler.sample(self.ctx, row)
         self.native_time += self.clock() - t0
         slot.n_generated += 1
         slot.last_token = token
-        if token in self._eog:
+        if L.llama_vocab_is_eog(self.vocab, token):
             self._finish(slot, DoneReason.STOP)
             return
         slot.generated.append(token)
@@ -347,7 +270,7 @@ class Engine:
         result = slot.stops.feed(text)
         if result.text:
             assert slot.job is not None
-            slot.job.events.put(("token", result.text))
+            slot.job.events.put(Token(result.text))
         if result.stopped:
             self._finish(slot, DoneReason.STOP, flush=False)
         elif slot.n_generated >= slot.limit:
@@ -379,7 +302,7 @@ class Engine:
         for slot in slots:
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             slot.cached = []
-            self._fail(slot, f"llama_decode failed ({rc})")
+            self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
 
     def _evict_idle_cache(self) -> bool:
         evicted = False
@@ -396,7 +319,7 @@ class Engine:
         if flush:
             tail = slot.stops.feed(slot.utf8.flush()).text + slot.stops.flush()
             if tail and reason is not DoneReason.CANCEL:
-                job.events.put(("token", tail))
+                job.events.put(Token(tail))
         now = self.clock()
         first = slot.t_first or now
         stats = {
@@ -409,32 +332,25 @@ class Engine:
             "prompt_tokens": len(job.prompt),
             "context": job.prompt + slot.generated,
         }
-        slot.release()
-        job.events.put(("done", stats))
+        slot.release(now)
+        job.events.put(Done(stats))
 
-    def _fail(self, slot: Slot, message: str) -> None:
-        job = slot.release()
+    def _fail(self, slot: Slot, error: CorralError) -> None:
+        job = slot.release(self.clock())
         if job is not None:
-            job.events.put(("error", message))
+            job.events.put(Failed(error))
 
     def _fail_everyone(self, message: str) -> None:
+        error = RunnerError(message)
         for slot in self.slots:
             if slot.job is not None:
-                self._fail(slot, message)
+                self._fail(slot, error)
         for job in self._waiting:
-            job.events.put(("error", message))
+            job.events.put(Failed(error))
         self._waiting.clear()
 
     def _free(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return  # still inside native code; the process exit will reclaim it
         self.embedder.free()
-        if getattr(self, "batch", None) is not None:
-            L.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            L.llama_free(self.ctx)
-            self.ctx = None
-        if self.model:
-            L.llama_model_free(self.model)
-            self.model = None
+        self.llama.free()

@@ -11,6 +11,7 @@ import ctypes
 from dataclasses import dataclass
 
 from registry.gguf import GGUFInfo
+from runner.loadconfig import DEFAULT_BATCH
 
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 COMPUTE_FIXED = 64 << 20  # graph scratch beyond the logits buffer
@@ -48,7 +49,7 @@ def compute_bytes(info: GGUFInfo, n_batch: int, n_vocab: int, n_slots: int) -> i
 
 
 def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu: int = -1,
-             kv_type: str = "f16", n_batch: int = 512, n_vocab: int = 32000) -> Estimate:
+             kv_type: str = "f16", n_batch: int = DEFAULT_BATCH, n_vocab: int = 32000) -> Estimate:
     """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit."""
     per_layer = info.layer_bytes()
     layers = info.block_count or len(per_layer)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import llama_cpp as L
 
-from api.config import apply_native_defaults
+from corral.config import apply_native_defaults
 
 _log_hook: Any = None
 
@@ -81,3 +81,20 @@ def token_bytes(vocab: Any, token: int, special: bool = False) -> bytes:
         buf = ctypes.create_string_buffer(-n)
         n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
     return buf.raw[: max(n, 0)]
+
+
+def fill_batch(batch: Any, entries: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:
+    """Write (token, position, sequence, wants logits) rows into a llama_batch.
+
+    The capacity check stands before native code: llama_decode aborts the
+    process on an overfull batch instead of returning an error.
+    """
+    if len(entries) > capacity:
+        raise RuntimeError(f"batch overflow: {len(entries)} > {capacity}")
+    for i, (token, pos, seq, logits) in enumerate(entries):
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+    batch.n_tokens = len(entries)

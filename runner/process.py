@@ -25,14 +25,15 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from api.errors import BadRequest, CorralError, to_http
-from api.schema import coerce_options
+from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
+from corral.options import coerce_options
 from registry.gguf import inspect_gguf
 from runner import memory
-from runner.engine import Engine, EngineConfig
+from runner.context import EngineConfig
+from runner.engine import Engine
+from runner.jobs import Done, Job, SamplingParams, Token
+from runner.loadconfig import LoadConfig
 from runner.prompt import PromptBuilder
-from runner.sampling import SamplingParams
-from runner.slot import Job
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
@@ -105,6 +106,9 @@ class RunnerService:
             raise BadRequest("input must be a string or a list of strings")
         tokens = [self.engine.tokenize(text) for text in inputs]
         vectors = self.engine.embed(tokens, bool(body.get("truncate", True)))
+        dims = int(body.get("dimensions") or 0)
+        if dims > 0:
+            vectors = [v[:dims] for v in vectors]
         if body.get("normalize", True):
             vectors = [_normalize(v) for v in vectors]
         return {"embeddings": vectors, "prompt_eval_count": sum(len(t) for t in tokens)}
@@ -147,7 +151,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"status": "ok", **self.service.engine.status(),
                              "report": self.service.report})
         else:
-            self._send(404, {"error": "not found"})
+            self._send(*format_error(NotFound("not found"), Shape.RUNNER))
 
     def do_POST(self) -> None:
         try:
@@ -170,11 +174,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, {"status": "shutting down"})
                 threading.Thread(target=_shutdown, args=(self.service,), daemon=True).start()
             else:
-                self._send(404, {"error": "not found"})
+                raise NotFound("not found")
         except CorralError as exc:
-            self._send(*to_http(exc))
+            self._send(*format_error(exc, Shape.RUNNER))
         except (ValueError, TypeError) as exc:
-            self._send(400, {"error": str(exc)})
+            self._send(*format_error(BadRequest(str(exc)), Shape.RUNNER))
 
     def _completion(self, body: dict[str, Any]) -> None:
         job = self.service.job(body)
@@ -183,16 +187,16 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         try:
             while True:
-                kind, value = job.events.get()
-                if kind == "token":
-                    line: dict[str, Any] = {"content": value}
-                elif kind == "done":
-                    line = {"done": True, **value}
+                event = job.events.get()
+                if isinstance(event, Token):
+                    line: dict[str, Any] = {"content": event.text}
+                elif isinstance(event, Done):
+                    line = {"done": True, **event.stats}
                 else:
-                    line = {"error": value}
+                    line = format_error(event.error, Shape.RUNNER)[1]
                 self.wfile.write(json.dumps(line).encode() + b"\n")
                 self.wfile.flush()
-                if kind != "token":
+                if not isinstance(event, Token):
                     break
         except OSError:
             job.cancel()  # the daemon hung up: free the slot
@@ -205,20 +209,14 @@ def _shutdown(service: RunnerService) -> None:
         service.server.shutdown()
 
 
-def build(config: dict[str, Any]) -> RunnerService:
-    path = config["model"]
-    info = inspect_gguf(path)  # reject malformed files before llama.cpp sees them
-    n_slots = int(config.get("n_slots", 1))
-    num_ctx = int(config.get("num_ctx", 4096))
-    kv_type = str(config.get("kv_cache_type", "f16"))
-    free_vram = memory.free_gpu_memory()
-    est = memory.estimate(info, num_ctx, n_slots, free_vram, int(config.get("num_gpu", -1)),
-                          kv_type, int(config.get("n_batch", 512)))
-    engine = Engine(path, EngineConfig(
-        n_slots=n_slots, num_ctx=num_ctx, n_batch=int(config.get("n_batch", 512)),
-        n_threads=int(config.get("n_threads", 0)), n_gpu_layers=est.gpu_layers,
-        flash_attn=config.get("flash_attn"), kv_cache_type=kv_type,
-        use_mmap=bool(config.get("use_mmap", True))))
+def build(config: LoadConfig) -> RunnerService:
+    info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
+    est = memory.estimate(info, config.num_ctx, config.n_slots, memory.free_gpu_memory(),
+                          config.num_gpu, config.kv_cache_type, config.n_batch)
+    engine = Engine(config.model, EngineConfig(
+        n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
+        n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
+        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap))
     import llama_cpp as L
 
     from runner import native
@@ -227,12 +225,12 @@ def build(config: dict[str, Any]) -> RunnerService:
         "utf-8", "replace")
     eos = native.token_bytes(engine.vocab, L.llama_vocab_eos(engine.vocab), True).decode(
         "utf-8", "replace")
-    builder = PromptBuilder(config.get("template"), info.chat_template, bos, eos)
+    builder = PromptBuilder(config.template, info.chat_template, bos, eos)
     report = {
         "weights": est.weights, "kv": est.kv, "compute": est.compute,
         "gpu_layers": est.gpu_layers, "layers": est.layers,
         "size": est.total, "size_vram": est.gpu_bytes,
-        "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": n_slots,
+        "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": config.n_slots,
         "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
         "template_kind": builder.kind, "template": builder.source,
         "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,
@@ -249,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="runner %(levelname)s %(message)s")
     try:
-        service = build(json.loads(args.config))
+        service = build(LoadConfig.from_json(args.config))
     except CorralError as exc:
         print(json.dumps({"error": exc.message}), flush=True)
         return 1

@@ -8,20 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from registry.models import FALLBACK_TEMPLATE
 from runner.templates.gotemplate import GoTemplate
 from runner.templates.jinja import JinjaTemplate
-
-# A reply is rendered exactly as it was generated (the model's first token
-# carries its own leading space), so the next turn's prompt starts with the
-# very tokens the slot already holds, and only the new turn is prefilled.
-FALLBACK_TEMPLATE = """{{- if .System }}{{ .System }}
-
-{{ end }}
-{{- range .Messages }}
-{{- if eq .Role "user" }}User: {{ .Content }}
-{{ else if eq .Role "assistant" }}Assistant:{{ .Content }}
-{{ end }}
-{{- end }}Assistant:"""
 
 _SENTINEL = "\x00corral-response\x00"
 
@@ -74,9 +63,6 @@ class PromptBuilder:
 
     def supports_suffix(self) -> bool:
         return self.go is not None and ".Suffix" in self.go.source
-
-    def supports_tools(self) -> bool:
-        return ".Tools" in self.source or "tools" in self.source
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
              think: bool | None = None) -> tuple[str, bool]:

@@ -10,42 +10,16 @@ only when it rejects, as llama.cpp's common sampler does.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, fields
 from typing import Any
 
 import llama_cpp as L
 import numpy as np
 
-from api.errors import InvalidOption
+from corral.errors import InvalidOption
+from runner.jobs import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Ollama's per-request sampling options, with Ollama's defaults."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_last_n: int = 64
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "SamplingParams":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in options.items() if k in names})
-
-    def penalized(self) -> bool:
-        return self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0)
 
 
 def compile_grammar(vocab: Any, gbnf: str) -> Any:

@@ -10,14 +10,14 @@ prefix with them prefills only the rest.
 from __future__ import annotations
 
 import enum
-import queue
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from runner.sampling import Sampler, SamplingParams
+from runner.jobs import Job
 from runner.textstream import StopMatcher, Utf8Stream
+
+if TYPE_CHECKING:
+    from runner.sampling import Sampler
 
 
 class SlotState(enum.Enum):
@@ -41,28 +41,6 @@ class DoneReason(str, enum.Enum):
 
 
 @dataclass
-class Job:
-    """One generation request as the engine sees it."""
-
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    num_predict: int = -1
-    stop: list[str] = field(default_factory=list)
-    num_keep: int = 4
-    grammar: str | None = None
-    truncate: bool = True
-    shift: bool = True
-    ignore_eos: bool = False  # benchmarks: always generate num_predict tokens
-    id: str = ""
-    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-@dataclass
 class Slot:
     seq: int
     num_ctx: int
@@ -70,9 +48,8 @@ class Slot:
     cached: list[int] = field(default_factory=list)  # tokens whose KV is resident, in order
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     job: Job | None = None
-    sampler: Sampler | None = None
+    sampler: "Sampler | None" = None
     last_token: int = -1
-    i_batch: int = -1
     n_generated: int = 0
     n_prompt_eval: int = 0
     limit: int = 0  # most tokens this job may generate
@@ -92,7 +69,7 @@ class Slot:
     def n_past(self) -> int:
         return len(self.cached)
 
-    def start(self, job: Job, keep: int, sampler: Sampler, limit: int) -> None:
+    def start(self, job: Job, keep: int, sampler: "Sampler", limit: int, now: float) -> None:
         """IDLE -> PREFILL: `keep` cached tokens are reused, the rest of the prompt is pending."""
         self.transition(SlotState.PREFILL)
         self.job = job
@@ -105,11 +82,10 @@ class Slot:
         self.generated = []
         self.utf8 = Utf8Stream()
         self.stops = StopMatcher(job.stop)
-        self.t_start = time.perf_counter()
+        self.t_start = now
         self.t_first = 0.0
-        self.i_batch = -1
 
-    def release(self) -> Job | None:
+    def release(self, now: float) -> Job | None:
         """Back to IDLE, keeping the cached KV for prefix reuse."""
         job = self.job
         self.transition(SlotState.IDLE)
@@ -118,8 +94,7 @@ class Slot:
         self.sampler = None
         self.job = None
         self.pending = []
-        self.i_batch = -1
-        self.last_used = time.perf_counter()
+        self.last_used = now
         return job
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from api.config import load_settings
+from corral.config import load_settings
 from registry.starter import starter_model_path
 from registry.store import Store
 

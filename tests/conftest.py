@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 
 from registry.store import Store
+
+if TYPE_CHECKING:
+    from server.daemon import Daemon
 
 
 @pytest.fixture(autouse=True)
@@ -52,3 +55,41 @@ def starter_gguf(starter_store: Store) -> Path:
     path = starter_model_path(starter_store)
     assert path is not None
     return path
+
+
+@pytest.fixture(scope="module")
+def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator["Daemon"]:
+    """One real daemon over the starter store, shared by a module's tests."""
+    from tests.support import start_daemon
+
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("daemon"))
+    yield d
+    d.shutdown()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., "Daemon"]]:
+    """Start daemons with their own settings (`NUM_PARALLEL="1"`, ...); all stop at teardown."""
+    from tests.support import start_daemon
+
+    started: list[Daemon] = []
+
+    def make(store: Store | None, root: Path | None = None, **env: str) -> "Daemon":
+        d = start_daemon(store, root or tmp_path / f"daemon{len(started)}", **env)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.shutdown()
+
+
+# Any test that uses one of these fixtures loads the real model through llama.cpp.
+MODEL_FIXTURES = frozenset({"starter_store", "starter_gguf", "daemon"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark model tests by what they use, so `-m "not model"` can never run one by mistake."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)

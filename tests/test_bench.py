@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from cli.benchmetrics import RequestResult, Summary, calculate, peak_concurrency, percentile
+from cli.benchmetrics import (
+    RequestResult,
+    Summary,
+    calculate,
+    peak_concurrency,
+    percentile,
+)
 from registry.store import Store
-from tests.daemon_fixtures import start_daemon
+from tests.support import DaemonFactory
 
 
 def synthetic(start: float, ttft: float, gaps: list[float], tokens: int) -> RequestResult:
@@ -65,23 +71,21 @@ def test_peak_concurrency_counts_overlaps() -> None:
     assert peak_concurrency(rs) == 3
 
 
-def test_real_short_run(starter_store: Store, tmp_path: Path) -> None:
-    d = start_daemon(starter_store, tmp_path)
-    try:
-        out_json = tmp_path / "bench.json"
-        env = dict(os.environ, CORRAL_HOST="127.0.0.1:1")
-        run = subprocess.run(
-            [sys.executable, "-c", "from cli.main import main; main()", "bench",
-             "gemma3:270m-base", "--base-url", d.url, "--concurrency", "1,2", "--requests", "2",
-             "--max-tokens", "6", "--prompt-tokens", "8", "--json", str(out_json)],
-            capture_output=True, text=True, env=env, timeout=300)
-        assert run.returncode == 0, run.stderr
-        levels = json.loads(out_json.read_text())["levels"]
-        assert [lv["label"] for lv in levels] == ["1", "2"]
-        for lv in levels:
-            assert lv["completed"] == 2 and lv["failed"] == 0
-            assert lv["output_tokens"] == 2 * 6  # exactly max_tokens each
-            assert lv["ttft"]["median"] > 0 and lv["server_decode_rate"] > 0
-        assert "out tok/s" in run.stdout
-    finally:
-        d.shutdown()
+def test_real_short_run(starter_store: Store, daemon_factory: DaemonFactory,
+                        tmp_path: Path) -> None:
+    d = daemon_factory(starter_store)
+    out_json = tmp_path / "bench.json"
+    env = dict(os.environ, CORRAL_HOST="127.0.0.1:1")
+    run = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "bench",
+         "gemma3:270m-base", "--base-url", d.url, "--concurrency", "1,2", "--requests", "2",
+         "--max-tokens", "6", "--prompt-tokens", "8", "--json", str(out_json)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    levels = json.loads(out_json.read_text())["levels"]
+    assert [lv["label"] for lv in levels] == ["1", "2"]
+    for lv in levels:
+        assert lv["completed"] == 2 and lv["failed"] == 0
+        assert lv["output_tokens"] == 2 * 6  # exactly max_tokens each
+        assert lv["ttft"]["median"] > 0 and lv["server_decode_rate"] > 0
+    assert "out tok/s" in run.stdout

@@ -9,25 +9,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pexpect
-import pytest
 
-from api.daemon import Daemon
 from registry.store import Store
-from tests.daemon_fixtures import start_daemon
+from server.daemon import Daemon
 
 MODEL = "gemma3:270m-base"
 CORRAL = [sys.executable, "-c", "from cli.main import main; main()"]
-
-
-@pytest.fixture(scope="module")
-def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(starter_store, tmp_path_factory.mktemp("cli"))
-    yield d
-    d.shutdown()
 
 
 def env_for(daemon: Daemon | None, **extra: str) -> dict[str, str]:

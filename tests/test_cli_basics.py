@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 
-
 def corral(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],

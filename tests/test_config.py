@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from api.config import FOREVER, describe_settings, load_settings, parse_duration, parse_host
+from corral.config import (
+    FOREVER,
+    describe_settings,
+    load_settings,
+    parse_duration,
+    parse_host,
+)
 
 
 def test_defaults() -> None:

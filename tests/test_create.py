@@ -10,12 +10,34 @@ from pathlib import Path
 
 import pytest
 
-from api.errors import InvalidModelFile, ModelfileError, ModelNotFound
+from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from registry import manifest as mt
-from registry.create import CreateRequest, create_from_modelfile, create_model, looks_like_path
-from registry.modelfile import format_modelfile, parse_modelfile
+from registry.create import (
+    CreateRequest,
+    create_model,
+    local_model_file,
+    looks_like_path,
+)
+from registry.modelfile import Modelfile, format_modelfile, parse_modelfile
+from registry.names import Name
+from registry.progress import Progress, quiet
 from registry.store import Store
 from tests.gguf_files import write_tiny_gguf
+
+
+def create_from_modelfile(store: Store, model: str, mf: Modelfile, base_dir: Path,
+                          progress: Progress = quiet) -> Name:
+    """What `corral create` does, with the upload replaced by a direct store import."""
+    req = CreateRequest(model=model, template=mf.template, system=mf.system,
+                        license=list(mf.licenses), parameters=dict(mf.parameters),
+                        messages=mf.messages)
+    if looks_like_path(mf.from_):
+        path = local_model_file(mf.from_, base_dir)
+        with path.open("rb") as f:
+            req.files = {path.name: store.import_blob(f)[0]}
+    else:
+        req.from_ = mf.from_
+    return create_model(store, req, progress)
 
 MODELFILE = '''
 # a comment

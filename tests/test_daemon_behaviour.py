@@ -9,24 +9,16 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from api.daemon import Daemon
 from registry.store import Store
-from tests.daemon_fixtures import start_daemon
+from server.daemon import Daemon
+from tests.support import DaemonFactory, wait_for
 
 MODEL = "gemma3:270m-base"
-
-
-@pytest.fixture(scope="module")
-def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(starter_store, tmp_path_factory.mktemp("behaviour"))
-    yield d
-    d.shutdown()
 
 
 def post(d: Daemon, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
@@ -37,42 +29,32 @@ def ps_names(d: Daemon) -> list[str]:
     return [m["name"] for m in httpx.get(d.url + "/api/ps").json()["models"]]
 
 
-def wait_for(predicate: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
+def test_queue_overflow(starter_store: Store, daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(starter_store, NUM_PARALLEL="2", MAX_QUEUE="3")
+    assert post(d, "/api/generate", {"model": MODEL}).json()["done_reason"] == "load"
+    barrier = threading.Barrier(9)
+    results: list[Any] = []
 
+    def fire() -> None:
+        barrier.wait()
+        try:
+            r = post(d, "/api/generate", {"model": MODEL, "prompt": "Once upon a time",
+                                          "stream": False,
+                                          "options": {"temperature": 0, "num_predict": 40}})
+            results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+        except httpx.HTTPError as exc:  # a reset would land here
+            results.append(("reset", None, str(exc)))
 
-def test_queue_overflow(starter_store: Store, tmp_path: Path) -> None:
-    d = start_daemon(starter_store, tmp_path, NUM_PARALLEL="2", MAX_QUEUE="3")
-    try:
-        assert post(d, "/api/generate", {"model": MODEL}).json()["done_reason"] == "load"
-        barrier = threading.Barrier(9)
-        results: list[Any] = []
-
-        def fire() -> None:
-            barrier.wait()
-            try:
-                r = post(d, "/api/generate", {"model": MODEL, "prompt": "Once upon a time",
-                                              "stream": False,
-                                              "options": {"temperature": 0, "num_predict": 40}})
-                results.append((r.status_code, r.headers.get("retry-after"), r.json()))
-            except httpx.HTTPError as exc:  # a reset would land here
-                results.append(("reset", None, str(exc)))
-
-        threads = [threading.Thread(target=fire) for _ in range(9)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        busy = [r for r in results if r[0] == 503]
-        ok = [r for r in results if r[0] == 200]
-        assert len(busy) == 4 and len(ok) == 5, results
-        assert all(r[2] == {"error": "server busy, please try again.  maximum pending "
-                                     "requests exceeded"} and r[1] for r in busy)
-    finally:
-        d.shutdown()
+    threads = [threading.Thread(target=fire) for _ in range(9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    busy = [r for r in results if r[0] == 503]
+    ok = [r for r in results if r[0] == 200]
+    assert len(busy) == 4 and len(ok) == 5, results
+    assert all(r[2] == {"error": "server busy, please try again.  maximum pending "
+                                 "requests exceeded"} and r[1] for r in busy)
 
 
 def test_keep_alive_zero_unloads(daemon: Daemon) -> None:
@@ -168,27 +150,21 @@ def test_cors(daemon: Daemon) -> None:
     assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
 
 
-def test_extra_origins(starter_store: Store, tmp_path: Path) -> None:
-    d = start_daemon(starter_store, tmp_path, ORIGINS="chrome-extension://*")
-    try:
-        r = httpx.get(d.url + "/api/tags", headers={"Origin": "chrome-extension://abc"})
-        assert r.headers["access-control-allow-origin"] == "chrome-extension://abc"
-    finally:
-        d.shutdown()
+def test_extra_origins(starter_store: Store, daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(starter_store, ORIGINS="chrome-extension://*")
+    r = httpx.get(d.url + "/api/tags", headers={"Origin": "chrome-extension://abc"})
+    assert r.headers["access-control-allow-origin"] == "chrome-extension://abc"
 
 
-def test_api_key(starter_store: Store, tmp_path: Path) -> None:
-    d = start_daemon(starter_store, tmp_path, API_KEY="s3cret")
-    try:
-        assert httpx.get(d.url + "/").status_code == 200
-        assert httpx.head(d.url + "/").status_code == 200
-        assert httpx.get(d.url + "/api/tags").status_code == 401
-        wrong = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401 and wrong.json() == {"error": "unauthorized"}
-        right = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer s3cret"})
-        assert right.status_code == 200
-    finally:
-        d.shutdown()
+def test_api_key(starter_store: Store, daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(starter_store, API_KEY="s3cret")
+    assert httpx.get(d.url + "/").status_code == 200
+    assert httpx.head(d.url + "/").status_code == 200
+    assert httpx.get(d.url + "/api/tags").status_code == 401
+    wrong = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json() == {"error": "unauthorized"}
+    right = httpx.get(d.url + "/api/tags", headers={"Authorization": "Bearer s3cret"})
+    assert right.status_code == 200
 
 
 def test_body_limit(daemon: Daemon) -> None:
@@ -272,32 +248,29 @@ def metric(d: Daemon, name: str) -> float:
     return 0.0
 
 
-def test_queued_request_of_a_gone_client_never_runs(starter_store: Store, tmp_path: Path
-                                                    ) -> None:
-    d = start_daemon(starter_store, tmp_path, NUM_PARALLEL="1")
-    try:
-        post(d, "/api/generate", {"model": MODEL})  # load
-        before = metric(d, "corral_generated_tokens_total")
-        long_body = {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": False,
-                     "options": {"temperature": 0, "num_predict": 60}}
-        holder = threading.Thread(target=post, args=(d, "/api/generate", long_body))
-        holder.start()
-        wait_for(lambda: busy_slots(d) == 1)
-        body = json.dumps({"model": MODEL, "prompt": "queued", "raw": True,
-                           "options": {"num_predict": 50}}).encode()
-        host, port = d.address
-        with socket.create_connection((host, port)) as sock:  # queued behind the holder...
-            sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
-                         b"%d\r\n\r\n%s" % (len(body), body))
-            time.sleep(1.0)
-        holder.join()  # ...and gone before its turn
-        # Had it run, its slot would stay busy for its 50 tokens (well over a second here).
-        wait_for(lambda: busy_slots(d) == 0, timeout=0.5)
-        for _ in range(10):
-            assert busy_slots(d) == 0
-            time.sleep(0.1)
-        assert metric(d, "corral_generated_tokens_total") - before == 60
-        # The only slot still caches the holder's prompt and answer, not the queued prompt.
-        assert metric(d, "corral_kv_cells_used") >= 60
-    finally:
-        d.shutdown()
+def test_queued_request_of_a_gone_client_never_runs(starter_store: Store,
+                                                    daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(starter_store, NUM_PARALLEL="1")
+    post(d, "/api/generate", {"model": MODEL})  # load
+    before = metric(d, "corral_generated_tokens_total")
+    long_body = {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": False,
+                 "options": {"temperature": 0, "num_predict": 60}}
+    holder = threading.Thread(target=post, args=(d, "/api/generate", long_body))
+    holder.start()
+    wait_for(lambda: busy_slots(d) == 1)
+    body = json.dumps({"model": MODEL, "prompt": "queued", "raw": True,
+                       "options": {"num_predict": 50}}).encode()
+    host, port = d.address
+    with socket.create_connection((host, port)) as sock:  # queued behind the holder...
+        sock.sendall(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
+                     b"%d\r\n\r\n%s" % (len(body), body))
+        time.sleep(1.0)
+    holder.join()  # ...and gone before its turn
+    # Had it run, its slot would stay busy for its 50 tokens (well over a second here).
+    wait_for(lambda: busy_slots(d) == 0, timeout=0.5)
+    for _ in range(10):
+        assert busy_slots(d) == 0
+        time.sleep(0.1)
+    assert metric(d, "corral_generated_tokens_total") - before == 60
+    # The only slot still caches the holder's prompt and answer, not the queued prompt.
+    assert metric(d, "corral_kv_cells_used") >= 60

@@ -5,26 +5,16 @@ from __future__ import annotations
 import base64
 import struct
 from pathlib import Path
-from typing import Iterator
 
 import ollama
 import openai
 import pytest
 
-from api.daemon import Daemon
-from registry.store import Store
-from tests.daemon_fixtures import start_daemon
+from server.daemon import Daemon
 from tests.gguf_files import write_tiny_gguf
 
 MODEL = "gemma3:270m-base"
 GREEDY = {"temperature": 0, "num_predict": 12}
-
-
-@pytest.fixture(scope="module")
-def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start_daemon(starter_store, tmp_path_factory.mktemp("daemon"))
-    yield d
-    d.shutdown()
 
 
 @pytest.fixture

@@ -9,9 +9,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from runner.engine import Engine, EngineConfig
-from runner.sampling import SamplingParams
-from runner.slot import Job
+from runner.context import EngineConfig
+from runner.engine import Engine
+from runner.jobs import Done, Failed, Job, SamplingParams, Token
+
+pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,",
@@ -27,13 +29,17 @@ def engine(starter_gguf: Path) -> Iterator[Engine]:
 
 
 def collect(job: Job, timeout: float = 120) -> tuple[list[str], str, Any]:
+    """The streamed pieces, then "done" with its stats or "error" with the error."""
     pieces = []
     while True:
-        kind, value = job.events.get(timeout=timeout)
-        if kind == "token":
-            pieces.append(value)
+        event = job.events.get(timeout=timeout)
+        if isinstance(event, Token):
+            pieces.append(event.text)
+        elif isinstance(event, Done):
+            return pieces, "done", event.stats
         else:
-            return pieces, kind, value
+            assert isinstance(event, Failed)
+            return pieces, "error", event.error
 
 
 def run(engine: Engine, prompt: str, n: int = 20, **kw: Any) -> tuple[str, dict]:
@@ -117,13 +123,10 @@ def test_utf8_output_is_never_split(engine: Engine) -> None:
 def test_cancel_frees_the_slot_within_two_steps(engine: Engine) -> None:
     job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), params=GREEDY, num_predict=400))
     for _ in range(5):
-        assert job.events.get(timeout=60)[0] == "token"
+        assert isinstance(job.events.get(timeout=60), Token)
     steps_at_cancel = engine.steps
     job.cancel()
-    while True:
-        kind, value = job.events.get(timeout=60)
-        if kind != "token":
-            break
+    _, kind, value = collect(job, timeout=60)
     assert kind == "done" and value["done_reason"] == "cancel"
     assert engine.steps - steps_at_cancel <= 2
     assert engine.status()["busy_slots"] == 0

@@ -11,10 +11,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.errors import InvalidModelFile
+from corral.errors import InvalidModelFile
 from registry.gguf import inspect_gguf, read_gguf
-from tests.gguf_files import (ARRAY, F32, I32, STRING, U32, build, kv, kv_u32, s, tensor,
-                              valid_handmade, write_tiny_gguf)
+from tests.gguf_files import (
+    ARRAY,
+    F32,
+    I32,
+    STRING,
+    U32,
+    build,
+    kv,
+    kv_u32,
+    s,
+    tensor,
+    valid_handmade,
+    write_tiny_gguf,
+)
 
 
 def parse(data: bytes):  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from api.errors import InvalidName
+from corral.errors import InvalidName
 from registry.names import parse_name
 
 

@@ -8,6 +8,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+PACKAGES = ("corral", "registry", "runner", "server", "api", "cli")
+
+
+def test_every_package_is_listed() -> None:
+    root = Path(__file__).resolve().parents[1]
+    found = {p.parent.name for p in root.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert found == set(PACKAGES)
+
 
 def test_wheel_contains_every_module(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
@@ -15,13 +23,13 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
-    for pkg in ("api", "cli", "registry", "runner"):
+    for pkg in PACKAGES:
         shutil.copytree(root / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
                     "-w", str(tmp_path), str(src)], check=True, timeout=300)
     [wheel] = list(tmp_path.glob("corral-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {str(p.relative_to(root)) for pkg in ("api", "cli", "registry", "runner")
+    expected = {str(p.relative_to(root)) for pkg in PACKAGES
                 for p in (root / pkg).rglob("*.py")}
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith("tests/") for n in names)

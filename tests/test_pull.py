@@ -14,13 +14,13 @@ import httpx
 import ollama
 import pytest
 
-from api.errors import BadRequest, CorralError, DigestMismatch, NoSpace, Unauthorized
+from corral.errors import BadRequest, CorralError, DigestMismatch, NoSpace, Unauthorized
 from registry import manifest as mt
 from registry.download import Downloader, DownloadOptions
 from registry.pull import Puller
 from registry.store import Store
-from tests.daemon_fixtures import start_daemon
 from tests.registry_server import FakeRegistry
+from tests.support import DaemonFactory
 
 FAST = DownloadOptions(parts=4, part_size=1 << 20, stall_timeout=2.0, retries=3, backoff=0.01)
 
@@ -231,49 +231,43 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_disk_full_fails_fast_and_daemon_keeps_serving(reg: FakeRegistry,
-                                                       tiny_disk: Path) -> None:
+def test_disk_full_fails_fast_and_daemon_keeps_serving(reg: FakeRegistry, tiny_disk: Path,
+                                                       daemon_factory: DaemonFactory) -> None:
     store = Store(tiny_disk / "models")
     start = time.monotonic()
     with pytest.raises(NoSpace, match="no space left"):
         puller(store).pull(f"{reg.host}/library/starter", lambda e: None, insecure=True)
     assert time.monotonic() - start < 30
     assert store.list_models() == []
-    d = start_daemon(None, tiny_disk / "daemon")
-    try:
-        r = httpx.post(d.url + "/api/pull", json={"model": f"{reg.host}/library/starter",
-                                                   "insecure": True}, timeout=120)
-        assert "no space left" in r.text
-        assert httpx.get(d.url + "/api/tags").status_code == 200
-    finally:
-        d.shutdown()
+    d = daemon_factory(None, root=tiny_disk / "daemon")
+    r = httpx.post(d.url + "/api/pull", json={"model": f"{reg.host}/library/starter",
+                                               "insecure": True}, timeout=120)
+    assert "no space left" in r.text
+    assert httpx.get(d.url + "/api/tags").status_code == 200
 
 
 def test_api_pull_progress_and_clients(reg: FakeRegistry, starter_store: Store,
-                                       tmp_path: Path) -> None:
-    d = start_daemon(starter_store, tmp_path, NOPRUNE="1")
-    try:
-        name = f"{reg.host}/library/starter"
-        with httpx.stream("POST", d.url + "/api/pull", json={"model": name, "insecure": True},
-                          timeout=120) as resp:
-            assert resp.headers["content-type"].startswith("application/x-ndjson")
-            lines = [json.loads(line) for line in resp.iter_lines()]
-        statuses = [line["status"] for line in lines]
-        assert statuses[0] == "pulling manifest"
-        layer_lines = [line for line in lines if line["status"].startswith("pulling ")
-                       and line["status"] != "pulling manifest"]
-        assert layer_lines and all({"digest", "total", "completed"} <= set(line)
-                                   for line in layer_lines)
-        assert statuses[len(layer_lines) + 1:] == ["verifying sha256 digest",
-                                                    "writing manifest", "success"]
-        r = httpx.post(d.url + "/api/generate", timeout=120, json={
-            "model": name, "prompt": "Hello", "stream": False, "options": {"num_predict": 4}})
-        assert r.status_code == 200 and r.json()["eval_count"] == 4
-        client = ollama.Client(host=d.url)
-        assert client.pull(name, insecure=True).status == "success"
-        parts = list(client.pull(name, insecure=True, stream=True))
-        assert parts[-1].status == "success"
-        with pytest.raises(ollama.ResponseError, match="file does not exist"):
-            client.pull(f"{reg.host}/library/missing", insecure=True)
-    finally:
-        d.shutdown()
+                                       daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(starter_store, NOPRUNE="1")
+    name = f"{reg.host}/library/starter"
+    with httpx.stream("POST", d.url + "/api/pull", json={"model": name, "insecure": True},
+                      timeout=120) as resp:
+        assert resp.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in resp.iter_lines()]
+    statuses = [line["status"] for line in lines]
+    assert statuses[0] == "pulling manifest"
+    layer_lines = [line for line in lines if line["status"].startswith("pulling ")
+                   and line["status"] != "pulling manifest"]
+    assert layer_lines and all({"digest", "total", "completed"} <= set(line)
+                               for line in layer_lines)
+    assert statuses[len(layer_lines) + 1:] == ["verifying sha256 digest",
+                                                "writing manifest", "success"]
+    r = httpx.post(d.url + "/api/generate", timeout=120, json={
+        "model": name, "prompt": "Hello", "stream": False, "options": {"num_predict": 4}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 4
+    client = ollama.Client(host=d.url)
+    assert client.pull(name, insecure=True).status == "success"
+    parts = list(client.pull(name, insecure=True, stream=True))
+    assert parts[-1].status == "success"
+    with pytest.raises(ollama.ResponseError, match="file does not exist"):
+        client.pull(f"{reg.host}/library/missing", insecure=True)

@@ -11,17 +11,20 @@ from typing import Iterator
 
 import pytest
 
-from api.errors import RunnerError
+from corral.errors import RunnerError
 from registry.gguf import inspect_gguf
 from runner import memory
 from runner.client import RunnerProcess
+from runner.loadconfig import LoadConfig
+
+pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 
 GREEDY = {"temperature": 0, "num_predict": 16}
 
 
 @pytest.fixture(scope="module")
 def runner(starter_gguf: Path) -> Iterator[RunnerProcess]:
-    proc = RunnerProcess({"model": str(starter_gguf), "n_slots": 2, "num_ctx": 512})
+    proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=2, num_ctx=512))
     proc.start(timeout=120)
     yield proc
     proc.stop()
@@ -78,7 +81,7 @@ def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
 
 
 def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:
-    proc = RunnerProcess({"model": str(starter_gguf), "n_slots": 1, "num_ctx": 256})
+    proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=1, num_ctx=256))
     proc.start(timeout=120)
     stream = proc.completion({"prompt": "Once upon a time", "raw": True,
                               "options": {"temperature": 0, "num_predict": 5000}})
@@ -96,7 +99,7 @@ def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:
 def test_malformed_model_fails_to_start(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 32)
-    proc = RunnerProcess({"model": str(bad)})
+    proc = RunnerProcess(LoadConfig(str(bad)))
     with pytest.raises(RunnerError, match="invalid model file"):
         proc.start(timeout=60)
 

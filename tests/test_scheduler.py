@@ -9,25 +9,27 @@ from typing import Any
 
 import pytest
 
-from api.config import FOREVER, load_settings
-from api.errors import RunnerError, ServerBusy
+from corral.config import FOREVER, load_settings
+from corral.errors import RunnerError, ServerBusy
 from registry.models import ModelRecord
 from registry.names import parse_name
-from runner.scheduler import ModelState, Scheduler
+from runner.loadconfig import LoadConfig
+from server.scheduler import ModelState, Scheduler
 from tests.gguf_files import write_tiny_gguf
+from tests.support import wait_for
 
 
 class FakeRunner:
     started: list["FakeRunner"] = []
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: LoadConfig) -> None:
         self.config = config
         self.report: dict[str, Any] = {}
         self.running = False
         self.stopped = False
 
     def start(self, timeout: float) -> dict[str, Any]:
-        if "broken" in self.config["model"]:
+        if "broken" in self.config.model:
             raise RunnerError("llama runner process has terminated: boom")
         self.running = True
         FakeRunner.started.append(self)
@@ -72,13 +74,6 @@ def record(tmp_path: Path, name: str) -> ModelRecord:
 def acquire(s: Scheduler, rec: ModelRecord, keep_alive: float | None = None,
             **options: Any):  # type: ignore[no-untyped-def]
     return s.acquire(s.admit(rec), rec, options, keep_alive)
-
-
-def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def tick(s: Scheduler, clock: Clock, seconds: float) -> None:

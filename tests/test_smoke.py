@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.model  # llama.cpp runs in every test here
+
 
 def test_smoke_decodes_tokens(starter_gguf: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "runner.smoke", str(starter_gguf)],

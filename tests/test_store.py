@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api.errors import DigestMismatch, InvalidDigest, ModelNotFound
+from corral.errors import DigestMismatch, InvalidDigest, ModelNotFound
 from registry import manifest as mt
 from registry.manifest import Layer, Manifest, parse_manifest
 from registry.names import parse_name

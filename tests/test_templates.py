@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from runner.prompt import FALLBACK_TEMPLATE, PromptBuilder
+from registry.models import FALLBACK_TEMPLATE
+from runner.prompt import PromptBuilder
 from runner.templates.gotemplate import GoTemplate, TemplateError
 from runner.templates.jinja import JinjaTemplate
 

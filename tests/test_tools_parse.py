@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.tools import call_id, parse_tool_calls
+from server.tools import call_id, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
          {"type": "function", "function": {"name": "add", "parameters": {}}}]

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Any, Callable
 
-from api.errors import BadRequest
+from corral.errors import BadRequest
 
 
 class TemplateError(BadRequest):

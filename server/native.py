@@ -6,12 +6,18 @@ import json
 import time
 from typing import Any, Iterator
 
-from api.errors import BadRequest, CorralError
-from api.http import Handler, Request
-from api.inference import Inference, Outcome, capabilities, grammar_for, keep_alive_of
-from api.schema import STREAM_CONTENT_TYPE, nanoseconds, rfc3339
-from api.tools import call_id, parse_tool_calls
+from api.types import STREAM_CONTENT_TYPE, nanoseconds, rfc3339
+from corral.errors import BadRequest, CorralError, format_error
 from registry.models import ModelRecord
+from server.http import Handler, Request
+from server.inference import (
+    Inference,
+    Outcome,
+    capabilities,
+    grammar_for,
+    keep_alive_of,
+)
+from server.tools import ToolCalls, with_tool_calls
 
 
 def _final_stats(outcome: Outcome) -> dict[str, Any]:
@@ -49,7 +55,7 @@ def _stream(handler: Handler, objects: Iterator[dict[str, Any]], stream: bool) -
             if not writer.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n"):
                 break
     except CorralError as exc:
-        writer.write(json.dumps({"error": exc.message}).encode() + b"\n")
+        writer.write(json.dumps(format_error(exc)[1]).encode() + b"\n")
     writer.end()
 
 
@@ -134,26 +140,6 @@ def generate(inf: Inference) -> Any:
     return route
 
 
-def _chat_messages(record: ModelRecord, messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise BadRequest("messages must be a list of objects")
-    out = []
-    for m in messages:
-        role = str(m.get("role", "")).lower()
-        if role not in ("system", "user", "assistant", "tool"):
-            raise BadRequest(f"invalid message role {role!r}")
-        if m.get("images"):
-            raise BadRequest(f"{record.name.full()} does not support vision")
-        content = m.get("content") or ""
-        if not isinstance(content, str):
-            raise BadRequest("message content must be a string")
-        out.append({**m, "role": role, "content": content})
-    full = list(record.messages) + out
-    if record.system and not (full and full[0].get("role") == "system"):
-        full.insert(0, {"role": "system", "content": record.system})
-    return full
-
-
 def chat(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
@@ -168,7 +154,7 @@ def chat(inf: Inference) -> Any:
             raise BadRequest(f"{record.name.full()} does not support tools")
         if body.get("think") and "thinking" not in caps:
             raise BadRequest(f'"{body["model"]}" does not support thinking')
-        full = _chat_messages(record, messages)
+        full = inf.chat_messages(record, messages)
         if not messages:
             _load_or_unload(handler, inf, record, body, chat=True)
             return
@@ -176,21 +162,13 @@ def chat(inf: Inference) -> Any:
             "messages": full, "tools": tools or None, "think": body.get("think")})
 
         def objects() -> Iterator[dict[str, Any]]:
-            held: list[str] = []
-            for piece in pieces:
-                if tools:
-                    held.append(piece)  # tool calls arrive whole, once parsed
+            message: dict[str, Any] = {"role": "assistant", "content": ""}
+            for item in with_tool_calls(pieces, tools):
+                if isinstance(item, ToolCalls):
+                    message["tool_calls"] = item.calls
                     continue
                 yield {"model": body["model"], "created_at": rfc3339(time.time()),
-                       "message": {"role": "assistant", "content": piece}, "done": False}
-            message: dict[str, Any] = {"role": "assistant", "content": ""}
-            if tools:
-                text = "".join(held)
-                calls = parse_tool_calls(text, tools)
-                if calls:
-                    message["tool_calls"] = [{"id": call_id(), **c} for c in calls]
-                else:
-                    message["content"] = text
+                       "message": {"role": "assistant", "content": item}, "done": False}
             yield {"model": body["model"], "created_at": rfc3339(time.time()),
                    "message": message, "done": True, **_final_stats(outcome)}
         _stream(handler, _prefetch(objects()), body.get("stream", True) is not False)
@@ -211,11 +189,10 @@ def embed(inf: Inference) -> Any:
         if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
             raise BadRequest("invalid input type")
         started = time.perf_counter()
-        result, load = _run_embed(inf, record, body, inputs, normalize=True)
-        vectors = result["embeddings"]
         dims = body.get("dimensions")
-        if isinstance(dims, int) and 0 < dims:
-            vectors = [_renormalize(v[:dims]) for v in vectors]
+        result, load = inf.embed(record, body, inputs, normalize=True,
+                                 dimensions=dims if isinstance(dims, int) and dims > 0 else 0)
+        vectors = result["embeddings"]
         handler.send_json(200, {"model": body["model"], "embeddings": vectors,
                                 "total_duration": nanoseconds(time.perf_counter() - started),
                                 "load_duration": nanoseconds(load),
@@ -232,17 +209,6 @@ def embeddings(inf: Inference) -> Any:
             inf.load_only(record, inf.options(record, body.get("options")), keep_alive_of(body))
             handler.send_json(200, {"embedding": []})
             return
-        result, _ = _run_embed(inf, record, body, [str(prompt)], normalize=False)
+        result, _ = inf.embed(record, body, [str(prompt)], normalize=False)
         handler.send_json(200, {"embedding": result["embeddings"][0]})
     return route
-
-
-def _run_embed(inf: Inference, record: ModelRecord, body: dict[str, Any], inputs: list[str],
-               normalize: bool) -> tuple[dict[str, Any], float]:
-    return inf.embed(record, inputs, inf.options(record, body.get("options")),
-                     keep_alive_of(body), bool(body.get("truncate", True)), normalize)
-
-
-def _renormalize(vector: list[float]) -> list[float]:
-    norm = sum(x * x for x in vector) ** 0.5
-    return [x / norm for x in vector] if norm else vector

@@ -2,7 +2,7 @@
 
 Order of checks for every request: body-size limit -> Host allowlist (when
 bound to loopback) -> CORS -> optional API key -> route. Every error leaves
-through `api.errors.to_http`.
+through `Handler.respond_error`, which formats it with `corral.errors.format_error`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
-from api.config import Settings
-from api.errors import BadRequest, CorralError, PayloadTooLarge, Unauthorized, to_http
-from api.schema import JSON_CONTENT_TYPE
+from api.types import JSON_CONTENT_TYPE
+from corral.config import Settings
+from corral.errors import (
+    BadRequest,
+    CorralError,
+    Forbidden,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    Shape,
+    Unauthorized,
+    format_error,
+)
 
 log = logging.getLogger("corral.http")
 
@@ -229,12 +239,19 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def send_error_json(self, exc: BaseException) -> None:
-        status, body = to_http(exc)
-        headers = {"Retry-After": "1"} if status == 503 else None
+    def respond_error(self, exc: BaseException, shape: Shape = Shape.OLLAMA) -> None:
+        """Every error response leaves through here, in the shape of its API."""
+        status, body = format_error(exc, shape)
         if status >= 500 and not isinstance(exc, CorralError):
             log.exception("internal error", exc_info=exc)
-        self.send_json(status, body, headers)
+        if isinstance(body, dict):
+            self.send_json(status, body, {"Retry-After": "1"} if status == 503 else None)
+        elif isinstance(body, str):
+            self.send_text(status, body)
+        else:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
     def start_stream(self, content_type: str) -> StreamWriter:
         self.send_response(200)
@@ -274,11 +291,11 @@ class Handler(BaseHTTPRequestHandler):
         except CorralError as exc:
             if request.length and not request.consumed:
                 self.close_connection = True  # the unread body would corrupt the next request
-            self.send_error_json(exc)
+            self.respond_error(exc)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as exc:  # noqa: BLE001 - the daemon keeps serving
-            self.send_error_json(exc)
+            self.respond_error(exc)
 
     def _route(self, method: str, path: str) -> Route | None:
         lookup = "GET" if method == "HEAD" else method
@@ -289,15 +306,13 @@ class Handler(BaseHTTPRequestHandler):
                     return fn
             if any(p == path for _, p in self.routes) or any(
                     path.startswith(prefix) for _, prefix, _ in self.prefix_routes):
-                self.send_text(405, "405 method not allowed")
+                self.respond_error(MethodNotAllowed("405 method not allowed"), Shape.TEXT)
             else:
-                self.send_text(404, "404 page not found")
+                self.respond_error(NotFound("404 page not found"), Shape.TEXT)
         return route
 
     def _forbidden(self) -> None:
-        self.send_response(403)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        self.respond_error(Forbidden("forbidden"))
 
     def _preflight(self) -> None:
         self.send_response(204)

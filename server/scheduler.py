@@ -13,18 +13,19 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-from api.config import FOREVER, Settings
-from api.errors import CorralError, RunnerError, ServerBusy
+from corral.config import FOREVER, Settings
+from corral.errors import CorralError, RunnerError, ServerBusy
+from corral.options import LOAD_OPTIONS
 from registry.gguf import inspect_gguf
 from registry.models import ModelRecord
 from runner import memory
+from runner.loadconfig import LoadConfig
 
 log = logging.getLogger("corral.scheduler")
 
-LOAD_KEYS = ("num_ctx", "num_batch", "num_gpu", "num_thread", "use_mmap", "main_gpu")
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
 
 
@@ -37,8 +38,8 @@ class Runner(Protocol):
     def alive(self) -> bool: ...
     def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
     def cancel(self, job_id: str) -> None: ...
-    def embed(self, inputs: list[str], truncate: bool = True,
-              normalize: bool = True) -> dict[str, Any]: ...
+    def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
+              dimensions: int = 0) -> dict[str, Any]: ...
     def health(self) -> dict[str, Any]: ...
 
 
@@ -62,7 +63,6 @@ class Loaded:
     load_duration: float = 0.0
     reload: bool = False
     inflight: int = 0  # admitted requests, running or queued in the runner
-    requests: dict[str, int] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -91,7 +91,7 @@ def physical_memory_available() -> int:
 
 class Scheduler:
     def __init__(self, settings: Settings,
-                 runner_factory: Callable[[dict[str, Any]], Runner],
+                 runner_factory: Callable[[LoadConfig], Runner],
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
                  free_vram: Callable[[], int] = memory.free_gpu_memory) -> None:
@@ -208,7 +208,7 @@ class Scheduler:
     # ---- loading -------------------------------------------------------------------------
 
     def _load_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        opts = {k: options[k] for k in LOAD_KEYS if k in options}
+        opts = {k: options[k] for k in LOAD_OPTIONS if k in options}
         opts.setdefault("num_ctx", self.settings.context_length)
         if opts.get("num_gpu") == -1:
             del opts["num_gpu"]  # auto never forces a reload
@@ -255,15 +255,10 @@ class Scheduler:
     def _load(self, entry: Loaded) -> None:
         with self._load_lock:  # one load at a time
             start = self.clock()
-            config = {"model": str(entry.record.model_path), "n_slots": entry.slots,
-                      "num_ctx": entry.options["num_ctx"],
-                      "n_batch": entry.options.get("num_batch", 512),
-                      "n_threads": entry.options.get("num_thread", 0),
-                      "num_gpu": entry.options.get("num_gpu", -1),
-                      "use_mmap": entry.options.get("use_mmap", True),
-                      "flash_attn": self.settings.flash_attention,
-                      "kv_cache_type": self.settings.kv_cache_type,
-                      "template": entry.record.template}
+            config = LoadConfig.from_options(
+                str(entry.record.model_path), entry.options, n_slots=entry.slots,
+                flash_attn=self.settings.flash_attention,
+                kv_cache_type=self.settings.kv_cache_type, template=entry.record.template)
             runner = self.runner_factory(config)
             try:
                 runner.start(self.settings.load_timeout)

@@ -8,10 +8,10 @@ Ollama does. No other module reads `os.environ`.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import re
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping

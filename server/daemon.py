@@ -13,16 +13,17 @@ import sys
 import threading
 from typing import IO, Any, Callable
 
-from api import manage, native, openai
-from api.config import Settings
-from api.http import Handler, Route, Server, origin_pattern
-from api.inference import Inference
-from api.metrics import Metrics
-from registry.download import DownloadOptions, Downloader
+from corral.config import Settings
+from registry.download import Downloader, DownloadOptions
 from registry.pull import Puller
 from registry.store import Store
 from runner.client import RunnerProcess
-from runner.scheduler import Runner, Scheduler
+from runner.loadconfig import LoadConfig
+from server import manage, native, openai
+from server.http import Handler, Route, Server, origin_pattern
+from server.inference import Inference
+from server.metrics import Metrics
+from server.scheduler import Runner, Scheduler
 
 log = logging.getLogger("corral")
 
@@ -58,7 +59,7 @@ def routes(inf: Inference, puller: Puller
 
 class Daemon:
     def __init__(self, settings: Settings,
-                 runner_factory: Callable[[dict[str, Any]], Runner] | None = None,
+                 runner_factory: Callable[[LoadConfig], Runner] | None = None,
                  runner_log: IO[bytes] | None = None,
                  download_options: DownloadOptions | None = None) -> None:
         self.settings = settings

@@ -1,7 +1,7 @@
-"""Wire types shared by the server and the CLI client.
+"""The option table and option coercion.
 
-The options table lives here because it is part of the wire format: the same
-table types Modelfile PARAMETERs, request `options`, and the CLI's `/set parameter`.
+One table types Modelfile PARAMETERs, request `options`, and the CLI's
+`/set parameter`, so all three accept and refuse exactly the same values.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from api.errors import InvalidOption
+from corral.errors import InvalidOption
 
 # name -> (type, kind); kind "load" options force a reload when they change.
 OPTION_TYPES: dict[str, tuple[type, str]] = {
@@ -141,26 +141,3 @@ def coerce_options(options: Any, strict: bool = False) -> dict[str, Any]:
             continue
         out[name] = coerce_option(name, value)
     return out
-
-
-# ---- wire formatting shared by server and client -----------------------------------------
-
-def rfc3339(ts: float, utc: bool = True) -> str:
-    """RFC3339 with nanosecond digits, as Go prints times (UTC `Z` for created_at)."""
-    import datetime as _dt
-
-    if utc:
-        moment = _dt.datetime.fromtimestamp(ts, _dt.timezone.utc)
-        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000Z"
-    moment = _dt.datetime.fromtimestamp(ts).astimezone()
-    offset = moment.strftime("%z")
-    return (moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000"
-            + f"{offset[:3]}:{offset[3:]}")
-
-
-def nanoseconds(seconds: float) -> int:
-    return max(0, int(seconds * 1e9))
-
-
-STREAM_CONTENT_TYPE = "application/x-ndjson"
-JSON_CONTENT_TYPE = "application/json; charset=utf-8"

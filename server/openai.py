@@ -9,20 +9,12 @@ import struct
 import time
 from typing import Any, Iterator
 
-from api.errors import BadRequest, CorralError, ModelNotFound, to_http
-from api.http import Handler, Request
-from api.inference import Inference, Outcome, grammar_for
-from api.native import _chat_messages, _run_embed
-from api.tools import call_id, parse_tool_calls
+from corral.errors import BadRequest, CorralError, ModelNotFound, Shape, format_error
+from server.http import Handler, Request
+from server.inference import Inference, Outcome, grammar_for
+from server.tools import ToolCalls, with_tool_calls
 
 SSE = "text/event-stream"
-
-
-def _error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    status, body = to_http(exc)
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "api_error")
-    return status, {"error": {"message": body["error"], "type": kind, "param": None,
-                              "code": None}}
 
 
 def openai_route(fn: Any) -> Any:
@@ -30,8 +22,7 @@ def openai_route(fn: Any) -> Any:
         try:
             fn(req, handler)
         except CorralError as exc:
-            status, body = _error_body(exc)
-            handler.send_json(status, body, {"Retry-After": "1"} if status == 503 else None)
+            handler.respond_error(exc, Shape.OPENAI)
     return route
 
 
@@ -101,6 +92,25 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama-shaped calls as OpenAI's: arguments as a JSON string, with an index."""
+    return [{"id": c["id"], "index": i, "type": "function",
+             "function": {"name": c["function"]["name"],
+                          "arguments": json.dumps(c["function"]["arguments"])}}
+            for i, c in enumerate(calls)]
+
+
+def _split(items: Iterator[str | ToolCalls]) -> tuple[list[str], list[dict[str, Any]]]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, ToolCalls):
+            calls = _openai_calls(item.calls)
+        else:
+            texts.append(item)
+    return texts, calls
+
+
 def _usage(outcome: Outcome) -> dict[str, int]:
     p = int(outcome.stats.get("prompt_eval_count", 0))
     c = int(outcome.stats.get("eval_count", 0))
@@ -115,7 +125,8 @@ def _sse(handler: Handler, events: Iterator[dict[str, Any]]) -> None:
                                 + b"\n\n"):
                 return
     except CorralError as exc:
-        writer.write(b"data: " + json.dumps(_error_body(exc)[1]).encode() + b"\n\n")
+        writer.write(b"data: " + json.dumps(format_error(exc, Shape.OPENAI)[1]).encode()
+                     + b"\n\n")
         writer.end()
         return
     writer.write(b"data: [DONE]\n\n")
@@ -127,7 +138,7 @@ def chat_completions(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
         record = inf.record(body.get("model"))
-        messages = _chat_messages(record, _messages(body.get("messages")))
+        messages = inf.chat_messages(record, _messages(body.get("messages")))
         tools = body.get("tools") or []
         options = inf.options(record, _options(body))
         outcome = Outcome()
@@ -137,25 +148,18 @@ def chat_completions(inf: Inference) -> Any:
         cid, created, model = f"chatcmpl-{random.randint(0, 998)}", int(time.time()), body["model"]
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": "fp_ollama"}
 
-        def finish(text: str) -> tuple[dict[str, Any], str]:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            reason = "length" if outcome.stats.get("done_reason") == "length" else "stop"
-            calls = parse_tool_calls(text, tools) if tools else []
+        def reason(calls: list[dict[str, Any]]) -> str:
             if calls:
-                message["content"] = ""
-                message["tool_calls"] = [
-                    {"id": call_id(), "index": i, "type": "function",
-                     "function": {"name": c["function"]["name"],
-                                  "arguments": json.dumps(c["function"]["arguments"])}}
-                    for i, c in enumerate(calls)]
-                reason = "tool_calls"
-            return message, reason
+                return "tool_calls"
+            return "length" if outcome.stats.get("done_reason") == "length" else "stop"
 
         if not body.get("stream"):
-            first = list(pieces)
-            message, reason = finish("".join(first))
+            texts, calls = _split(with_tool_calls(pieces, tools))
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
             handler.send_json(200, {**base, "object": "chat.completion", "choices": [
-                {"index": 0, "message": message, "finish_reason": reason}],
+                {"index": 0, "message": message, "finish_reason": reason(calls)}],
                 "usage": _usage(outcome)})
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -165,18 +169,15 @@ def chat_completions(inf: Inference) -> Any:
             yield {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
                                          "finish_reason": None}]}
-            held = []
-            for piece in pieces:
-                if tools:
-                    held.append(piece)
-                    continue
-                yield {**chunk, "choices": [{"index": 0, "delta": {"content": piece},
-                                             "finish_reason": None}]}
-            message, reason = finish("".join(held))
-            if tools:
-                delta = {k: v for k, v in message.items() if k != "role"}
+            calls: list[dict[str, Any]] = []
+            for item in with_tool_calls(pieces, tools):
+                delta: dict[str, Any] = {"content": item}
+                if isinstance(item, ToolCalls):
+                    calls = _openai_calls(item.calls)
+                    delta = {"content": "", "tool_calls": calls}
                 yield {**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-            yield {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+            yield {**chunk, "choices": [{"index": 0, "delta": {},
+                                         "finish_reason": reason(calls)}]}
             if include_usage:
                 yield {**chunk, "choices": [], "usage": _usage(outcome)}
         _sse(handler, events())
@@ -242,7 +243,7 @@ def embeddings(inf: Inference) -> Any:
         if fmt not in ("float", "base64"):
             raise BadRequest(f"Invalid value for 'encoding_format' = {fmt}. "
                              "Supported values: ['float', 'base64'].")
-        result, _ = _run_embed(inf, record, body, [i or " " for i in inputs], normalize=True)
+        result, _ = inf.embed(record, body, [i or " " for i in inputs], normalize=True)
         data = []
         for i, vector in enumerate(result["embeddings"]):
             value: Any = vector

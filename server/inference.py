@@ -11,19 +11,19 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from api.config import parse_duration
-from api.errors import BadRequest, CorralError, ModelNotFound, RunnerError
-from api.metrics import Metrics
-from api.schema import coerce_options
+from corral.config import parse_duration
+from corral.errors import BadRequest, CorralError, ModelNotFound, RunnerError
+from corral.options import coerce_options
 from registry.gguf import inspect_gguf
 from registry.models import ModelRecord, load_record
 from registry.names import parse_name
 from registry.store import Store
-from runner.scheduler import Loaded, Scheduler
+from server.metrics import Metrics
+from server.scheduler import Loaded, Scheduler
 
 log = logging.getLogger("corral.inference")
 
@@ -35,6 +35,13 @@ class Outcome:
     stats: dict[str, Any] = field(default_factory=dict)
     load_duration: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+
+
+def require_model(name: Any) -> str:
+    """The model a request names; every route that needs one asks here."""
+    if not isinstance(name, str) or not name:
+        raise BadRequest("model is required")
+    return name
 
 
 def keep_alive_of(body: dict[str, Any]) -> float | None:
@@ -89,9 +96,7 @@ class Inference:
         self.metrics = metrics
 
     def record(self, name: Any, not_found: str = "model '{}' not found") -> ModelRecord:
-        if not isinstance(name, str) or not name:
-            raise BadRequest("model is required")
-        parsed = parse_name(name)
+        parsed = parse_name(require_model(name))
         if self.store.resolve(parsed) is None:
             raise ModelNotFound(not_found.format(name))
         return load_record(self.store, parsed)
@@ -129,21 +134,37 @@ class Inference:
             pass
         return time.perf_counter() - start
 
-    def embed(self, record: ModelRecord, inputs: list[str], options: dict[str, Any],
-              keep_alive: float | None, truncate: bool, normalize: bool
-              ) -> tuple[dict[str, Any], float]:
+    def embed(self, record: ModelRecord, body: dict[str, Any], inputs: list[str],
+              normalize: bool, dimensions: int = 0) -> tuple[dict[str, Any], float]:
         """The runner's embeddings and the seconds spent getting the model ready."""
         start = time.perf_counter()
-        with self.hold(record, options, keep_alive) as entry:
+        options = self.options(record, body.get("options"))
+        with self.hold(record, options, keep_alive_of(body)) as entry:
             load = time.perf_counter() - start
             assert entry.runner is not None
-            try:
-                result = entry.runner.embed(inputs, truncate, normalize)
-            except CorralError as exc:
-                if "exceeds" in exc.message:
-                    raise BadRequest("the input length exceeds the context length") from None
-                raise
+            result = entry.runner.embed(inputs, bool(body.get("truncate", True)), normalize,
+                                        dimensions)
         return result, load
+
+    def chat_messages(self, record: ModelRecord, messages: Any) -> list[dict[str, Any]]:
+        """Checked request messages after the model's own MESSAGES and SYSTEM."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("messages must be a list of objects")
+        out = []
+        for m in messages:
+            role = str(m.get("role", "")).lower()
+            if role not in ("system", "user", "assistant", "tool"):
+                raise BadRequest(f"invalid message role {role!r}")
+            if m.get("images"):
+                raise BadRequest(f"{record.name.full()} does not support vision")
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                raise BadRequest("message content must be a string")
+            out.append({**m, "role": role, "content": content})
+        full = list(record.messages) + out
+        if record.system and not (full and full[0].get("role") == "system"):
+            full.insert(0, {"role": "system", "content": record.system})
+        return full
 
     def generate(self, record: ModelRecord, runner_body: dict[str, Any], options: dict[str, Any],
                  keep_alive: float | None, outcome: Outcome,

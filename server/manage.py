@@ -7,16 +7,24 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from api.config import FOREVER
-from api.errors import BadRequest, CorralError, ModelNotFound, NotFound
-from api.http import Handler, Request
-from api.inference import Inference, capabilities
-from api.schema import STREAM_CONTENT_TYPE, rfc3339
+from api.types import STREAM_CONTENT_TYPE, rfc3339
+from corral.config import FOREVER
+from corral.errors import (
+    BadRequest,
+    CorralError,
+    ModelNotFound,
+    NotFound,
+    NotImplementedYet,
+    format_error,
+)
+from corral.version import corral_version
 from registry.create import CreateRequest, create_model
 from registry.gguf import inspect_gguf
 from registry.modelfile import format_modelfile, parse_modelfile
 from registry.models import load_record
 from registry.names import parse_name
+from server.http import Handler, Request
+from server.inference import Inference, capabilities, require_model
 
 API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400
@@ -57,10 +65,7 @@ def _model_info(path: Path) -> dict[str, Any]:
 def show(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
-        name = body.get("model") or body.get("name")
-        if not name:
-            raise BadRequest("model is required")
-        parsed = parse_name(name)
+        parsed = parse_name(require_model(body.get("model") or body.get("name")))
         if inf.store.resolve(parsed) is None:
             raise ModelNotFound(f"model '{parsed.display()}' not found")
         record = load_record(inf.store, parsed)
@@ -136,7 +141,7 @@ def create(inf: Inference) -> Any:
         except CorralError as exc:
             if not events:
                 raise
-            events.append({"error": exc.message})
+            events.append(format_error(exc)[1])
         writer = handler.start_stream(STREAM_CONTENT_TYPE)
         for event in events:
             writer.write(json.dumps(event).encode() + b"\n")
@@ -185,9 +190,7 @@ def copy(inf: Inference) -> Any:
 def delete(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("model is required")
+        name = require_model(body.get("model") or body.get("name"))
         try:
             parsed = parse_name(name)
         except CorralError:
@@ -230,7 +233,6 @@ def ps(inf: Inference) -> Any:
 
 def version(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
-        from cli.main import corral_version
         handler.send_json(200, {"version": API_VERSION, "corral": corral_version()})
     return route
 
@@ -243,7 +245,7 @@ def root(inf: Inference) -> Any:
 
 def unsupported(message: str) -> Any:
     def route(req: Request, handler: Handler) -> None:
-        handler.send_json(501, {"error": message})
+        raise NotImplementedYet(message)
     return route
 
 
@@ -270,9 +272,7 @@ def metrics(inf: Inference) -> Any:
 def pull(inf: Inference, puller: Any) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("model is required")
+        name = require_model(body.get("model") or body.get("name"))
         insecure = bool(body.get("insecure"))
         if body.get("stream", True) is False:
             puller.pull(name, lambda event: None, insecure)
@@ -286,6 +286,6 @@ def pull(inf: Inference, puller: Any) -> Any:
         try:
             puller.pull(name, progress, insecure, cancelled=lambda: writer.closed)
         except CorralError as exc:
-            writer.write(json.dumps({"error": exc.message}).encode() + b"\n")
+            writer.write(json.dumps(format_error(exc)[1]).encode() + b"\n")
         writer.end()
     return route

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import random
 import string
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 
 def _candidates(text: str) -> list[Any]:
@@ -57,3 +58,26 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> list[dict[str, A
 
 def call_id() -> str:
     return "call_" + "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    calls: list[dict[str, Any]]  # Ollama's shape, each with an id
+
+
+def with_tool_calls(pieces: Iterable[str], tools: list[dict[str, Any]]
+                    ) -> Iterator[str | ToolCalls]:
+    """Text pieces as they come; with tools, the whole reply is held and parsed first.
+
+    A reply that holds calls yields one ToolCalls and no text; one that holds
+    none yields its text as a single piece.
+    """
+    if not tools:
+        yield from pieces
+        return
+    text = "".join(pieces)
+    calls = parse_tool_calls(text, tools)
+    if calls:
+        yield ToolCalls([{"id": call_id(), **c} for c in calls])
+    elif text:
+        yield text

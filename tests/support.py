@@ -1,14 +1,15 @@
-"""Starting the real daemon in-process on port 0, with real runner processes."""
+"""Test helpers: the real daemon in-process on port 0, and waiting for a condition."""
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable
 
-from api.config import load_settings
-from api.daemon import Daemon
+from corral.config import load_settings
 from registry.store import Store
+from server.daemon import Daemon
 
 
 def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:
@@ -28,6 +29,12 @@ def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:
     return Daemon(settings).start()
 
 
-def stop(daemon: Daemon) -> Iterator[None]:
-    yield
-    daemon.shutdown()
+DaemonFactory = Callable[..., Daemon]  # (store, root=None, **CORRAL_settings) -> started daemon
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02) -> None:
+    """Poll until `predicate()` is true; fail the test when `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(interval)

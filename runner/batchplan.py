@@ -1,0 +1,56 @@
+"""Planning one engine step: which tokens of which slots go into the next batch.
+
+Pure: it reads slot state and returns a plan, so it is tested without llama.cpp.
+Every decoding slot's next token goes first (a running stream never waits),
+then prompt chunks of prefilling slots, oldest request first, within the
+batch budget. A long prompt therefore takes several steps, and the streams
+beside it advance at every one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from runner.slot import Slot, SlotState
+
+
+class Entry(NamedTuple):
+    token: int
+    pos: int
+    seq: int
+    logits: bool
+
+
+@dataclass
+class StepPlan:
+    entries: list[Entry] = field(default_factory=list)
+    decoding: list[Slot] = field(default_factory=list)  # slots whose next token is in the batch
+    prefill: list[tuple[Slot, int]] = field(default_factory=list)  # (slot, prompt tokens taken)
+    sample_at: dict[int, int] = field(default_factory=dict)  # slot seq -> batch row to sample
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.decoding + [slot for slot, _ in self.prefill]
+
+
+def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
+    plan = StepPlan()
+    for slot in slots:
+        if slot.state is SlotState.DECODE and len(plan.entries) < n_batch:
+            plan.sample_at[slot.seq] = len(plan.entries)
+            plan.entries.append(Entry(slot.last_token, slot.n_past, slot.seq, True))
+            plan.decoding.append(slot)
+    prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
+    for slot in prefilling:
+        take = min(n_batch - len(plan.entries), len(slot.pending))
+        if take <= 0:
+            break
+        last_chunk = take == len(slot.pending)
+        for k in range(take):
+            plan.entries.append(Entry(slot.pending[k], slot.n_past + k, slot.seq,
+                                      last_chunk and k == take - 1))
+        if last_chunk:
+            plan.sample_at[slot.seq] = len(plan.entries) - 1
+        plan.prefill.append((slot, take))
+    return plan

@@ -1,0 +1,100 @@
+"""One model and its generation context, created before the engine thread starts.
+
+The parameters here are what keep greedy output independent of the batch:
+one KV stream per slot, no extra CPU buffer types, a full-size SWA cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as L
+
+from corral.errors import RunnerError
+from runner import native
+from runner.loadconfig import DEFAULT_BATCH
+
+_KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_slots: int = 1
+    num_ctx: int = 4096  # per slot
+    n_batch: int = DEFAULT_BATCH
+    n_threads: int = 0  # 0: physical cores
+    n_gpu_layers: int = 0
+    flash_attn: bool | None = None
+    kv_cache_type: str = "f16"
+    use_mmap: bool = True
+    # llama.cpp's extra CPU buffer types (weight repacking, AMX) make a row's
+    # logits depend on how many rows share the batch, so greedy output would
+    # change with load; on this class of CPU they are not faster either.
+    extra_bufts: bool = False
+
+
+_KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
+
+
+class LlamaContext:
+    model: Any
+    ctx: Any
+    batch: Any
+
+    def __init__(self, path: str, cfg: EngineConfig) -> None:
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        mparams.use_extra_bufts = cfg.extra_bufts
+        if not cfg.use_mmap:
+            mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
+        self.model = L.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise RunnerError(f"llama.cpp could not load {path}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
+        self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
+        self.n_threads = cfg.n_threads or native.physical_cores()
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = self.num_ctx * cfg.n_slots
+        cparams.n_seq_max = cfg.n_slots
+        cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        # One KV stream per slot. In a shared (unified) stream, a sequence's new
+        # cells can land in holes another slot left behind, which changes the
+        # order flash attention visits them in, and so its floating-point sums:
+        # outputs would then depend on the neighbours.
+        cparams.kv_unified = False
+        # Gemma 3's sliding-window cache must be full size, or prefix reuse and
+        # context shift would need KV that has already been evicted.
+        cparams.swa_full = True
+        cparams.embeddings = False
+        cparams.no_perf = True
+        fa = cfg.flash_attn
+        cparams.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
+                                   L.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else
+                                   L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
+        cparams.type_k = cparams.type_v = kv_type
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise RunnerError("llama.cpp could not create a context (out of memory?)")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_batch = int(L.llama_n_batch(self.ctx))
+        self.n_ctx = int(L.llama_n_ctx(self.ctx))
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+
+    def free(self) -> None:
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None

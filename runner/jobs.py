@@ -1,0 +1,100 @@
+"""The engine's typed boundary: the job a caller submits, the commands the engine
+thread reads, and the events a job's caller reads back.
+
+    caller --Submit/Embed/Stop--> engine thread --Token*, then Done or Failed--> job.events
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Any, Union
+
+from corral.errors import CorralError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Ollama's per-request sampling options, with Ollama's defaults."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SamplingParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
+
+    def penalized(self) -> bool:
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0)
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    stats: dict[str, Any]  # done_reason, counts and durations, the context
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: CorralError
+
+
+Event = Union[Token, Done, Failed]
+
+
+@dataclass
+class Job:
+    """One generation request as the engine sees it."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_predict: int = -1
+    stop: list[str] = field(default_factory=list)
+    num_keep: int = 4
+    grammar: str | None = None
+    truncate: bool = True
+    shift: bool = True
+    ignore_eos: bool = False  # benchmarks: always generate num_predict tokens
+    id: str = ""
+    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = 0.0  # set by the engine, on its clock
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Embed:
+    inputs: list[list[int]]
+    truncate: bool
+    reply: "queue.Queue[list[list[float]] | Failed]"
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Union[Submit, Embed, Stop]

@@ -1,0 +1,57 @@
+"""What it takes to load a model: one record from the scheduler down to the engine.
+
+The scheduler builds it from merged options and settings, the runner client
+hands it to the runner process as JSON, and the process turns it into the
+engine's configuration once the offload split is known.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from corral.errors import BadRequest
+
+DEFAULT_BATCH = 512
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str
+    n_slots: int = 1
+    num_ctx: int = 4096  # per slot
+    n_batch: int = DEFAULT_BATCH
+    n_threads: int = 0  # 0: physical cores
+    num_gpu: int = -1  # layers to offload; -1: as many as fit
+    main_gpu: int = 0
+    use_mmap: bool = True
+    flash_attn: bool | None = None  # None: llama.cpp decides
+    kv_cache_type: str = "f16"
+    template: str | None = None  # a TEMPLATE layer, which wins over the GGUF's
+
+    @classmethod
+    def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":
+        """From coerced load options (Ollama's names) plus daemon settings."""
+        return cls(model=model,
+                   num_ctx=int(options.get("num_ctx", cls.num_ctx)),
+                   n_batch=int(options.get("num_batch", DEFAULT_BATCH)),
+                   n_threads=int(options.get("num_thread", 0)),
+                   num_gpu=int(options.get("num_gpu", -1)),
+                   main_gpu=int(options.get("main_gpu", 0)),
+                   use_mmap=bool(options.get("use_mmap", True)),
+                   **settings)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LoadConfig":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise BadRequest("load configuration is not JSON") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or "model" not in data or not set(data) <= names:
+            raise BadRequest("load configuration has unknown or missing fields")
+        return cls(**data)

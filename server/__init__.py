@@ -1,0 +1,1 @@
+"""The daemon: the HTTP layer, native, OpenAI and management routes, and the model scheduler."""

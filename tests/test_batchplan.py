@@ -1,0 +1,74 @@
+"""The engine's step planning, without llama.cpp: who goes into the next batch, and where."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from runner.batchplan import Entry, plan_step
+from runner.jobs import Job
+from runner.slot import Slot, SlotState
+
+
+class NoSampler:
+    def free(self) -> None:
+        pass
+
+
+def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
+         started: float = 0.0) -> Slot:
+    s = Slot(seq=seq, num_ctx=4096)
+    if state is SlotState.IDLE:
+        s.cached = list(range(cached))
+        return s
+    prompt = list(range(100 * seq, 100 * seq + cached + pending))
+    s.cached = prompt[:cached]
+    s.start(Job(prompt=prompt), cached, NoSampler(), 10, now=started)  # type: ignore[arg-type]
+    if state is SlotState.DECODE:
+        s.cached, s.pending = prompt, []
+        s.transition(SlotState.DECODE)
+        s.last_token = 7 + seq
+    return s
+
+
+def test_decoding_slots_go_first_each_with_logits() -> None:
+    slots = [slot(0, SlotState.DECODE, cached=5), slot(1, SlotState.PREFILL, pending=3),
+             slot(2, SlotState.DECODE, cached=9)]
+    plan = plan_step(slots, n_batch=16)
+    assert plan.entries[:2] == [Entry(7, 5, 0, True), Entry(9, 9, 2, True)]
+    assert plan.entries[2:] == [Entry(100, 0, 1, False), Entry(101, 1, 1, False),
+                                Entry(102, 2, 1, True)]
+    assert plan.sample_at == {0: 0, 2: 1, 1: 4}
+    assert [s.seq for s in plan.decoding] == [0, 2] and plan.prefill == [(slots[1], 3)]
+
+
+def test_long_prompt_is_chunked_and_samples_only_on_its_last_chunk() -> None:
+    long = slot(1, SlotState.PREFILL, cached=2, pending=40)
+    running = slot(0, SlotState.DECODE, cached=3)
+    plan = plan_step([running, long], n_batch=8)
+    assert len(plan.entries) == 8
+    assert [e.pos for e in plan.entries[1:]] == list(range(2, 9))  # continues after the cache
+    assert not any(e.logits for e in plan.entries[1:])
+    assert 1 not in plan.sample_at and plan.prefill == [(long, 7)]
+    assert plan.sample_at == {0: 0}  # the running stream still advances this step
+
+
+def test_older_requests_prefill_first_within_the_budget() -> None:
+    young = slot(1, SlotState.PREFILL, pending=5, started=2.0)
+    old = slot(2, SlotState.PREFILL, pending=5, started=1.0)
+    plan = plan_step([young, old], n_batch=7)
+    assert plan.prefill == [(old, 5), (young, 2)]
+    assert plan.sample_at == {2: 4}
+
+
+def test_idle_slots_and_a_full_batch_add_nothing() -> None:
+    assert plan_step([slot(0, SlotState.IDLE, cached=4)], n_batch=8).entries == []
+    decoding = [slot(i, SlotState.DECODE, cached=1) for i in range(3)]
+    waiting = slot(3, SlotState.PREFILL, pending=4)
+    plan = plan_step(decoding + [waiting], n_batch=3)
+    assert len(plan.entries) == 3 and plan.prefill == []
+
+
+def test_planning_needs_no_llama_cpp() -> None:
+    code = "import sys, runner.batchplan; sys.exit('llama_cpp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -1,0 +1,92 @@
+"""Dependencies run one way: corral <- registry <- runner <- server <- cli, and cli -> api -> corral.
+
+Every import of every module is read with `ast`, including imports inside
+functions, so a lazy import cannot hide an arrow pointing the wrong way.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> the packages of ours it may import (besides itself)
+ALLOWED: dict[str, frozenset[str]] = {
+    "corral": frozenset(),
+    "registry": frozenset({"corral"}),
+    "runner": frozenset({"corral", "registry"}),
+    "api": frozenset({"corral"}),
+    "server": frozenset({"corral", "registry", "runner", "api"}),
+    "cli": frozenset({"corral", "api", "registry", "server"}),
+}
+# The CLI reaches the server only to run it (`corral serve`); everything else goes
+# through the client. These are the only cli modules and functions that may.
+CLI_SERVER_USERS = {("cli/main.py", "serve")}
+
+
+def imports_of(path: Path) -> list[tuple[str, int, str]]:
+    """(imported top-level package, line, enclosing function or '') for every import."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[str, int, str]] = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, func or child.name)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((a.name.split(".")[0], child.lineno, func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.append((child.module.split(".")[0], child.lineno, func))
+            visit(child, func)
+
+    visit(tree, "")
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    bad = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for target, line, func in imports_of(path):
+                if target not in ALLOWED or target == package:
+                    continue
+                if target not in allowed:
+                    bad.append(f"{rel}:{line} imports {target}")
+                elif package == "cli" and target == "server" and (rel, func) not in CLI_SERVER_USERS:
+                    bad.append(f"{rel}:{line} imports server outside `serve`")
+    return bad
+
+
+def test_every_import_points_down() -> None:
+    assert violations(ROOT) == []
+
+
+def test_every_package_is_in_the_table() -> None:
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert packages == set(ALLOWED)
+
+
+@pytest.mark.parametrize("package,line", [
+    ("corral", "from registry.store import Store"),
+    ("registry", "def f():\n    from runner.engine import Engine\n"),
+    ("runner", "import server.daemon"),
+    ("api", "from server.http import Handler"),
+    ("cli", "def run():\n    from server.daemon import Daemon\n"),
+])
+def test_a_forbidden_import_is_caught(tmp_path: Path, package: str, line: str) -> None:
+    for name in ALLOWED:
+        (tmp_path / name).mkdir()
+    (tmp_path / package / "bad.py").write_text(line + "\n")
+    assert len(violations(tmp_path)) == 1
+
+
+def test_serve_may_import_the_server(tmp_path: Path) -> None:
+    for name in ALLOWED:
+        (tmp_path / name).mkdir()
+    (tmp_path / "cli" / "main.py").write_text("def serve():\n    from server.daemon import Daemon\n")
+    assert violations(tmp_path) == []
