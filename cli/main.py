@@ -18,7 +18,7 @@ from corral.version import corral_version
 EXAMPLES = """
 Examples:
 
-  corral run gemma3:270m-base            chat with the starter model
+  corral run smollm2:135m                chat with the starter model
   corral run gemma3:270m-base "Hi"       one answer, then exit
   cat notes.txt | corral run MODEL "Summarize:"
   corral pull llama3.2                   fetch a model from the registry

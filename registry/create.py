@@ -18,7 +18,7 @@ from typing import Any
 from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
 from registry import manifest as mt
-from registry.gguf import human_parameter_count, inspect_gguf
+from registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
 from registry.manifest import Layer, Manifest, canonical_digest
 from registry.modelfile import ROLES
 from registry.names import Name, is_valid_name, parse_name
@@ -60,8 +60,7 @@ def _validate_parameters(params: Any) -> dict[str, Any]:
             if v is not None and k not in IGNORED_OPTIONS}
 
 
-def _model_config(info_path: Path) -> dict[str, Any]:
-    info = inspect_gguf(info_path)
+def _model_config(info: GGUFInfo) -> dict[str, Any]:
     machine = platform.machine().lower()
     return {
         "model_format": "gguf",
@@ -99,7 +98,7 @@ def _base(store: Store, req: CreateRequest, progress: Progress
                     raise ModelNotFound(f"blob {digest} not found")
                 progress({"status": "parsing GGUF"})
                 try:
-                    inspected[digest] = _model_config(store.blob_path(digest))
+                    inspected[digest] = _model_config(store.gguf_info(digest))
                 except InvalidModelFile:
                     raise InvalidModelFile("supplied file was not in GGUF format") from None
             config = inspected[digest]

@@ -27,6 +27,8 @@ DEFAULT_ALIGNMENT = 32
 MIN_KV_BYTES = 8 + 1 + 4 + 1
 MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8
 INT64_MAX = (1 << 63) - 1
+BLOCK = 1 << 20
+_U64 = struct.Struct("<Q")
 
 # GGUF value type ids.
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
@@ -120,6 +122,34 @@ class _Reader:
         if n > MAX_STRING or n > self.remaining:
             raise InvalidModelFile(f"invalid model file: string too long in {what}")
         return n
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Skip `count` length-prefixed strings, reading whole blocks.
+
+        A 262k-token vocabulary would otherwise cost two file calls per token;
+        the same length and end-of-file checks apply to every string.
+        """
+        base, block, i = self.pos, b"", 0  # block starts at file offset `base`
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if i + 8 > len(block):
+                base += i
+                block, i = self._block_at(base, what), 0
+            n = unpack(block, i)[0]
+            if n > MAX_STRING:
+                raise InvalidModelFile(f"invalid model file: string too long in {what}")
+            i += 8 + n
+        end = base + i
+        if end > self.size:
+            raise InvalidModelFile(f"invalid model file: truncated in {what}")
+        self.f.seek(end)
+        self.pos = end
+
+    def _block_at(self, offset: int, what: str) -> bytes:
+        if offset + 8 > self.size:
+            raise InvalidModelFile(f"invalid model file: truncated in {what}")
+        self.f.seek(offset)
+        return self.f.read(min(BLOCK, self.size - offset))
 
     def string(self, what: str, strict: bool = True) -> str:
         raw = self.take(self.string_len(what), what)
@@ -217,8 +247,7 @@ def _read_value(r: _Reader, type_id: int, key: str) -> object:
     if item_type == STRING:
         if count > MAX_ARRAY or count > r.remaining // 8:
             raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
-        for _ in range(count):
-            r.skip(r.string_len(key), key)
+        r.skip_strings(count, key)
         return _Array(item_type, count, None)
     if item_type not in _SCALAR:
         raise InvalidModelFile(f"invalid model file: unknown array type {item_type}")

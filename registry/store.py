@@ -14,17 +14,21 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from corral.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
+from registry.gguf import GGUFInfo, inspect_gguf
 from registry.manifest import Manifest, canonical_digest, digest_hex, parse_manifest
 from registry.names import Name, parse_name
 
 CHUNK = 1 << 20
+FACTS_CACHED = 64  # GGUF headers kept in memory; each is a few KB plus its tensor table
 TEMP_PREFIX = "tmp-"
 PRUNE_AGE = 3600.0
 
@@ -71,6 +75,26 @@ class Store:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.manifests = self.root / "manifests"
+        self._facts: OrderedDict[str, GGUFInfo] = OrderedDict()
+        self._facts_lock = threading.Lock()
+
+    def gguf_info(self, digest: str) -> GGUFInfo:
+        """What a model blob's GGUF header says, read once per digest.
+
+        Blobs are content-addressed and never change in place, so the request
+        path (capabilities, templates, show, slot sizing) never re-reads a file.
+        """
+        key = canonical_digest(digest)
+        with self._facts_lock:
+            if key in self._facts:
+                self._facts.move_to_end(key)
+                return self._facts[key]
+        info = inspect_gguf(self.blob_path(key))
+        with self._facts_lock:
+            self._facts[key] = info
+            while len(self._facts) > FACTS_CACHED:
+                self._facts.popitem(last=False)
+        return info
 
     # ---- blobs -------------------------------------------------------------
 

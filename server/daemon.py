@@ -65,7 +65,8 @@ class Daemon:
         self.settings = settings
         self.store = Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
-        self.scheduler = Scheduler(settings, factory)
+        self.scheduler = Scheduler(settings, factory,
+                                   inspect=lambda r: self.store.gguf_info(r.model_digest))
         self.inference = Inference(self.store, self.scheduler, Metrics())
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator
 from corral.config import parse_duration
 from corral.errors import BadRequest, CorralError, ModelNotFound, RunnerError
 from corral.options import coerce_options
-from registry.gguf import inspect_gguf
 from registry.models import ModelRecord, load_record
 from registry.names import parse_name
 from registry.store import Store
@@ -69,10 +68,10 @@ def grammar_for(fmt: Any) -> str | None:
     raise BadRequest("invalid format")
 
 
-def capabilities(record: ModelRecord, template: str) -> list[str]:
+def capabilities(store: Store, record: ModelRecord, template: str) -> list[str]:
     caps = []
     try:
-        info = inspect_gguf(record.model_path)
+        info = store.gguf_info(record.model_digest)
         embedding = f"{info.architecture}.pooling_type" in info.metadata
         vision = f"{info.architecture}.vision.block_count" in info.metadata or record.projector
     except CorralError:
@@ -111,7 +110,7 @@ class Inference:
         if record.template:
             return record.template
         try:
-            return inspect_gguf(record.model_path).chat_template or ""
+            return self.store.gguf_info(record.model_digest).chat_template or ""
         except CorralError:
             return ""
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 from api.types import STREAM_CONTENT_TYPE, rfc3339
@@ -19,7 +18,7 @@ from corral.errors import (
 )
 from corral.version import corral_version
 from registry.create import CreateRequest, create_model
-from registry.gguf import inspect_gguf
+from registry.gguf import GGUFInfo
 from registry.modelfile import format_modelfile, parse_modelfile
 from registry.models import load_record
 from registry.names import parse_name
@@ -54,8 +53,7 @@ def _param_lines(params: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _model_info(path: Path) -> dict[str, Any]:
-    info = inspect_gguf(path)
+def _model_info(info: GGUFInfo) -> dict[str, Any]:
     out: dict[str, Any] = {k: v for k, v in info.metadata.items()
                            if k not in ("general.name", "tokenizer.chat_template")}
     out["general.parameter_count"] = info.parameter_count
@@ -79,8 +77,8 @@ def show(inf: Inference) -> Any:
                                               system, record.licenses, record.messages)
         out: dict[str, Any] = {
             "modelfile": modelfile, "parameters": _param_lines(params), "template": template,
-            "details": record.details(), "model_info": _model_info(record.model_path),
-            "capabilities": capabilities(record, template),
+            "details": record.details(), "model_info": _model_info(inf.store.gguf_info(record.model_digest)),
+            "capabilities": capabilities(inf.store, record, template),
             "modified_at": rfc3339(record.modified_at, utc=False),
         }
         if system:

@@ -72,7 +72,7 @@ def _prefetch(objects: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 def _model_caps(inf: Inference, record: ModelRecord) -> tuple[str, list[str]]:
     template = inf.template_text(record)
-    return template, capabilities(record, template)
+    return template, capabilities(inf.store, record, template)
 
 
 def _load_or_unload(handler: Handler, inf: Inference, record: ModelRecord, body: dict[str, Any],

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 from corral.config import FOREVER, Settings
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import LOAD_OPTIONS
-from registry.gguf import inspect_gguf
+from registry.gguf import GGUFInfo, inspect_gguf
 from registry.models import ModelRecord
 from runner import memory
 from runner.loadconfig import LoadConfig
@@ -94,12 +94,15 @@ class Scheduler:
                  runner_factory: Callable[[LoadConfig], Runner],
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
-                 free_vram: Callable[[], int] = memory.free_gpu_memory) -> None:
+                 free_vram: Callable[[], int] = memory.free_gpu_memory,
+                 inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path)
+                 ) -> None:
         self.settings = settings
         self.runner_factory = runner_factory
         self.clock = clock
         self.free_memory = free_memory
         self.free_vram = free_vram
+        self.inspect = inspect  # the daemon passes its store's cached reader
         self.loaded: dict[str, Loaded] = {}
         self.cond = threading.Condition()
         self.pending = 0
@@ -218,7 +221,7 @@ class Scheduler:
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
         try:
-            info = inspect_gguf(record.model_path)
+            info = self.inspect(record)
         except CorralError:
             return 1
         vram, ram = self.free_vram(), self.free_memory()

