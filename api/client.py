@@ -1,22 +1,22 @@
 """The HTTP client the CLI uses: the same wire types as the server, errors as CorralError.
 
-If nothing answers on a loopback CORRAL_HOST, `ensure_daemon` starts `corral serve`
-in the background, logging to the state dir, and waits until it is healthy.
+If nothing answers on a loopback CORRAL_HOST, `ensure_daemon` starts the daemon
+in the background (api.autostart), logging to the state dir, and waits until it
+is healthy.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Generator
 
 import httpx
 
-from corral.config import Settings, state_dir
+from api import autostart
+from corral.config import Settings
 from corral.errors import CorralError, NotFound
 
 
@@ -58,29 +58,25 @@ class Client:
         except httpx.HTTPError:
             return False
 
-    def ensure_daemon(self, wait: float = 30.0) -> Path | None:
-        """Start a background daemon when none answers locally; returns its log path."""
-        if self.alive():
-            return None
-        if not self.settings.host.is_loopback() and self.settings.host.host not in ("0.0.0.0", "::"):
+    def ensure_daemon(self, wait: float = 30.0, preload: str | None = None) -> Path | None:
+        """Start a background daemon when none answers locally; returns its log path.
+
+        `preload` names a model the daemon should start loading at once.
+        """
+        if self.alive():  # already up, or started early by this very command
+            return autostart.log_path() if autostart.spawned() else None
+        if not autostart.may_autostart(self.settings):
             raise CorralError(f"could not connect to corral server at {self.base}; "
                               "is CORRAL_HOST right and is 'corral serve' running there?")
-        log_dir = state_dir()
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / "server.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], stdout=log,
-                                    stderr=log, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=str(Path.home()))
-        (log_dir / "server.pid").write_text(str(proc.pid))
+        proc = autostart.spawn(preload)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if self.alive():
-                return log_path
+                return autostart.log_path()
             if proc.poll() is not None:
                 break
-            time.sleep(0.1)
-        raise CorralError(f"could not start corral server; see {log_path}")
+            time.sleep(0.02)
+        raise CorralError(f"could not start corral server; see {autostart.log_path()}")
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""`python -m cli` is `corral`; the background daemon is started this way."""
+"""`python -m cli` is `corral`."""
 
-from cli.main import main
+from cli.launch import main
 
 main()

@@ -41,11 +41,11 @@ def settings() -> Settings:
     return _State.settings
 
 
-def client(start: bool = True) -> Client:
+def client(start: bool = True, preload: str | None = None) -> Client:
     """A client for the daemon, starting one in the background when none answers."""
     c = Client(settings())
     if start:
-        log = c.ensure_daemon()
+        log = c.ensure_daemon(preload=preload)
         if log is not None:
             typer.echo(f"Started corral server in the background (log: {log})", err=True)
     return c
@@ -66,16 +66,9 @@ def _root(show_version: bool = typer.Option(False, "--version", "-v", callback=_
 @app.command(epilog=describe_settings())
 def serve() -> None:
     """Start the daemon (Ollama-compatible API on CORRAL_HOST)."""
-    from server.daemon import Daemon, configure_logging
+    from server.daemon import run
 
-    cfg = settings()
-    configure_logging(cfg.debug)
-    try:
-        daemon = Daemon(cfg, runner_log=sys.stderr.buffer)
-    except OSError as exc:
-        raise CorralError(f"could not listen on {cfg.host}: {exc.strerror or exc}") from None
-    daemon.prune()
-    daemon.serve_forever()
+    run(settings())
 
 
 @app.command("list")
@@ -184,7 +177,7 @@ def run(model: str,
     """Run a model: one answer with a PROMPT or piped input, else an interactive chat."""
     from cli import repl
 
-    c = client()
+    c = client(preload=model)
     if not c.exists(model):
         show_progress(c.stream("/api/pull", {"model": model, "insecure": insecure}))
     keep_alive = None

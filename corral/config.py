@@ -278,7 +278,7 @@ class Settings:
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+def load_settings(environ: Mapping[str, str] | None = None, warn: bool = True) -> Settings:
     """Read every setting once. Invalid values warn and fall back to the default."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -300,7 +300,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         values[spec.attr] = value
     if values["models"] is None:
         values["models"] = data_dir() / "models"
-    for problem in problems:
+    for problem in problems if warn else []:
         logging.getLogger("corral").warning(problem)
     return Settings(**values, warnings=tuple(problems))
 

@@ -7,15 +7,39 @@ types; every tensor must lie inside the file. Any failure is InvalidModelFile.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 import struct
+import sys
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import BinaryIO
 
-import gguf
-
 from corral.errors import InvalidModelFile
+
+
+def _gguf_constants() -> ModuleType:
+    """gguf's constant tables, without the package's __init__.
+
+    Importing `gguf` loads numpy and its readers and writers, a fifth of a
+    second on every daemon and runner start; constants.py needs only the stdlib.
+    A later `import gguf` finds this same module registered as gguf.constants.
+    """
+    if "gguf.constants" in sys.modules:
+        return sys.modules["gguf.constants"]
+    spec = importlib.util.find_spec("gguf")
+    assert spec is not None and spec.submodule_search_locations
+    path = os.path.join(list(spec.submodule_search_locations)[0], "constants.py")
+    const_spec = importlib.util.spec_from_file_location("gguf.constants", path)
+    assert const_spec is not None and const_spec.loader is not None
+    module = importlib.util.module_from_spec(const_spec)
+    sys.modules["gguf.constants"] = module
+    const_spec.loader.exec_module(module)
+    return module
+
+
+gguf = _gguf_constants()
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -10,7 +10,7 @@ from typing import Any
 from corral.errors import CorralError
 from registry import manifest as mt
 from registry.names import Name
-from registry.store import Store
+from registry.store import ModelEntry, Store
 
 # The plain completion-style template of a model that has neither a TEMPLATE
 # layer nor a chat template in its GGUF.
@@ -45,15 +45,28 @@ class ModelRecord:
     adapters: int = 0
 
     def details(self) -> dict[str, Any]:
-        family = self.config.get("model_family", "")
-        return {
-            "parent_model": "",
-            "format": self.config.get("model_format", "gguf"),
-            "family": family,
-            "families": self.config.get("model_families") or ([family] if family else None),
-            "parameter_size": self.config.get("model_type", ""),
-            "quantization_level": self.config.get("file_type", ""),
-        }
+        return details(self.config)
+
+
+def details(config: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's `details` object, from a manifest's config blob."""
+    family = config.get("model_family", "")
+    return {
+        "parent_model": "",
+        "format": config.get("model_format", "gguf"),
+        "family": family,
+        "families": config.get("model_families") or ([family] if family else None),
+        "parameter_size": config.get("model_type", ""),
+        "quantization_level": config.get("file_type", ""),
+    }
+
+
+def read_config(store: Store, entry: ModelEntry) -> dict[str, Any]:
+    try:
+        config = json.loads(store.read_blob(entry.manifest.config.digest))
+    except (ValueError, CorralError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _text(store: Store, digest: str) -> str:
@@ -69,10 +82,7 @@ def load_record(store: Store, name: Name | str) -> ModelRecord:
     record = ModelRecord(
         name=entry.name, digest=entry.digest, size=entry.size, modified_at=entry.modified_at,
         model_path=store.blob_path(models[0].digest), model_digest=models[0].digest)
-    try:
-        record.config = json.loads(store.read_blob(manifest.config.digest))
-    except (ValueError, CorralError):
-        record.config = {}
+    record.config = read_config(store, entry)
     for layer in manifest.layers:
         kind = layer.media_type
         if kind in (mt.TEMPLATE, mt.PROMPT):

@@ -231,26 +231,28 @@ class Store:
                 continue
             yield name
 
+    def _entry(self, name: Name) -> ModelEntry:
+        path = self._manifest_file(name)
+        data = path.read_bytes()
+        manifest = parse_manifest(data)
+        digest = hashlib.sha256(data).hexdigest()
+        return ModelEntry(name, digest, manifest.size(), path.stat().st_mtime, manifest)
+
     def list_models(self) -> list[ModelEntry]:
         entries = []
         for name in self._manifest_names():
-            path = self._manifest_file(name)
             try:
-                data = path.read_bytes()
-                manifest = parse_manifest(data)
-                mtime = path.stat().st_mtime
+                entries.append(self._entry(name))
             except (OSError, CorralError):
                 continue  # a foreign or broken manifest must not hide the others
-            digest = hashlib.sha256(data).hexdigest()
-            entries.append(ModelEntry(name, digest, manifest.size(), mtime, manifest))
         return entries
 
     def entry(self, name: Name | str) -> ModelEntry:
         stored = self.require(name)
-        for item in self.list_models():
-            if item.name == stored:
-                return item
-        raise ModelNotFound(f"model '{stored.display()}' not found")
+        try:
+            return self._entry(stored)
+        except (OSError, CorralError):
+            raise ModelNotFound(f"model '{stored.display()}' not found") from None
 
     def copy(self, source: Name | str, destination: Name) -> None:
         data, _ = self.read_manifest(source)

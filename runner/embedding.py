@@ -15,19 +15,30 @@ from corral.errors import BadRequest, ContextOverflow, RunnerError
 from runner import native
 
 
+MIN_CAPACITY = 512
+
+
 class Embedder:
+    """The embedding context, sized to the inputs it has seen rather than to num_ctx.
+
+    Its KV and compute buffers grow with its capacity, so a daemon that embeds
+    short texts keeps a small context, and one long input reopens it larger.
+    """
+
     def __init__(self, model: Any, num_ctx: int, n_threads: int) -> None:
         self.model = model
         self.num_ctx = num_ctx
         self.n_threads = n_threads
         self.ctx: Any = None
         self.batch: Any = None
+        self.capacity = 0
+        self.pooling: int | None = None  # the model's, or mean for a plain causal LM
         self.n_embd = int(L.llama_model_n_embd(model))
 
-    def _open(self, pooling: int) -> None:
+    def _open(self, pooling: int, capacity: int) -> None:
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = self.num_ctx
-        cparams.n_batch = cparams.n_ubatch = self.num_ctx  # one input = one ubatch
+        cparams.n_ctx = capacity
+        cparams.n_batch = cparams.n_ubatch = capacity  # one input = one ubatch
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.embeddings = True
@@ -37,14 +48,28 @@ class Embedder:
         if not self.ctx:
             raise RunnerError("llama.cpp could not create an embedding context")
 
-    def _ensure(self) -> None:
-        if self.ctx is not None:
+    def _ensure(self, longest: int) -> None:
+        if self.ctx is not None and longest <= self.capacity:
             return
-        self._open(L.LLAMA_POOLING_TYPE_UNSPECIFIED)
-        if L.llama_pooling_type(self.ctx) == L.LLAMA_POOLING_TYPE_NONE:
+        self.free()
+        capacity = MIN_CAPACITY
+        while capacity < longest:
+            capacity *= 2
+        capacity = min(capacity, self.num_ctx)
+        if self.pooling is None:
+            self._open(L.LLAMA_POOLING_TYPE_UNSPECIFIED, capacity)
+            self.pooling = int(L.llama_pooling_type(self.ctx))
+            if self.pooling != L.LLAMA_POOLING_TYPE_NONE:
+                self._finish_open(capacity)
+                return
             L.llama_free(self.ctx)
-            self._open(L.LLAMA_POOLING_TYPE_MEAN)
-        self.batch = L.llama_batch_init(self.num_ctx, 0, 1)
+            self.pooling = L.LLAMA_POOLING_TYPE_MEAN
+        self._open(self.pooling, capacity)
+        self._finish_open(capacity)
+
+    def _finish_open(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.batch = L.llama_batch_init(capacity, 0, 1)
 
     def embed(self, inputs: list[list[int]], truncate: bool) -> list[list[float]]:
         """Raw pooled embeddings, one per input, in order."""
@@ -53,7 +78,7 @@ class Embedder:
                 raise BadRequest("cannot embed an empty input")
             if len(tokens) > self.num_ctx and not truncate:
                 raise ContextOverflow("the input length exceeds the context length")
-        self._ensure()
+        self._ensure(max(min(len(t), self.num_ctx) for t in inputs))
         out = []
         encoder_only = L.llama_model_has_encoder(self.model) and not L.llama_model_has_decoder(
             self.model)
@@ -61,7 +86,7 @@ class Embedder:
             tokens = tokens[: self.num_ctx]
             L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
             native.fill_batch(self.batch, [(tok, i, 0, True) for i, tok in enumerate(tokens)],
-                              self.num_ctx)
+                              self.capacity)
             rc = (L.llama_encode if encoder_only else L.llama_decode)(self.ctx, self.batch)
             if rc != 0:
                 raise RunnerError(f"embedding failed ({rc})")
@@ -78,3 +103,4 @@ class Embedder:
         if self.ctx is not None:
             L.llama_free(self.ctx)
             self.ctx = None
+        self.capacity = 0

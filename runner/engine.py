@@ -35,6 +35,10 @@ from runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
 
+# An idle embedding context is freed after this long: a burst of embed calls
+# reuses it, and a daemon that embeds once does not keep its buffers for good.
+EMBED_KEEP = 10.0
+
 
 class Engine:
     def __init__(self, model_path: str, config: EngineConfig,
@@ -62,6 +66,8 @@ class Engine:
                                                           llama.n_threads)
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
         self._eog_tokens: list[int] | None = None
+        self._embedded_at = 0.0
+        self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads)
 
@@ -134,6 +140,8 @@ class Engine:
                 self._drain(block=not busy and not self._waiting)
                 if self._stopping:
                     break
+                if not busy and not self._waiting:
+                    self._housekeep()
                 self._reap_cancelled()
                 self._admit()
                 if any(s.state is not SlotState.IDLE for s in self.slots):
@@ -160,12 +168,22 @@ class Engine:
                     item.reply.put(self.embedder.embed(item.inputs, item.truncate))
                 except CorralError as exc:
                     item.reply.put(Failed(exc))
+                self._embedded_at = self.clock()
             elif isinstance(item, Stop):
                 self._stopping = True
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _housekeep(self) -> None:
+        """Idle: give back what bursts took, so memory returns to what `ps` reports."""
+        if self.embedder.ctx is not None and self.clock() - self._embedded_at > EMBED_KEEP:
+            self.embedder.free()
+            self._transient = True
+        if self._transient:
+            native.release_free_memory()
+            self._transient = False
 
     def _reap_cancelled(self) -> None:
         # A queued request whose client has gone is dropped without running.
@@ -333,6 +351,7 @@ class Engine:
             "context": job.prompt + slot.generated,
         }
         slot.release(now)
+        self._transient = self._transient or job.grammar is not None
         job.events.put(Done(stats))
 
     def _fail(self, slot: Slot, error: CorralError) -> None:

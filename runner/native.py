@@ -83,6 +83,26 @@ def token_bytes(vocab: Any, token: int, special: bool = False) -> bytes:
     return buf.raw[: max(n, 0)]
 
 
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise).
+
+    A grammar sampler builds tables over the whole vocabulary and the embedding
+    context has its own compute buffer; once freed, without this the runner's
+    resident size would stay at its peak for good.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
 def fill_batch(batch: Any, entries: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:
     """Write (token, position, sequence, wants logits) rows into a llama_batch.
 

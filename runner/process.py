@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -122,6 +123,11 @@ def _normalize(vector: list[float]) -> list[float]:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # one request per connection; a stream ends at EOF
     service: RunnerService
+
+    def setup(self) -> None:
+        super().setup()
+        # Token lines are small writes: without this, each waits on a delayed ACK.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.address_string(), *args)

@@ -14,6 +14,7 @@ import threading
 from typing import IO, Any, Callable
 
 from corral.config import Settings
+from corral.errors import CorralError
 from registry.download import Downloader, DownloadOptions
 from registry.pull import Puller
 from registry.store import Store
@@ -95,6 +96,17 @@ class Daemon:
         self._thread.start()
         return self
 
+    def preload(self, model: str) -> None:
+        """Start loading `model` now, on a helper thread: a CLI that starts the daemon for
+        `corral run` gets its runner spawned while it is still waiting for the port."""
+        def load() -> None:
+            try:
+                record = self.inference.record(model)
+                self.inference.load_only(record, self.inference.options(record, None), None)
+            except CorralError as exc:
+                log.info("preloading %s: %s", model, exc.message)
+        threading.Thread(target=load, name="preload", daemon=True).start()
+
     def prune(self) -> None:
         if not self.settings.noprune:
             removed = self.store.prune()
@@ -127,6 +139,19 @@ class Daemon:
     def shutdown(self) -> None:
         self.server.shutdown()
         self.close()
+
+
+def run(settings: Settings, preload: str | None = None) -> None:
+    """What `corral serve` does: log to stderr, prune, serve until SIGINT or SIGTERM."""
+    configure_logging(settings.debug)
+    try:
+        daemon = Daemon(settings, runner_log=sys.stderr.buffer)
+    except OSError as exc:
+        raise CorralError(f"could not listen on {settings.host}: {exc.strerror or exc}") from None
+    if preload:
+        daemon.preload(preload)
+    daemon.prune()
+    daemon.serve_forever()
 
 
 def configure_logging(debug: int, stream: IO[str] = sys.stderr) -> None:

@@ -20,7 +20,8 @@ from corral.version import corral_version
 from registry.create import CreateRequest, create_model
 from registry.gguf import GGUFInfo
 from registry.modelfile import format_modelfile, parse_modelfile
-from registry.models import load_record
+from registry.models import details, load_record, read_config
+from registry.store import ModelEntry
 from registry.names import parse_name
 from server.http import Handler, Request
 from server.inference import Inference, capabilities, require_model
@@ -29,11 +30,11 @@ API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400
 
 
-def _model_entry(inf: Inference, entry: Any) -> dict[str, Any]:
-    record = load_record(inf.store, entry.name)
+def _model_entry(inf: Inference, entry: ModelEntry) -> dict[str, Any]:
     name = entry.name.display()
     return {"name": name, "model": name, "modified_at": rfc3339(entry.modified_at, utc=False),
-            "size": entry.size, "digest": entry.digest, "details": record.details()}
+            "size": entry.size, "digest": entry.digest,
+            "details": details(read_config(inf.store, entry))}
 
 
 def tags(inf: Inference) -> Any:

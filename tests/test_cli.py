@@ -18,7 +18,7 @@ from server.daemon import Daemon
 
 MODEL = "gemma3:270m-base"  # completion
 CHAT = "smollm2:135m"  # the chat starter
-CORRAL = [sys.executable, "-c", "from cli.main import main; main()"]
+CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
 
 
 def env_for(daemon: Daemon | None, **extra: str) -> dict[str, str]:
@@ -130,6 +130,30 @@ def test_auto_start(starter_store: Store, tmp_path: Path) -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
         again = corral(None, "list", **env)
         assert "Started" not in again.stderr  # already running
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            time.sleep(1)
+
+
+def test_run_starts_the_daemon_and_preloads_the_model(starter_store: Store,
+                                                      tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    port = free_port()
+    env = {"CORRAL_HOST": f"127.0.0.1:{port}", "CORRAL_MODELS": str(starter_store.root),
+           "XDG_STATE_HOME": str(state), "CORRAL_NOPRUNE": "1"}
+    out = corral(None, "run", CHAT, "hi", "--verbose", **env)
+    pid_file = state / "corral" / "server.pid"
+    try:
+        assert out.returncode == 0, out.stderr
+        assert "Started corral server in the background" in out.stderr
+        assert "eval rate:" in out.stderr
+        log = (state / "corral" / "server.log").read_text()
+        assert "loaded registry.ollama.ai/library/smollm2:135m" in log or "loaded smollm2" in log
+        [loaded] = httpx.get(f"http://127.0.0.1:{port}/api/ps").json()["models"]
+        assert loaded["name"] == CHAT
+        # The daemon ran as `python -m server` in the state directory, not the CLI's cwd.
+        assert Path(f"/proc/{pid_file.read_text().strip()}/cwd").resolve() == state / "corral"
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text()), signal.SIGTERM)

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import pytest
 
 from runner.context import EngineConfig
+from corral.errors import ContextOverflow
 from runner.engine import Engine
 from runner.jobs import Done, Failed, Job, SamplingParams, Token
 
@@ -169,6 +170,23 @@ def test_json_grammar_constrains_output(engine: Engine) -> None:
 def test_embeddings(engine: Engine) -> None:
     [a, b] = engine.embed([engine.tokenize("hello world"), engine.tokenize("goodbye")])
     assert len(a) == len(b) == 640 and a != b
-    with pytest.raises(Exception):
+    with pytest.raises(ContextOverflow):
         engine.embed([engine.tokenize("word " * 600)], truncate=False)
     assert len(engine.embed([engine.tokenize("word " * 600)])[0]) == 640
+
+
+def test_embedding_context_is_sized_to_its_inputs(starter_gguf: Path) -> None:
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048))
+    eng.start()
+    try:
+        short = eng.tokenize("hello world")
+        [first] = eng.embed([short])
+        assert eng.embedder.capacity == 512  # not num_ctx: its KV grows with its inputs
+        eng.embed([eng.tokenize("word " * 700)])
+        assert eng.embedder.capacity == 1024
+        eng.embed([eng.tokenize("word " * 5000)])  # truncated to num_ctx
+        assert eng.embedder.capacity == 2048
+        [again] = eng.embed([short])
+        assert again == first  # the context's size does not change the vector
+    finally:
+        eng.stop()

@@ -178,3 +178,25 @@ def test_fuzz_only_invalid_model_file_escapes(data: bytes) -> None:
         parse(data)
     except InvalidModelFile:
         pass
+
+
+def token_array(words: list[bytes], declared: int | None = None) -> bytes:
+    body = b"".join(struct.pack("<Q", len(w)) + w for w in words)
+    header = struct.pack("<IQ", STRING, len(words) if declared is None else declared)
+    return s("tokenizer.ggml.tokens") + struct.pack("<I", ARRAY) + header + body
+
+
+def test_a_large_vocabulary_is_read_in_blocks() -> None:
+    # 300k tokens span several of the reader's 1 MiB blocks, with strings across the seams.
+    words = [b"tok%06d" % i + b"x" * (i % 7) for i in range(300_000)]
+    after = kv_u32("general.alignment", 32)
+    info = parse(build([token_array(words), after], []))
+    assert info.metadata["general.alignment"] == 32  # the key after the array parsed in place
+
+
+def test_a_token_array_that_runs_past_the_end_is_rejected() -> None:
+    words = [b"a" * 10] * 1000
+    assert "truncated" in rejects(build([token_array(words, declared=2000)], []))
+    huge = s("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 2) + \
+        struct.pack("<Q", 17 << 20) + b"x" * 64
+    assert "too long" in rejects(build([huge], []))

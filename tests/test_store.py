@@ -155,3 +155,12 @@ def test_malformed_manifests(doc: bytes) -> None:
     with pytest.raises(Exception) as info:
         parse_manifest(doc)
     assert info.value.__class__.__name__ in ("BadRequest", "InvalidDigest")
+
+
+def test_gguf_facts_are_read_once_per_digest(store: Store, tmp_path: Path) -> None:
+    from tests.gguf_files import write_tiny_gguf
+
+    digest, _ = store.write_blob_bytes(write_tiny_gguf(tmp_path / "t.gguf").read_bytes())
+    first = store.gguf_info(digest)
+    assert first.architecture == "llama"
+    assert store.gguf_info(digest.replace(":", "-")) is first  # cached, whatever the spelling

@@ -1,0 +1,22 @@
+"""The `corral` entry point.
+
+`corral run MODEL` with no daemon running starts one (preloading MODEL) before
+the command-line toolkit is imported, so the daemon's start and the model's
+load overlap the CLI's own start instead of following it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if len(argv) >= 2 and argv[0] == "run" and not argv[1].startswith("-"):
+        from api.autostart import spawn_early
+        from corral.config import load_settings
+
+        spawn_early(load_settings(warn=False), argv[1])  # the CLI warns once, later
+    from cli.main import main as cli_main
+
+    cli_main()
