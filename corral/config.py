@@ -255,6 +255,22 @@ SPECS: tuple[Spec, ...] = (
          "give up on a model load after this long (negative: never)", parse_duration),
     Spec("API_KEY", "api_key", None, "", "require 'Authorization: Bearer <key>' when set",
          _parse_api_key),
+    # Bounds on the work one request may ask for; over a bound is a 400 (413 for bodies).
+    Spec("MAX_BODY", "max_body", 16 << 20, "16777216", "largest JSON request body, bytes",
+         _parse_count),
+    Spec("MAX_HEADER_BYTES", "max_header_bytes", 64 << 10, "65536",
+         "largest request head (all headers), bytes", _parse_count),
+    Spec("HEADER_TIMEOUT", "header_timeout", 10.0, "10s",
+         "a connection must send a whole request head within this", parse_duration),
+    Spec("MAX_EMBED_INPUTS", "max_embed_inputs", 2048, "2048", "most inputs in one embed request",
+         _parse_count),
+    Spec("MAX_EMBED_TOKENS", "max_embed_tokens", 1 << 20, "1048576",
+         "most tokens, all inputs together, in one embed request", _parse_count),
+    Spec("MAX_CREATE_FILES", "max_create_files", 64, "64", "most `files` entries in one create",
+         _parse_count),
+    Spec("MAX_IMAGES", "max_images", 16, "16", "most images in one request", _parse_count),
+    Spec("MAX_GRAMMAR_BYTES", "max_grammar_bytes", 64 << 10, "65536",
+         "largest grammar or JSON schema in `format`, bytes", _parse_count),
 )
 
 
@@ -275,6 +291,14 @@ class Settings:
     debug: int
     load_timeout: float
     api_key: str | None
+    max_body: int
+    max_header_bytes: int
+    header_timeout: float
+    max_embed_inputs: int
+    max_embed_tokens: int
+    max_create_files: int
+    max_images: int
+    max_grammar_bytes: int
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
 

@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -245,6 +246,14 @@ def build(config: LoadConfig) -> RunnerService:
     return RunnerService(engine, builder, report)
 
 
+def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
+    """A daemon that died without stopping us (SIGKILL, a crash) must not leave us behind."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    log.warning("the daemon is gone; shutting down")
+    server.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.process")
     parser.add_argument("--config", required=True, help="JSON load configuration")
@@ -263,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
         target=server.shutdown, daemon=True).start())
     service.engine.start()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(), server), daemon=True).start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report}), flush=True)
     try:

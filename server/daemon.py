@@ -21,7 +21,8 @@ from registry.store import Store
 from runner.client import RunnerProcess
 from runner.loadconfig import LoadConfig
 from server import manage, native, openai
-from server.http import Handler, Route, Server, origin_pattern
+from server.asgi import HttpServer, build_app
+from server.http import Route
 from server.inference import Inference
 from server.metrics import Metrics
 from server.scheduler import Runner, Scheduler
@@ -72,18 +73,12 @@ class Daemon:
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)
         table, prefixes = routes(self.inference, self.puller)
-        handler = type("CorralHandler", (Handler,), {
-            "routes": table, "prefix_routes": prefixes, "settings": settings,
-            "origins": origin_pattern(settings.origins),
-            "loopback": settings.host.is_loopback(),
-        })
-        self.server = Server((settings.host.host, settings.host.port), handler)
-        self._thread: threading.Thread | None = None
+        self.http = HttpServer(build_app(table, prefixes, settings), settings.host.host,
+                               settings.host.port, settings)
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.server.server_address[:2]
-        return str(host), int(port)
+        return self.http.address
 
     @property
     def url(self) -> str:
@@ -92,8 +87,7 @@ class Daemon:
 
     def start(self) -> "Daemon":
         """Serve on a background thread (tests); `serve_forever` is the blocking form."""
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+        self.http.start()
         return self
 
     def preload(self, model: str) -> None:
@@ -114,30 +108,33 @@ class Daemon:
                 log.info("pruned %d unused blobs", len(removed))
 
     def serve_forever(self) -> None:
-        stop = threading.Event()
-
-        def on_signal(signum: int, frame: Any) -> None:
-            log.info("received signal %d, shutting down", signum)
-            stop.set()
-            threading.Thread(target=self.server.shutdown, daemon=True).start()
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        """Serve until SIGINT or SIGTERM, then stop gracefully."""
         host, port = self.address
         if not self.settings.host.is_loopback():
             log.warning("listening on %s:%d, which is reachable from other machines", host, port)
         log.info("Listening on %s:%d", host, port)
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("received signal %d, shutting down", signum)
+            self.http.server.should_exit = True
+
+        # uvicorn serves on its own thread: its own signal handling would re-raise the
+        # signal after a graceful stop, and `corral serve` must exit 0 on SIGTERM.
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         try:
-            self.server.serve_forever(poll_interval=0.2)
+            self.http.start()
+            self.http.wait()
         finally:
             self.close()
+            log.info("stopped")
 
     def close(self) -> None:
         self.scheduler.stop()
-        self.server.server_close()
+        self.http.sock.close()
 
     def shutdown(self) -> None:
-        self.server.shutdown()
+        self.http.stop()
         self.close()
 
 

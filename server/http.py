@@ -1,8 +1,11 @@
-"""The HTTP layer: one handler class, protections in a fixed order, JSON and streams.
+"""What a route sees: a Request to read and a Handler to answer through.
 
-Order of checks for every request: body-size limit -> Host allowlist (when
-bound to loopback) -> CORS -> optional API key -> route. Every error leaves
-through `Handler.respond_error`, which formats it with `corral.errors.format_error`.
+Routes are plain functions, `route(request, handler)`, run on worker threads
+(server.asgi starts them), so they may block on the scheduler and the runner.
+The Handler turns their answers into ASGI messages on the event loop: JSON,
+text, or a chunked stream whose writes report when the client has gone.
+Every error leaves through `Handler.respond_error`, which formats it with
+`corral.errors.format_error`.
 """
 
 from __future__ import annotations
@@ -11,39 +14,22 @@ import ipaddress
 import json
 import logging
 import re
-import select
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
-from urllib.parse import urlsplit
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from api.types import JSON_CONTENT_TYPE
-from corral.config import Settings
-from corral.errors import (
-    BadRequest,
-    CorralError,
-    Forbidden,
-    MethodNotAllowed,
-    NotFound,
-    PayloadTooLarge,
-    Shape,
-    Unauthorized,
-    format_error,
-)
+from corral.errors import BadRequest, CorralError, PayloadTooLarge, Shape, format_error
 
 log = logging.getLogger("corral.http")
 
-MAX_JSON_BODY = 16 << 20
 MAX_JSON_DEPTH = 64
-ALLOWED_HEADERS = ("Authorization, Content-Type, User-Agent, Accept, X-Requested-With, "
-                   "OpenAI-Beta, x-stainless-arch, x-stainless-async, "
-                   "x-stainless-custom-poll-interval, x-stainless-helper-method, x-stainless-lang, "
-                   "x-stainless-os, x-stainless-package-version, x-stainless-poll-helper, "
-                   "x-stainless-retry-count, x-stainless-runtime, x-stainless-runtime-version, "
-                   "x-stainless-timeout")
 _BUILTIN_ORIGINS = [r"https?://(localhost|127\.0\.0\.1|0\.0\.0\.0)(:\d+)?", r"app://.*",
                     r"file://.*", r"tauri://.*", r"vscode-webview://.*", r"vscode-file://.*"]
+
+Message = dict[str, Any]
+Send = Callable[[Message], None]  # blocking: delivers one ASGI message from a worker thread
+Receive = Callable[[], Message]
 
 
 def origin_pattern(extra: Iterable[str]) -> re.Pattern[str]:
@@ -76,53 +62,23 @@ def host_allowed(host_header: str) -> bool:
     return ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local
 
 
-class StreamWriter:
-    """Chunked transfer encoding; tells the caller when the client has gone."""
-
-    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
-        self.handler = handler
-        self.closed = False
-
-    def write(self, data: bytes) -> bool:
-        if self.closed or not data:
-            return not self.closed
-        try:
-            self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.handler.wfile.flush()
-        except OSError:
-            self.closed = True
-        return not self.closed
-
-    def end(self) -> None:
-        if not self.closed:
-            try:
-                self.handler.wfile.write(b"0\r\n\r\n")
-                self.handler.wfile.flush()
-            except OSError:
-                self.closed = True
+def error_response(exc: BaseException, shape: Shape) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Status, headers and body of an error: the one place an error becomes bytes."""
+    status, body = format_error(exc, shape)
+    headers: list[tuple[str, str]] = []
+    data = b""
+    if isinstance(body, dict):
+        data = json.dumps(body, ensure_ascii=False).encode()
+        headers.append(("content-type", JSON_CONTENT_TYPE))
+    elif isinstance(body, str):
+        data = body.encode()
+        headers.append(("content-type", "text/plain; charset=utf-8"))
+    if status == 503:
+        headers.append(("retry-after", "1"))
+    return status, headers, data
 
 
-def watch_disconnect(sock: socket.socket, on_gone: Callable[[], None],
-                     done: threading.Event) -> threading.Thread:
-    """Calls on_gone() once if the client closes its connection before `done` is set."""
-    def loop() -> None:
-        while not done.is_set():
-            try:
-                readable, _, _ = select.select([sock], [], [], 0.2)
-                if done.is_set():
-                    return
-                if readable and not sock.recv(1, socket.MSG_PEEK):
-                    on_gone()
-                    return
-            except (OSError, ValueError):
-                on_gone()
-                return
-    thread = threading.Thread(target=loop, name="disconnect-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def _depth(value: Any, limit: int) -> bool:
+def _depth_ok(value: Any, limit: int) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -136,219 +92,153 @@ def _depth(value: Any, limit: int) -> bool:
 
 
 class Request:
-    """What a route sees: method, path, query, parsed JSON and raw access for blobs."""
+    """The request a route reads: method, path, query, headers, and a JSON or streamed body."""
 
-    def __init__(self, handler: "Handler", method: str) -> None:
-        self.handler = handler
+    def __init__(self, method: str, path: str, query: str, headers: Mapping[str, str],
+                 body: bytes | None, receive: Receive) -> None:
         self.method = method
-        parts = urlsplit(handler.path)
-        self.path = parts.path
-        self.query = parts.query
-        self.headers = handler.headers
-        self._json: Any = None
-        self.consumed = False
-
-    @property
-    def length(self) -> int:
-        try:
-            return max(0, int(self.headers.get("Content-Length") or 0))
-        except ValueError:
-            raise BadRequest("invalid Content-Length") from None
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self._body = body  # read in full before the route runs; None for streamed uploads
+        self._receive = receive
+        self._watchers: list[tuple[Callable[[], None], threading.Event]] = []
+        self._lock = threading.Lock()
+        self.gone = threading.Event()
 
     def json(self) -> dict[str, Any]:
-        if self._json is None:
-            length = self.length
-            if length > MAX_JSON_BODY:
-                raise PayloadTooLarge("request body too large")
-            raw = self.handler.rfile.read(length) if length else b""
-            self.consumed = True
-            if not raw.strip():
-                raise BadRequest("missing request body")
-            try:
-                body = json.loads(raw)
-            except RecursionError:
-                raise BadRequest("request body is nested too deeply") from None
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"invalid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if not _depth(body, MAX_JSON_DEPTH):
-                raise BadRequest("request body is nested too deeply")
-            self._json = body
-        return dict(self._json)
+        raw = self._body or b""
+        if not raw.strip():
+            raise BadRequest("missing request body")
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"invalid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        if not _depth_ok(body, MAX_JSON_DEPTH):
+            raise BadRequest("request body is nested too deeply")
+        return body
 
-    def body_chunks(self, chunk: int = 1 << 20) -> Iterable[bytes]:
-        self.consumed = True
-        remaining = self.length
-        while remaining > 0:
-            data = self.handler.rfile.read(min(chunk, remaining))
-            if not data:
+    def body_chunks(self) -> Iterator[bytes]:
+        """A streamed body (blob uploads), chunked or not, as it arrives."""
+        if self._body is not None:
+            if self._body:
+                yield self._body
+            return
+        while True:
+            message = self._receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected()
                 raise BadRequest("request body ended early")
-            remaining -= len(data)
-            yield data
+            if message.get("body"):
+                yield message["body"]
+            if not message.get("more_body"):
+                return
 
     def on_disconnect(self, on_gone: Callable[[], None]) -> threading.Event:
+        """Call `on_gone` once if the client leaves before the returned event is set."""
         done = threading.Event()
-        watch_disconnect(self.handler.connection, on_gone, done)
+        with self._lock:
+            already = self.gone.is_set()
+            if not already:
+                self._watchers.append((on_gone, done))
+        if already:
+            on_gone()
         return done
 
+    def disconnected(self) -> None:
+        with self._lock:
+            if self.gone.is_set():
+                return
+            self.gone.set()
+            watchers, self._watchers = self._watchers, []
+        log.debug("client left %s %s", self.method, self.path)
+        for on_gone, done in watchers:
+            if not done.is_set():
+                on_gone()
 
-Route = Callable[[Request, "Handler"], None]
+
+class StreamWriter:
+    """Chunks of a streamed response; `write` is False once the client has gone."""
+
+    def __init__(self, send: Send, request: Request) -> None:
+        self._send = send
+        self._request = request
+        self.ended = False
+
+    @property
+    def closed(self) -> bool:
+        return self._request.gone.is_set()
+
+    def write(self, data: bytes) -> bool:
+        if self.closed or not data:
+            return not self.closed
+        try:
+            self._send({"type": "http.response.body", "body": data, "more_body": True})
+        except Exception:  # noqa: BLE001 - the connection went away under us
+            self._request.disconnected()
+        return not self.closed
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            try:
+                self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception:  # noqa: BLE001
+                self._request.disconnected()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "corral"
-    routes: dict[tuple[str, str], Route] = {}
-    prefix_routes: list[tuple[str, str, Route]] = []
-    settings: Settings
-    origins: re.Pattern[str]
-    loopback: bool = True
+class Handler:
+    """How a route answers: once, as JSON or text, or as a stream."""
 
-    def setup(self) -> None:
-        super().setup()
-        # Headers and body leave in separate writes; with Nagle's algorithm on, the
-        # body would wait for the client's delayed ACK (40 ms) on every response.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, send: Send, request: Request) -> None:
+        self._send = send
+        self.request = request
+        self.command = request.method
+        self.started = False
 
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
+    def _start(self, status: int, headers: list[tuple[str, str]]) -> None:
+        if self.started:
+            raise RuntimeError("a response was already started")
+        self.started = True
+        self._send({"type": "http.response.start", "status": status,
+                    "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
 
-    # ---- responses --------------------------------------------------------------------------
-
-    def cors_headers(self) -> None:
-        origin = self.headers.get("Origin")
-        if origin and self.origins.fullmatch(origin):
-            self.send_header("Access-Control-Allow-Origin", origin)
-            self.send_header("Vary", "Origin")
+    def _whole(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+        headers = headers + [("content-length", str(len(data)))]
+        self._start(status, headers)
+        body = b"" if self.command == "HEAD" else data
+        try:
+            self._send({"type": "http.response.body", "body": body, "more_body": False})
+        except Exception:  # noqa: BLE001 - the client left before the answer
+            self.request.disconnected()
 
     def send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", JSON_CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(data)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.cors_headers()
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        extra = [(k.lower(), v) for k, v in (headers or {}).items()]
+        self._whole(status, [("content-type", JSON_CONTENT_TYPE), *extra], data)
 
     def send_text(self, status: int, text: str, content_type: str = "text/plain; charset=utf-8"
                   ) -> None:
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.cors_headers()
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        self._whole(status, [("content-type", content_type)], text.encode())
 
     def respond_error(self, exc: BaseException, shape: Shape = Shape.OLLAMA) -> None:
-        """Every error response leaves through here, in the shape of its API."""
-        status, body = format_error(exc, shape)
-        if status >= 500 and not isinstance(exc, CorralError):
-            log.exception("internal error", exc_info=exc)
-        if isinstance(body, dict):
-            self.send_json(status, body, {"Retry-After": "1"} if status == 503 else None)
-        elif isinstance(body, str):
-            self.send_text(status, body)
-        else:
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+        """Every error response of a route leaves through here, in the shape of its API."""
+        if not isinstance(exc, CorralError):
+            log.error("internal error in %s %s", self.command, self.request.path,
+                      exc_info=exc)
+        self._whole(*error_response(exc, shape))
 
     def start_stream(self, content_type: str) -> StreamWriter:
-        self.send_response(200)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("Cache-Control", "no-cache")
-        self.cors_headers()
-        self.end_headers()
-        return StreamWriter(self)
-
-    # ---- dispatch -------------------------------------------------------------------------------
-
-    def _dispatch(self, method: str) -> None:
-        request = Request(self, method)
-        try:
-            if request.length > MAX_JSON_BODY and not request.path.startswith("/api/blobs/"):
-                self.close_connection = True
-                raise PayloadTooLarge("request body too large")
-            if self.loopback and not host_allowed(self.headers.get("Host", "")):
-                self._forbidden()
-                return
-            origin = self.headers.get("Origin")
-            if origin and not self.origins.fullmatch(origin):
-                self._forbidden()
-                return
-            if method == "OPTIONS":
-                self._preflight()
-                return
-            key = self.settings.api_key
-            if key and not (request.path == "/" and method in ("GET", "HEAD")):
-                if self.headers.get("Authorization", "") != f"Bearer {key}":
-                    raise Unauthorized("unauthorized")
-            route = self._route(method, request.path)
-            if route is None:
-                return
-            route(request, self)
-        except CorralError as exc:
-            if request.length and not request.consumed:
-                self.close_connection = True  # the unread body would corrupt the next request
-            self.respond_error(exc)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception as exc:  # noqa: BLE001 - the daemon keeps serving
-            self.respond_error(exc)
-
-    def _route(self, method: str, path: str) -> Route | None:
-        lookup = "GET" if method == "HEAD" else method
-        route = self.routes.get((lookup, path)) or self.routes.get((method, path))
-        if route is None:
-            for m, prefix, fn in self.prefix_routes:
-                if path.startswith(prefix) and m in (method, lookup):
-                    return fn
-            if any(p == path for _, p in self.routes) or any(
-                    path.startswith(prefix) for _, prefix, _ in self.prefix_routes):
-                self.respond_error(MethodNotAllowed("405 method not allowed"), Shape.TEXT)
-            else:
-                self.respond_error(NotFound("404 page not found"), Shape.TEXT)
-        return route
-
-    def _forbidden(self) -> None:
-        self.respond_error(Forbidden("forbidden"))
-
-    def _preflight(self) -> None:
-        self.send_response(204)
-        self.cors_headers()
-        self.send_header("Access-Control-Allow-Methods", "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", ALLOWED_HEADERS)
-        self.send_header("Access-Control-Max-Age", "43200")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_HEAD(self) -> None:
-        self._dispatch("HEAD")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def do_OPTIONS(self) -> None:
-        self._dispatch("OPTIONS")
-
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
+        self._start(200, [("content-type", content_type), ("cache-control", "no-cache")])
+        return StreamWriter(self._send, self.request)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
+Route = Callable[[Request, Handler], None]
+
+
+def too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"request body too large (limit {limit} bytes)")

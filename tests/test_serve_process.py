@@ -12,6 +12,7 @@ import time
 import httpx
 
 from registry.store import Store
+from tests.support import wait_for
 
 
 def free_port() -> int:
@@ -64,3 +65,32 @@ def test_serve_warns_when_not_loopback(starter_store: Store) -> None:
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
     assert "reachable from other machines" in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_runners_do_not_outlive_a_killed_daemon(starter_store: Store) -> None:
+    port = free_port()
+    env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(starter_store.root),
+               CORRAL_NOPRUNE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "server"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(url), timeout=30)
+        r = httpx.post(url + "/api/generate", json={"model": "gemma3:270m-base"}, timeout=120)
+        assert r.json()["done_reason"] == "load"
+        runners = [p for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                             text=True).stdout.split()]
+        assert runners
+        proc.kill()  # no chance to stop its runners
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(
+            f"/proc/{pid}/status").read().lower() for pid in runners), timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
