@@ -160,14 +160,15 @@ def _put_blob(store: Store, data: bytes, progress: Progress) -> tuple[str, int]:
 
 def _write_manifest(store: Store, name: Name, manifest: Manifest, progress: Progress,
                     prune: bool) -> None:
-    old: set[str] = set()
-    if store.resolve(name) is not None:
-        old = store.read_manifest(name)[1].digests()
     progress({"status": "writing manifest"})
-    store.write_manifest(name, manifest.to_bytes())
-    if prune and old:
-        for digest in old - store.referenced_digests():
-            store.delete_blob(digest)
+    with store.lock:  # no delete or copy of this name in between
+        old: set[str] = set()
+        if store.resolve(name) is not None:
+            old = store.read_manifest(name)[1].digests()
+        store.write_manifest(name, manifest.to_bytes())
+        if prune and old:
+            for digest in old - store.referenced_digests():
+                store.delete_blob(digest)
     progress({"status": "success"})
 
 

@@ -15,7 +15,9 @@ DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 
-_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,349}")
+# Ollama allows 350 characters of host, but each part becomes a directory name in
+# the store, and file systems stop at 255 bytes: a DNS name is at most 253 anyway.
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,252}")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,79}")
 _MODEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}")
 _TAG = _MODEL

@@ -75,6 +75,9 @@ class Store:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.manifests = self.root / "manifests"
+        # Manifest writes, copies, deletes and blob collection happen under one lock,
+        # so concurrent create/copy/delete of one name never see each other half-done.
+        self.lock = threading.RLock()
         self._facts: OrderedDict[str, GGUFInfo] = OrderedDict()
         self._facts_lock = threading.Lock()
 
@@ -195,6 +198,10 @@ class Store:
         return data, parse_manifest(data)
 
     def write_manifest(self, name: Name, data: bytes) -> None:
+        with self.lock:
+            self._write_manifest(name, data)
+
+    def _write_manifest(self, name: Name, data: bytes) -> None:
         """Write manifest bytes exactly; replaces a differently-cased existing name."""
         manifest = parse_manifest(data)
         for digest in manifest.digests():
@@ -255,10 +262,18 @@ class Store:
             raise ModelNotFound(f"model '{stored.display()}' not found") from None
 
     def copy(self, source: Name | str, destination: Name) -> None:
+        with self.lock:
+            self._copy(source, destination)
+
+    def _copy(self, source: Name | str, destination: Name) -> None:
         data, _ = self.read_manifest(source)
         self.write_manifest(destination, data)
 
     def delete(self, name: Name | str) -> None:
+        with self.lock:
+            self._delete(name)
+
+    def _delete(self, name: Name | str) -> None:
         """Remove a manifest, then every blob no other manifest references."""
         stored = self.require(name)
         _, manifest = self.read_manifest(stored)
@@ -288,6 +303,10 @@ class Store:
             current = current.parent
 
     def prune(self, max_age: float = PRUNE_AGE, now: Callable[[], float] = time.time) -> list[str]:
+        with self.lock:
+            return self._prune(max_age, now)
+
+    def _prune(self, max_age: float = PRUNE_AGE, now: Callable[[], float] = time.time) -> list[str]:
         """Remove unreferenced blobs and stale temp/partial files older than `max_age`."""
         removed: list[str] = []
         if not self.blobs.is_dir():

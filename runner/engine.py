@@ -209,8 +209,8 @@ class Engine:
         prompt = self._fit_prompt(job)
         job.prompt = prompt
         # The idle slot sharing the longest prefix wins; ties go to the least recently used.
-        keep, _, slot = max(((common_prefix(s.cached, prompt), -s.last_used, s) for s in idle),
-                            key=lambda c: (c[0], c[1]))
+        keep, _, slot = max(((common_prefix(s.reusable(), prompt), -s.last_used, s)
+                             for s in idle), key=lambda c: (c[0], c[1]))
         # At least one prompt token must be decoded to get logits.
         keep = min(keep, len(prompt) - 1)
         if keep == 0 or not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
@@ -309,6 +309,10 @@ class Engine:
         L.llama_memory_seq_rm(self.mem, slot.seq, keep, keep + discard)
         L.llama_memory_seq_add(self.mem, slot.seq, keep + discard, slot.n_past, -discard)
         del slot.cached[keep:keep + discard]
+        # Tokens after the cut were computed beside tokens that are gone, and a
+        # sliding-window cache keeps more than the positions say: none of this
+        # sequence is what a fresh prefill of its tokens would give.
+        slot.tainted = True
 
     def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
         log.error("llama_decode returned %d", rc)

@@ -107,6 +107,11 @@ class RunnerService:
         if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
             raise BadRequest("input must be a string or a list of strings")
         tokens = [self.engine.tokenize(text) for text in inputs]
+        limit = int(body.get("max_tokens") or 0)
+        total = sum(len(t) for t in tokens)
+        if limit and total > limit:
+            raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of {limit}"
+                             " (CORRAL_MAX_EMBED_TOKENS)")
         vectors = self.engine.embed(tokens, bool(body.get("truncate", True)))
         dims = int(body.get("dimensions") or 0)
         if dims > 0:

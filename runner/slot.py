@@ -59,6 +59,11 @@ class Slot:
     t_start: float = 0.0
     t_first: float = 0.0
     last_used: float = 0.0
+    tainted: bool = False  # a context shift changed the KV under the cached tokens
+
+    def reusable(self) -> list[int]:
+        """The cached tokens a new request may keep: none once a context shift ran."""
+        return [] if self.tainted else self.cached
 
     def transition(self, new: SlotState) -> None:
         if (self.state, new) not in _ALLOWED:
@@ -74,6 +79,7 @@ class Slot:
         self.transition(SlotState.PREFILL)
         self.job = job
         self.cached = self.cached[:keep]
+        self.tainted = False
         self.pending = job.prompt[keep:]
         self.sampler = sampler
         self.limit = limit

@@ -91,6 +91,19 @@ def _depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
+def _without_lone_surrogates(value: Any) -> Any:
+    """JSON may escape half a surrogate pair ("\\ud800"); no tokenizer or UTF-8 encoder takes
+    one. Each becomes U+FFFD, as Go's JSON decoder (and so Ollama) does."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v)
+                for k, v in value.items()}
+    return value
+
+
 class Request:
     """The request a route reads: method, path, query, headers, and a JSON or streamed body."""
 
@@ -120,7 +133,9 @@ class Request:
             raise BadRequest("request body must be a JSON object")
         if not _depth_ok(body, MAX_JSON_DEPTH):
             raise BadRequest("request body is nested too deeply")
-        return body
+        if b"\\ud" in raw.lower():
+            body = _without_lone_surrogates(body)
+        return dict(body)
 
     def body_chunks(self) -> Iterator[bytes]:
         """A streamed body (blob uploads), chunked or not, as it arrives."""

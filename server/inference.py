@@ -38,7 +38,9 @@ class Outcome:
 
 def require_model(name: Any) -> str:
     """The model a request names; every route that needs one asks here."""
-    if not isinstance(name, str) or not name:
+    if name is not None and not isinstance(name, str):
+        raise BadRequest("model must be a string")
+    if not name:
         raise BadRequest("model is required")
     return name
 
@@ -52,7 +54,7 @@ def keep_alive_of(body: dict[str, Any]) -> float | None:
         raise BadRequest(f"invalid keep_alive duration: {body['keep_alive']!r}") from None
 
 
-def grammar_for(fmt: Any) -> str | None:
+def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     """Ollama's `format`: "json", a JSON schema object, or nothing."""
     if fmt in (None, "", "null"):
         return None
@@ -61,6 +63,9 @@ def grammar_for(fmt: Any) -> str | None:
     if fmt == "json":
         return str(JSON_GBNF)
     if isinstance(fmt, dict):
+        if len(json.dumps(fmt)) > max_bytes:
+            raise BadRequest(f"the JSON schema in format is over the limit of {max_bytes} bytes"
+                             " (CORRAL_MAX_GRAMMAR_BYTES)")
         try:
             return str(json_schema_to_gbnf(json.dumps(fmt)))
         except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
@@ -93,6 +98,7 @@ class Inference:
         self.store = store
         self.scheduler = scheduler
         self.metrics = metrics
+        self.settings = scheduler.settings
 
     def record(self, name: Any, not_found: str = "model '{}' not found") -> ModelRecord:
         parsed = parse_name(require_model(name))
@@ -136,13 +142,17 @@ class Inference:
     def embed(self, record: ModelRecord, body: dict[str, Any], inputs: list[str],
               normalize: bool, dimensions: int = 0) -> tuple[dict[str, Any], float]:
         """The runner's embeddings and the seconds spent getting the model ready."""
+        limit = self.settings.max_embed_inputs
+        if len(inputs) > limit:
+            raise BadRequest(f"too many inputs: {len(inputs)} is over the limit of {limit}"
+                             " (CORRAL_MAX_EMBED_INPUTS)")
         start = time.perf_counter()
         options = self.options(record, body.get("options"))
         with self.hold(record, options, keep_alive_of(body)) as entry:
             load = time.perf_counter() - start
             assert entry.runner is not None
             result = entry.runner.embed(inputs, bool(body.get("truncate", True)), normalize,
-                                        dimensions)
+                                        dimensions, self.settings.max_embed_tokens)
         return result, load
 
     def chat_messages(self, record: ModelRecord, messages: Any) -> list[dict[str, Any]]:

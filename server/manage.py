@@ -127,6 +127,10 @@ def create(inf: Inference) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
         request = _create_request(body)
+        limit = inf.settings.max_create_files
+        if len(request.files) > limit:
+            raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
+                             " (CORRAL_MAX_CREATE_FILES)")
         if request.template is not None:
             from runner.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
@@ -272,6 +276,7 @@ def pull(inf: Inference, puller: Any) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
         name = require_model(body.get("model") or body.get("name"))
+        parse_name(name)  # a bad name is a 400 now, not a 200 stream with an error line
         insecure = bool(body.get("insecure"))
         if body.get("stream", True) is False:
             puller.pull(name, lambda event: None, insecure)

@@ -94,7 +94,8 @@ def _load_or_unload(handler: Handler, inf: Inference, record: ModelRecord, body:
 def _start(inf: Inference, record: ModelRecord, body: dict[str, Any], req: Request,
            runner_body: dict[str, Any]) -> tuple[Outcome, Iterator[str]]:
     """The parts of a generation that /api/generate and /api/chat share."""
-    runner_body.update({"grammar": grammar_for(body.get("format")),
+    grammar = grammar_for(body.get("format"), inf.settings.max_grammar_bytes)
+    runner_body.update({"grammar": grammar,
                         "truncate": body.get("truncate", True),
                         "shift": body.get("shift", True)})
     outcome = Outcome()

@@ -143,7 +143,8 @@ def chat_completions(inf: Inference) -> Any:
         options = inf.options(record, _options(body))
         outcome = Outcome()
         pieces = inf.generate(record, {"messages": messages, "tools": tools or None,
-                                       "grammar": grammar_for(_format(body))},
+                                       "grammar": grammar_for(_format(body),
+                                                              inf.settings.max_grammar_bytes)},
                               options, None, outcome, req.on_disconnect)
         cid, created, model = f"chatcmpl-{random.randint(0, 998)}", int(time.time()), body["model"]
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": "fp_ollama"}
