@@ -20,6 +20,7 @@ Every package raises these; only `format_error` decides what a client sees.
     +-- PayloadTooLarge          413
     +-- ServerBusy               503  answered with Retry-After
     +-- NoSpace                  507  the disk is full; retrying will not help
+    +-- Cancelled                499  the client left; the work stopped
     +-- RunnerError              500  the model runner failed or died
 """
 
@@ -109,6 +110,12 @@ class NoSpace(CorralError):
     """The disk is full; retrying will not help."""
 
     status = 507
+
+
+class Cancelled(CorralError):
+    """The client went away and the work was stopped; nobody reads the answer."""
+
+    status = 499
 
 
 class RunnerError(CorralError):

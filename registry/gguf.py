@@ -7,43 +7,30 @@ types; every tensor must lie inside the file. Any failure is InvalidModelFile.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import stat
 import struct
-import sys
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import BinaryIO
 
 from corral.errors import InvalidModelFile
+from registry.ggufio import (
+    ARRAY,
+    F32,
+    I32,
+    INTEGER,
+    SCALAR,
+    STRING,
+    U32,
+    Reader,
+    gguf_constants,
+    open_regular,
+)
 
+gguf = gguf_constants()
 
-def _gguf_constants() -> ModuleType:
-    """gguf's constant tables, without the package's __init__.
-
-    Importing `gguf` loads numpy and its readers and writers, a fifth of a
-    second on every daemon and runner start; constants.py needs only the stdlib.
-    A later `import gguf` finds this same module registered as gguf.constants.
-    """
-    if "gguf.constants" in sys.modules:
-        return sys.modules["gguf.constants"]
-    spec = importlib.util.find_spec("gguf")
-    assert spec is not None and spec.submodule_search_locations
-    path = os.path.join(list(spec.submodule_search_locations)[0], "constants.py")
-    const_spec = importlib.util.spec_from_file_location("gguf.constants", path)
-    assert const_spec is not None and const_spec.loader is not None
-    module = importlib.util.module_from_spec(const_spec)
-    sys.modules["gguf.constants"] = module
-    const_spec.loader.exec_module(module)
-    return module
-
-
-gguf = _gguf_constants()
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
-MAX_STRING = 16 << 20
 MAX_ARRAY = 64 << 20
 MAX_DIMS = 4
 MAX_ALIGNMENT = 1 << 20
@@ -51,17 +38,9 @@ DEFAULT_ALIGNMENT = 32
 MIN_KV_BYTES = 8 + 1 + 4 + 1
 MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8
 INT64_MAX = (1 << 63) - 1
-BLOCK = 1 << 20
-_U64 = struct.Struct("<Q")
-
-# GGUF value type ids.
-U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
-_SCALAR = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f",
-           BOOL: "<?", U64: "<Q", I64: "<q", F64: "<d"}
-_INTEGER = {U8, I8, U16, I16, U32, I32, U64, I64}
 
 # Expected types for keys we rely on, by suffix (the prefix is the architecture).
-_INT_SCALAR_SUFFIXES = (
+_INTSCALAR_SUFFIXES = (
     ".block_count", ".context_length", ".embedding_length", ".attention.key_length",
     ".attention.value_length", ".attention.sliding_window", ".file_type",
     ".bos_token_id", ".eos_token_id", ".pooling_type",
@@ -105,100 +84,6 @@ class GGUFInfo:
         return out
 
 
-class _Reader:
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self.f = f
-        self.size = size
-        self.pos = 0
-
-    @property
-    def remaining(self) -> int:
-        return self.size - self.pos
-
-    def take(self, n: int, what: str) -> bytes:
-        if n < 0 or n > self.remaining:
-            raise InvalidModelFile(f"invalid model file: truncated in {what}")
-        data = self.f.read(n)
-        if len(data) != n:
-            raise InvalidModelFile(f"invalid model file: truncated in {what}")
-        self.pos += n
-        return data
-
-    def skip(self, n: int, what: str) -> None:
-        if n < 0 or n > self.remaining:
-            raise InvalidModelFile(f"invalid model file: truncated in {what}")
-        self.f.seek(n, os.SEEK_CUR)
-        self.pos += n
-
-    def scalar(self, type_id: int, what: str) -> int | float | bool:
-        fmt = _SCALAR[type_id]
-        value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
-        return value
-
-    def u32(self, what: str) -> int:
-        return int(self.scalar(U32, what))
-
-    def u64(self, what: str) -> int:
-        return int(self.scalar(U64, what))
-
-    def string_len(self, what: str) -> int:
-        n = self.u64(what)
-        if n > MAX_STRING or n > self.remaining:
-            raise InvalidModelFile(f"invalid model file: string too long in {what}")
-        return n
-
-    def skip_strings(self, count: int, what: str) -> None:
-        """Skip `count` length-prefixed strings, reading whole blocks.
-
-        A 262k-token vocabulary would otherwise cost two file calls per token;
-        the same length and end-of-file checks apply to every string.
-        """
-        base, block, i = self.pos, b"", 0  # block starts at file offset `base`
-        unpack = _U64.unpack_from
-        for _ in range(count):
-            if i + 8 > len(block):
-                base += i
-                block, i = self._block_at(base, what), 0
-            n = unpack(block, i)[0]
-            if n > MAX_STRING:
-                raise InvalidModelFile(f"invalid model file: string too long in {what}")
-            i += 8 + n
-        end = base + i
-        if end > self.size:
-            raise InvalidModelFile(f"invalid model file: truncated in {what}")
-        self.f.seek(end)
-        self.pos = end
-
-    def _block_at(self, offset: int, what: str) -> bytes:
-        if offset + 8 > self.size:
-            raise InvalidModelFile(f"invalid model file: truncated in {what}")
-        self.f.seek(offset)
-        return self.f.read(min(BLOCK, self.size - offset))
-
-    def string(self, what: str, strict: bool = True) -> str:
-        raw = self.take(self.string_len(what), what)
-        try:
-            return raw.decode("utf-8", errors="strict" if strict else "replace")
-        except UnicodeDecodeError:
-            raise InvalidModelFile(f"invalid model file: bad UTF-8 in {what}") from None
-
-
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """Open a path only if it is a regular file, never blocking on FIFOs or devices."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except OSError:
-        raise InvalidModelFile(f"{os.fspath(path)}: invalid model file") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidModelFile(f"{os.fspath(path)}: invalid model file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     """Inspect a GGUF file on disk; every problem, including a bad path, is InvalidModelFile."""
     with open_regular(path) as f:
@@ -207,7 +92,7 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
 
 
 def read_gguf(f: BinaryIO, size: int) -> GGUFInfo:
-    r = _Reader(f, size)
+    r = Reader(f, size)
     if size < 4 or r.take(4, "magic") != MAGIC:
         raise InvalidModelFile("invalid model file: bad magic")
     version = r.u32("header")
@@ -232,7 +117,7 @@ def read_gguf(f: BinaryIO, size: int) -> GGUFInfo:
     return _summarize(version, metadata, tensors, data_offset, size)
 
 
-def _read_metadata(r: _Reader, n_kv: int) -> dict[str, object]:
+def _read_metadata(r: Reader, n_kv: int) -> dict[str, object]:
     metadata: dict[str, object] = {}
     for _ in range(n_kv):
         key = r.string("metadata key")
@@ -257,8 +142,8 @@ class _Array:
         return f"<array of {self.count}>"
 
 
-def _read_value(r: _Reader, type_id: int, key: str) -> object:
-    if type_id in _SCALAR:
+def _read_value(r: Reader, type_id: int, key: str) -> object:
+    if type_id in SCALAR:
         return r.scalar(type_id, key)
     if type_id == STRING:
         return r.string(key, strict=False)
@@ -273,14 +158,14 @@ def _read_value(r: _Reader, type_id: int, key: str) -> object:
             raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
         r.skip_strings(count, key)
         return _Array(item_type, count, None)
-    if item_type not in _SCALAR:
+    if item_type not in SCALAR:
         raise InvalidModelFile(f"invalid model file: unknown array type {item_type}")
-    width = struct.calcsize(_SCALAR[item_type])
+    width = struct.calcsize(SCALAR[item_type])
     if count > MAX_ARRAY or count > r.remaining // width:
         raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
-    if item_type in _INTEGER and count <= 4096:
+    if item_type in INTEGER and count <= 4096:
         data = r.take(count * width, key)
-        ints = [int(v) for v in struct.unpack(f"<{count}{_SCALAR[item_type][1]}", data)]
+        ints = [int(v) for v in struct.unpack(f"<{count}{SCALAR[item_type][1]}", data)]
         return _Array(item_type, count, ints)
     r.skip(count * width, key)
     return _Array(item_type, count, None)
@@ -294,11 +179,11 @@ def _check_known_key(key: str, type_id: int, value: object) -> None:
         bad = type_id != STRING
     elif key in _ARRAY_TYPES:
         bad = not (isinstance(value, _Array) and value.item_type == _ARRAY_TYPES[key])
-    elif key.endswith(_INT_SCALAR_SUFFIXES):
-        bad = type_id not in _INTEGER
+    elif key.endswith(_INTSCALAR_SUFFIXES):
+        bad = type_id not in INTEGER
     elif key.endswith(_INT_OR_INT_ARRAY_SUFFIXES):
-        bad = type_id not in _INTEGER and not (
-            isinstance(value, _Array) and value.item_type in _INTEGER
+        bad = type_id not in INTEGER and not (
+            isinstance(value, _Array) and value.item_type in INTEGER
         )
     if bad:
         raise InvalidModelFile(f"invalid model file: wrong type for {key[:80]!r}")
@@ -312,7 +197,7 @@ class _Tensor:
     n_elements: int
 
 
-def _read_tensor_infos(r: _Reader, n_tensors: int, alignment: int) -> list[_Tensor]:
+def _read_tensor_infos(r: Reader, n_tensors: int, alignment: int) -> list[_Tensor]:
     tensors: list[_Tensor] = []
     seen: set[str] = set()
     for _ in range(n_tensors):

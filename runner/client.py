@@ -149,10 +149,10 @@ class RunnerProcess:
             pass
 
     def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
-              dimensions: int = 0, max_tokens: int = 0) -> dict[str, Any]:
+              dimensions: int = 0, max_tokens: int = 0, job_id: str = "") -> dict[str, Any]:
         return self._call("/embed", {"input": inputs, "truncate": truncate,
                                      "normalize": normalize, "dimensions": dimensions,
-                                     "max_tokens": max_tokens})
+                                     "max_tokens": max_tokens, "id": job_id})
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return list(self._call("/tokenize", {"content": text, "add_special": add_special})["tokens"])

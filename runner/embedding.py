@@ -7,15 +7,18 @@ without a pooling type (a plain causal LM) is mean-pooled.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import llama_cpp as L
 
-from corral.errors import BadRequest, ContextOverflow, RunnerError
+from corral.errors import BadRequest, Cancelled, ContextOverflow, CorralError, RunnerError
 from runner import native
+from runner.jobs import Embed, Failed
 
 
 MIN_CAPACITY = 512
+SLICE = 8  # inputs embedded between two decode steps
 
 
 class Embedder:
@@ -104,3 +107,43 @@ class Embedder:
             L.llama_free(self.ctx)
             self.ctx = None
         self.capacity = 0
+
+
+class EmbedQueue:
+    """Embed requests in arrival order, worked through a slice per engine step.
+
+    A large batch never stalls the streams decoding beside it for long, and a
+    cancelled one stops at its next slice. Used only by the engine thread.
+    """
+
+    def __init__(self) -> None:
+        self.pending: deque[Embed] = deque()
+        self.vectors: list[list[float]] = []  # so far, for the oldest request
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, command: Embed) -> None:
+        self.pending.append(command)
+
+    def step(self, embedder: Embedder) -> None:
+        command = self.pending[0]
+        try:
+            if command.cancelled.is_set():
+                raise Cancelled("embedding cancelled")
+            done = len(self.vectors)
+            self.vectors.extend(embedder.embed(command.inputs[done:done + SLICE],
+                                               command.truncate))
+            if len(self.vectors) < len(command.inputs):
+                return
+            command.reply.put(self.vectors)
+        except CorralError as exc:
+            command.reply.put(Failed(exc))
+        self.pending.popleft()
+        self.vectors = []
+
+    def fail_all(self, error: CorralError) -> None:
+        for command in self.pending:
+            command.reply.put(Failed(error))
+        self.pending.clear()
+        self.vectors = []

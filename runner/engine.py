@@ -27,7 +27,7 @@ from corral.errors import BadRequest, ContextOverflow, CorralError, RunnerError
 from runner import native
 from runner.batchplan import StepPlan, plan_step
 from runner.context import EngineConfig, LlamaContext
-from runner.embedding import Embedder
+from runner.embedding import Embedder, EmbedQueue
 from runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
 from runner.sampling import Sampler
 from runner.slot import DoneReason, Slot, SlotState, common_prefix
@@ -67,6 +67,7 @@ class Engine:
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
         self._eog_tokens: list[int] | None = None
         self._embedded_at = 0.0
+        self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads)
@@ -98,7 +99,10 @@ class Engine:
         return job
 
     def embed(self, inputs: list[list[int]], truncate: bool = True) -> list[list[float]]:
-        command = Embed(inputs, truncate, queue.Queue())
+        return self.run_embed(Embed(inputs, truncate))
+
+    def run_embed(self, command: Embed) -> list[list[float]]:
+        """Embed and wait; `command.cancel()` from another thread stops it between slices."""
         self._commands.put(command)
         result = command.reply.get()
         if isinstance(result, Failed):
@@ -119,7 +123,7 @@ class Engine:
         return {
             "slots": len(slots),
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
-            "waiting": len(self._waiting) + self._commands.qsize(),
+            "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots),
             "kv_reserved": self.n_ctx,
         }
@@ -136,13 +140,17 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                busy = any(s.state is not SlotState.IDLE for s in self.slots)
+                busy = any(s.state is not SlotState.IDLE for s in self.slots) or bool(
+                    self._embeds)
                 self._drain(block=not busy and not self._waiting)
                 if self._stopping:
                     break
                 if not busy and not self._waiting:
                     self._housekeep()
                 self._reap_cancelled()
+                if self._embeds:
+                    self._embeds.step(self.embedder)
+                    self._embedded_at, self._transient = self.clock(), True
                 self._admit()
                 if any(s.state is not SlotState.IDLE for s in self.slots):
                     t0 = self.clock()
@@ -164,11 +172,7 @@ class Engine:
             if isinstance(item, Submit):
                 self._waiting.append(item.job)
             elif isinstance(item, Embed):
-                try:
-                    item.reply.put(self.embedder.embed(item.inputs, item.truncate))
-                except CorralError as exc:
-                    item.reply.put(Failed(exc))
-                self._embedded_at = self.clock()
+                self._embeds.add(item)
             elif isinstance(item, Stop):
                 self._stopping = True
             try:
@@ -371,6 +375,7 @@ class Engine:
         for job in self._waiting:
             job.events.put(Failed(error))
         self._waiting.clear()
+        self._embeds.fail_all(error)
 
     def _free(self) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -87,9 +87,16 @@ class Submit:
 
 @dataclass(frozen=True)
 class Embed:
+    """Inputs to embed; the engine works through them a slice per step, between decodes."""
+
     inputs: list[list[int]]
     truncate: bool
-    reply: "queue.Queue[list[list[float]] | Failed]"
+    reply: "queue.Queue[list[list[float]] | Failed]" = field(default_factory=queue.Queue)
+    id: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 @dataclass(frozen=True)

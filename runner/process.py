@@ -33,7 +33,7 @@ from registry.gguf import inspect_gguf
 from runner import memory
 from runner.context import EngineConfig
 from runner.engine import Engine
-from runner.jobs import Done, Job, SamplingParams, Token
+from runner.jobs import Done, Embed, Job, SamplingParams, Token
 from runner.loadconfig import LoadConfig
 from runner.prompt import PromptBuilder
 
@@ -48,7 +48,7 @@ class RunnerService:
         self.engine = engine
         self.builder = builder
         self.report = report
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
@@ -89,7 +89,7 @@ class RunnerService:
                 self.jobs[job.id] = job
         return job
 
-    def forget(self, job: Job) -> None:
+    def forget(self, job: Job | Embed) -> None:
         with self.lock:
             self.jobs.pop(job.id, None)
 
@@ -112,7 +112,14 @@ class RunnerService:
         if limit and total > limit:
             raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of {limit}"
                              " (CORRAL_MAX_EMBED_TOKENS)")
-        vectors = self.engine.embed(tokens, bool(body.get("truncate", True)))
+        command = Embed(tokens, bool(body.get("truncate", True)), id=str(body.get("id") or ""))
+        if command.id:
+            with self.lock:
+                self.jobs[command.id] = command
+        try:
+            vectors = self.engine.run_embed(command)
+        finally:
+            self.forget(command)
         dims = int(body.get("dimensions") or 0)
         if dims > 0:
             vectors = [v[:dims] for v in vectors]

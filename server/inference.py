@@ -140,7 +140,9 @@ class Inference:
         return time.perf_counter() - start
 
     def embed(self, record: ModelRecord, body: dict[str, Any], inputs: list[str],
-              normalize: bool, dimensions: int = 0) -> tuple[dict[str, Any], float]:
+              normalize: bool, dimensions: int = 0,
+              on_disconnect: Callable[[Callable[[], None]], Any] | None = None,
+              ) -> tuple[dict[str, Any], float]:
         """The runner's embeddings and the seconds spent getting the model ready."""
         limit = self.settings.max_embed_inputs
         if len(inputs) > limit:
@@ -148,11 +150,19 @@ class Inference:
                              " (CORRAL_MAX_EMBED_INPUTS)")
         start = time.perf_counter()
         options = self.options(record, body.get("options"))
+        job_id = uuid.uuid4().hex
         with self.hold(record, options, keep_alive_of(body)) as entry:
             load = time.perf_counter() - start
-            assert entry.runner is not None
-            result = entry.runner.embed(inputs, bool(body.get("truncate", True)), normalize,
-                                        dimensions, self.settings.max_embed_tokens)
+            runner = entry.runner
+            assert runner is not None
+            # A client that leaves stops the batch at the runner's next slice.
+            watcher = on_disconnect(lambda: runner.cancel(job_id)) if on_disconnect else None
+            try:
+                result = runner.embed(inputs, bool(body.get("truncate", True)), normalize,
+                                      dimensions, self.settings.max_embed_tokens, job_id)
+            finally:
+                if watcher is not None:
+                    watcher.set()
         return result, load
 
     def chat_messages(self, record: ModelRecord, messages: Any) -> list[dict[str, Any]]:

@@ -192,7 +192,8 @@ def embed(inf: Inference) -> Any:
         started = time.perf_counter()
         dims = body.get("dimensions")
         result, load = inf.embed(record, body, inputs, normalize=True,
-                                 dimensions=dims if isinstance(dims, int) and dims > 0 else 0)
+                                 dimensions=dims if isinstance(dims, int) and dims > 0 else 0,
+                                 on_disconnect=req.on_disconnect)
         vectors = result["embeddings"]
         handler.send_json(200, {"model": body["model"], "embeddings": vectors,
                                 "total_duration": nanoseconds(time.perf_counter() - started),
@@ -210,6 +211,7 @@ def embeddings(inf: Inference) -> Any:
             inf.load_only(record, inf.options(record, body.get("options")), keep_alive_of(body))
             handler.send_json(200, {"embedding": []})
             return
-        result, _ = inf.embed(record, body, [str(prompt)], normalize=False)
+        result, _ = inf.embed(record, body, [str(prompt)], normalize=False,
+                              on_disconnect=req.on_disconnect)
         handler.send_json(200, {"embedding": result["embeddings"][0]})
     return route

@@ -244,7 +244,8 @@ def embeddings(inf: Inference) -> Any:
         if fmt not in ("float", "base64"):
             raise BadRequest(f"Invalid value for 'encoding_format' = {fmt}. "
                              "Supported values: ['float', 'base64'].")
-        result, _ = inf.embed(record, body, [i or " " for i in inputs], normalize=True)
+        result, _ = inf.embed(record, body, [i or " " for i in inputs], normalize=True,
+                              on_disconnect=req.on_disconnect)
         data = []
         for i, vector in enumerate(result["embeddings"]):
             value: Any = vector

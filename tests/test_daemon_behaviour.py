@@ -274,3 +274,30 @@ def test_queued_request_of_a_gone_client_never_runs(starter_store: Store,
     assert metric(d, "corral_generated_tokens_total") - before == 60
     # The only slot still caches the holder's prompt and answer, not the queued prompt.
     assert metric(d, "corral_kv_cells_used") >= 60
+
+
+def test_oversized_prompt_without_truncation_is_a_client_error(daemon: Daemon) -> None:
+    r = post(daemon, "/api/generate", {"model": MODEL, "prompt": "word " * 3000, "stream": False,
+                                       "truncate": False, "options": {"num_predict": 2}})
+    assert r.status_code == 400 and "exceeds the context length" in r.json()["error"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_answered(daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/api/generate", timeout=120, content=json.dumps(
+        {"model": MODEL, "prompt": "\ud800 x", "stream": False, "options": {"num_predict": 2}}))
+    assert r.status_code == 200 and r.json()["eval_count"] == 2
+
+
+def test_a_large_embed_batch_stops_when_its_client_leaves(daemon: Daemon) -> None:
+    post(daemon, "/api/generate", {"model": MODEL})  # loaded
+    body = json.dumps({"model": MODEL, "input": ["a fairly long sentence to embed " * 8] * 2000})
+    host, port = daemon.address
+    with socket.create_connection((host, port)) as s:
+        s.sendall(f"POST /api/embed HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                  f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        wait_for(lambda: metric(daemon, "corral_queue_depth") > 0, timeout=30)
+    # 2000 inputs take minutes here; the runner drops the batch at its next slice instead.
+    wait_for(lambda: metric(daemon, "corral_queue_depth") == 0, timeout=20)
+    quick = post(daemon, "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                           "options": {"num_predict": 2}})
+    assert quick.status_code == 200
