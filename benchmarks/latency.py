@@ -286,6 +286,11 @@ def report(cold: dict[str, float], routes: dict[str, dict[str, float]], n_models
                          f"{m['rss idle'] / 1e6:.0f} | {m['rss after'] / 1e6:.0f} | "
                          f"{m['rss after'] / m['ps size']:.2f} |")
         lines.append("")
+    record(lines)
+
+
+def record(lines: list[str]) -> None:
+    """Print a run and append it to benchmarks/RESULTS.md."""
     text = "\n".join(lines) + "\n"
     print(text)
     with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:

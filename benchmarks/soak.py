@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.latency import Daemon, rss, runner_pids, store_view  # noqa: E402
+from benchmarks.latency import Daemon, record, rss, runner_pids, store_view  # noqa: E402
 from registry.starter import STARTER_NAME  # noqa: E402
 
 MODEL = STARTER_NAME
@@ -126,15 +126,15 @@ def report(args: argparse.Namespace, counts: collections.Counter[str], errors: l
         if end:
             lines.append(f"| runner {pid} | {start_rss / 1e6:.0f} | {end / 1e6:.0f} | "
                          f"{peak / 1e6:.0f} | {end / start_rss - 1:+.1%} |")
+    lines += ["", "RSS by minute, MB (daemon / runners): " + ", ".join(
+        f"{int(t // 60)}: {d / 1e6:.0f} / " + " ".join(f"{r / 1e6:.0f}" for r in rs.values())
+        for t, d, rs in samples if int(t) % 60 < 10)]
     total = sum(counts.values())
     busy = sum(n for k, n in counts.items() if k.endswith(" 503"))
     lines += ["", f"{total} requests: " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())),
               f"Errors other than 503: {len(errors)}; 503s: {busy}.",
               *[f"- {e}" for e in errors[:10]], ""]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write("\n" + text)
+    record(lines)
 
 
 if __name__ == "__main__":

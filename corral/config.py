@@ -346,3 +346,18 @@ def apply_native_defaults() -> None:
     output is the same alone or batched, at no measurable cost on CPUs.
     """
     os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Fewer glibc malloc arenas in a process with many threads (the daemon, a runner).
+
+    glibc gives threads their own arenas, up to eight per core, and each keeps
+    the pages freed into it: a server's resident size creeps up with every new
+    thread that allocates. Call before starting threads; a no-op off glibc.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass

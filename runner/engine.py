@@ -38,6 +38,7 @@ log = logging.getLogger("corral.engine")
 # An idle embedding context is freed after this long: a burst of embed calls
 # reuses it, and a daemon that embeds once does not keep its buffers for good.
 EMBED_KEEP = 10.0
+TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a millisecond)
 
 
 class Engine:
@@ -67,6 +68,7 @@ class Engine:
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
         self._eog_tokens: list[int] | None = None
         self._embedded_at = 0.0
+        self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
@@ -145,8 +147,7 @@ class Engine:
                 self._drain(block=not busy and not self._waiting)
                 if self._stopping:
                     break
-                if not busy and not self._waiting:
-                    self._housekeep()
+                self._housekeep(idle=not busy and not self._waiting)
                 self._reap_cancelled()
                 if self._embeds:
                     self._embeds.step(self.embedder)
@@ -180,14 +181,16 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _housekeep(self) -> None:
-        """Idle: give back what bursts took, so memory returns to what `ps` reports."""
-        if self.embedder.ctx is not None and self.clock() - self._embedded_at > EMBED_KEEP:
+    def _housekeep(self, idle: bool) -> None:
+        """Give back what bursts took, so memory returns to what `ps` reports: when idle,
+        and every few seconds under load, when the engine may never be idle."""
+        now = self.clock()
+        if idle and self.embedder.ctx is not None and now - self._embedded_at > EMBED_KEEP:
             self.embedder.free()
             self._transient = True
-        if self._transient:
+        if self._transient and (idle or now - self._trimmed_at > TRIM_EVERY):
             native.release_free_memory()
-            self._transient = False
+            self._transient, self._trimmed_at = False, now
 
     def _reap_cancelled(self) -> None:
         # A queued request whose client has gone is dropped without running.

@@ -27,6 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from corral.config import limit_malloc_arenas
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.options import coerce_options
 from registry.gguf import inspect_gguf
@@ -271,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="JSON load configuration")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    limit_malloc_arenas()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="runner %(levelname)s %(message)s")
     try:
         service = build(LoadConfig.from_json(args.config))
     except CorralError as exc:
-        print(json.dumps({"error": exc.message}), flush=True)
+        print(json.dumps(format_error(exc, Shape.RUNNER)[1]), flush=True)
         return 1
     server = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Handler,), {"service": service}))
     server.daemon_threads = True

@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import IO, Any, Callable
 
-from corral.config import Settings
+from corral.config import Settings, limit_malloc_arenas
 from corral.errors import CorralError
 from registry.download import Downloader, DownloadOptions
 from registry.pull import Puller
@@ -21,7 +21,6 @@ from registry.store import Store
 from runner.client import RunnerProcess
 from runner.loadconfig import LoadConfig
 from server import manage, native, openai
-from server.asgi import HttpServer, build_app
 from server.http import Route
 from server.inference import Inference
 from server.metrics import Metrics
@@ -63,13 +62,20 @@ class Daemon:
     def __init__(self, settings: Settings,
                  runner_factory: Callable[[LoadConfig], Runner] | None = None,
                  runner_log: IO[bytes] | None = None,
-                 download_options: DownloadOptions | None = None) -> None:
+                 download_options: DownloadOptions | None = None,
+                 preload: str | None = None) -> None:
         self.settings = settings
         self.store = Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
         self.scheduler = Scheduler(settings, factory,
                                    inspect=lambda r: self.store.gguf_info(r.model_digest))
         self.inference = Inference(self.store, self.scheduler, Metrics())
+        if preload:
+            self.preload(preload)  # the runner starts while the HTTP stack loads
+        # Imported here, after the preload started: uvicorn and Starlette take a tenth
+        # of a second to import, which a cold `corral run` would otherwise wait for.
+        from server.asgi import HttpServer, build_app
+
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)
         table, prefixes = routes(self.inference, self.puller)
@@ -140,13 +146,12 @@ class Daemon:
 
 def run(settings: Settings, preload: str | None = None) -> None:
     """What `corral serve` does: log to stderr, prune, serve until SIGINT or SIGTERM."""
+    limit_malloc_arenas()
     configure_logging(settings.debug)
     try:
-        daemon = Daemon(settings, runner_log=sys.stderr.buffer)
+        daemon = Daemon(settings, runner_log=sys.stderr.buffer, preload=preload)
     except OSError as exc:
         raise CorralError(f"could not listen on {settings.host}: {exc.strerror or exc}") from None
-    if preload:
-        daemon.preload(preload)
     daemon.prune()
     daemon.serve_forever()
 
