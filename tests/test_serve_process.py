@@ -41,8 +41,9 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
             "model": "gemma3:270m-base", "prompt": "Hello", "stream": False,
             "options": {"num_predict": 3}})
         assert r.status_code == 200 and r.json()["eval_count"] == 3
-        runners = subprocess.run(["pgrep", "-f", "runner.process"], capture_output=True,
-                                 text=True).stdout.split()
+        # This daemon's own runners: other tests' daemons may have theirs alive too.
+        runners = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "runner.process"],
+                                 capture_output=True, text=True).stdout.split()
         assert runners
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
