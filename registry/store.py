@@ -198,32 +198,29 @@ class Store:
         return data, parse_manifest(data)
 
     def write_manifest(self, name: Name, data: bytes) -> None:
-        with self.lock:
-            self._write_manifest(name, data)
-
-    def _write_manifest(self, name: Name, data: bytes) -> None:
         """Write manifest bytes exactly; replaces a differently-cased existing name."""
-        manifest = parse_manifest(data)
-        for digest in manifest.digests():
-            if not self.has_blob(digest):
-                raise ModelNotFound(f"blob {digest} is missing")
-        existing = self.resolve(name)
-        if existing is not None and existing != name:
-            self._manifest_file(existing).unlink(missing_ok=True)
-        path = self._manifest_file(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-        try:
-            with open(tmp, "xb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-            _sync_dir(path.parent)
-        except OSError as exc:
-            _raise_disk_error(exc)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self.lock:
+            manifest = parse_manifest(data)
+            for digest in manifest.digests():
+                if not self.has_blob(digest):
+                    raise ModelNotFound(f"blob {digest} is missing")
+            existing = self.resolve(name)
+            if existing is not None and existing != name:
+                self._manifest_file(existing).unlink(missing_ok=True)
+            path = self._manifest_file(name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+            try:
+                with open(tmp, "xb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, path)
+                _sync_dir(path.parent)
+            except OSError as exc:
+                _raise_disk_error(exc)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def _manifest_names(self) -> Iterator[Name]:
         if not self.manifests.is_dir():
@@ -263,26 +260,20 @@ class Store:
 
     def copy(self, source: Name | str, destination: Name) -> None:
         with self.lock:
-            self._copy(source, destination)
-
-    def _copy(self, source: Name | str, destination: Name) -> None:
-        data, _ = self.read_manifest(source)
-        self.write_manifest(destination, data)
+            data, _ = self.read_manifest(source)
+            self.write_manifest(destination, data)
 
     def delete(self, name: Name | str) -> None:
-        with self.lock:
-            self._delete(name)
-
-    def _delete(self, name: Name | str) -> None:
         """Remove a manifest, then every blob no other manifest references."""
-        stored = self.require(name)
-        _, manifest = self.read_manifest(stored)
-        path = self._manifest_file(stored)
-        path.unlink()
-        self._remove_empty_dirs(path.parent)
-        still_used = self.referenced_digests()
-        for digest in manifest.digests() - still_used:
-            self.delete_blob(digest)
+        with self.lock:
+            stored = self.require(name)
+            _, manifest = self.read_manifest(stored)
+            path = self._manifest_file(stored)
+            path.unlink()
+            self._remove_empty_dirs(path.parent)
+            still_used = self.referenced_digests()
+            for digest in manifest.digests() - still_used:
+                self.delete_blob(digest)
 
     def referenced_digests(self) -> set[str]:
         used: set[str] = set()
@@ -303,33 +294,30 @@ class Store:
             current = current.parent
 
     def prune(self, max_age: float = PRUNE_AGE, now: Callable[[], float] = time.time) -> list[str]:
-        with self.lock:
-            return self._prune(max_age, now)
-
-    def _prune(self, max_age: float = PRUNE_AGE, now: Callable[[], float] = time.time) -> list[str]:
         """Remove unreferenced blobs and stale temp/partial files older than `max_age`."""
-        removed: list[str] = []
-        if not self.blobs.is_dir():
-            return removed
-        used = {digest_hex(d) for d in self.referenced_digests()}
-        cutoff = now() - max_age
-        for path in self.blobs.iterdir():
-            try:
-                if not path.is_file() or path.stat().st_mtime > cutoff:
+        with self.lock:
+            removed: list[str] = []
+            if not self.blobs.is_dir():
+                return removed
+            used = {digest_hex(d) for d in self.referenced_digests()}
+            cutoff = now() - max_age
+            for path in self.blobs.iterdir():
+                try:
+                    if not path.is_file() or path.stat().st_mtime > cutoff:
+                        continue
+                except OSError:
                     continue
-            except OSError:
-                continue
-            name = path.name
-            is_blob = name.startswith("sha256-") and len(name) == 71
-            if is_blob and name[7:] in used:
-                continue
-            path.unlink(missing_ok=True)
-            removed.append(name)
-        if self.manifests.is_dir():
-            for directory in sorted(self.manifests.rglob("*"), key=lambda p: -len(p.parts)):
-                if directory.is_dir():
-                    try:
-                        directory.rmdir()
-                    except OSError:
-                        pass
-        return removed
+                name = path.name
+                is_blob = name.startswith("sha256-") and len(name) == 71
+                if is_blob and name[7:] in used:
+                    continue
+                path.unlink(missing_ok=True)
+                removed.append(name)
+            if self.manifests.is_dir():
+                for directory in sorted(self.manifests.rglob("*"), key=lambda p: -len(p.parts)):
+                    if directory.is_dir():
+                        try:
+                            directory.rmdir()
+                        except OSError:
+                            pass
+            return removed

@@ -111,6 +111,10 @@ def _split(items: Iterator[str | ToolCalls]) -> tuple[list[str], list[dict[str, 
     return texts, calls
 
 
+def _finish_reason(outcome: Outcome) -> str:
+    return "length" if outcome.stats.get("done_reason") == "length" else "stop"
+
+
 def _usage(outcome: Outcome) -> dict[str, int]:
     p = int(outcome.stats.get("prompt_eval_count", 0))
     c = int(outcome.stats.get("eval_count", 0))
@@ -150,9 +154,7 @@ def chat_completions(inf: Inference) -> Any:
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": "fp_ollama"}
 
         def reason(calls: list[dict[str, Any]]) -> str:
-            if calls:
-                return "tool_calls"
-            return "length" if outcome.stats.get("done_reason") == "length" else "stop"
+            return "tool_calls" if calls else _finish_reason(outcome)
 
         if not body.get("stream"):
             texts, calls = _split(with_tool_calls(pieces, tools))
@@ -204,13 +206,11 @@ def completions(inf: Inference) -> Any:
                 "created": int(time.time()), "model": body["model"],
                 "system_fingerprint": "fp_ollama"}
 
-        def reason() -> str:
-            return "length" if outcome.stats.get("done_reason") == "length" else "stop"
-
         if not body.get("stream"):
             text = "".join(pieces)
             handler.send_json(200, {**base, "choices": [
-                {"text": text, "index": 0, "finish_reason": reason(), "logprobs": None}],
+                {"text": text, "index": 0, "finish_reason": _finish_reason(outcome),
+                 "logprobs": None}],
                 "usage": _usage(outcome)})
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -219,7 +219,8 @@ def completions(inf: Inference) -> Any:
             for piece in pieces:
                 yield {**base, "choices": [{"text": piece, "index": 0, "finish_reason": None,
                                             "logprobs": None}]}
-            yield {**base, "choices": [{"text": "", "index": 0, "finish_reason": reason(),
+            yield {**base, "choices": [{"text": "", "index": 0,
+                                        "finish_reason": _finish_reason(outcome),
                                         "logprobs": None}]}
             if include_usage:
                 yield {**base, "choices": [], "usage": _usage(outcome)}
