@@ -10,12 +10,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Iterator
-
-import httpx
+from types import ModuleType
+from typing import IO, TYPE_CHECKING, Any, Iterator
 
 from corral.errors import RunnerError, from_wire
 from runner.loadconfig import LoadConfig
+
+if TYPE_CHECKING:
+    import httpx
+
+
+def _httpx() -> ModuleType:
+    """httpx, imported once the first runner is spawned: its import takes a tenth of a
+    second, which a cold `corral run` would otherwise wait for before the model loads."""
+    import httpx
+
+    return httpx
 
 
 class RunnerProcess:
@@ -33,12 +43,13 @@ class RunnerProcess:
 
     def start(self, timeout: float) -> dict[str, Any]:
         """Start the process and wait for its ready line; returns the load report."""
-        cmd = [self.python, "-m", "runner.process", "--config", self.config.to_json()]
+        cmd = [self.python, "-m", "runner", "--config", self.config.to_json()]
         root = str(Path(__file__).resolve().parents[1])
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log_file or subprocess.DEVNULL,
             stdin=subprocess.DEVNULL, cwd=root, start_new_session=True)
         assert self.proc.stdout is not None
+        _httpx()  # while the runner starts
         deadline = None if timeout < 0 else time.monotonic() + timeout
         line = b""
         while not line.endswith(b"\n"):
@@ -64,8 +75,9 @@ class RunnerProcess:
             raise RunnerError(f"llama runner process has terminated: {why}")
         self.port = int(message["port"])
         self.report = dict(message.get("report", {}))
-        self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
-                                  timeout=httpx.Timeout(30.0, read=None), trust_env=False)
+        http = _httpx()
+        self._http = http.Client(base_url=f"http://127.0.0.1:{self.port}",
+                                 timeout=http.Timeout(30.0, read=None), trust_env=False)
         return self.report
 
     def alive(self) -> bool:
@@ -79,7 +91,7 @@ class RunnerProcess:
         if self.alive():
             try:
                 self._client().post("/shutdown", timeout=2.0)
-            except (httpx.HTTPError, RunnerError):
+            except (_httpx().HTTPError, RunnerError):
                 pass
             assert self.proc is not None
             try:
@@ -114,7 +126,7 @@ class RunnerProcess:
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             resp = self._client().post(path, json=body)
-        except httpx.HTTPError as exc:
+        except _httpx().HTTPError as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
         data = resp.json()
         if resp.status_code >= 400:
@@ -137,7 +149,7 @@ class RunnerProcess:
                     yield line
                     if line.get("done"):
                         return
-        except (httpx.HTTPError, ValueError):
+        except (_httpx().HTTPError, ValueError):
             pass
         raise RunnerError("llama runner process has terminated" if not self.alive() else
                           "lost the connection to the runner process")
@@ -163,6 +175,6 @@ class RunnerProcess:
     def health(self) -> dict[str, Any]:
         try:
             resp = self._client().get("/health", timeout=5.0)
-        except httpx.HTTPError as exc:
+        except _httpx().HTTPError as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
         return dict(resp.json())

@@ -43,7 +43,8 @@ TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a mil
 
 class Engine:
     def __init__(self, model_path: str, config: EngineConfig,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 llama: LlamaContext | None = None, load_seconds: float = 0.0) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -55,11 +56,12 @@ class Engine:
         self.steps = 0
         self.step_time = 0.0  # seconds inside _step
         self.native_time = 0.0  # of which in llama_decode and samplers
-        native.init_backend()
-        t0 = clock()
-        self.llama = LlamaContext(model_path, config)
-        self.load_seconds = clock() - t0
-        llama = self.llama
+        if llama is None:  # else loaded already, by runner/loading.py
+            native.init_backend()
+            t0 = clock()
+            llama = LlamaContext(model_path, config)
+            load_seconds = clock() - t0
+        self.llama, self.load_seconds = llama, load_seconds
         self.model, self.vocab, self.ctx, self.mem = llama.model, llama.vocab, llama.ctx, llama.mem
         self.batch, self.n_batch, self.n_ctx, self.num_ctx = (llama.batch, llama.n_batch,
                                                               llama.n_ctx, llama.num_ctx)

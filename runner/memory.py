@@ -8,6 +8,7 @@ without a GPU.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 from registry.gguf import GGUFInfo
@@ -79,6 +80,8 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
 
 def free_gpu_memory() -> int:
     """Free bytes summed over GPU devices that ggml reports; 0 on a CPU-only build."""
+    if not gpu_backend_present():
+        return 0  # without importing llama_cpp: the daemon's first load waits for this
     try:
         import llama_cpp as L
 
@@ -101,3 +104,22 @@ def free_gpu_memory() -> int:
         lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         total_free += free.value
     return total_free
+
+
+_GPU_BACKENDS = ("cuda", "hip", "vulkan", "metal", "sycl", "opencl", "musa", "cann")
+
+
+def gpu_backend_present() -> bool:
+    """Whether the installed llama.cpp ships a GPU backend library beside its own."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for root in spec.submodule_search_locations:
+        lib = os.path.join(root, "lib")
+        names = os.listdir(lib) if os.path.isdir(lib) else []
+        if any(n.startswith(f"libggml-{b}") or n.startswith(f"ggml-{b}")
+               for n in names for b in _GPU_BACKENDS):
+            return True
+    return False

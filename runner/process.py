@@ -14,7 +14,6 @@ port and load report), then serves:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -27,15 +26,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from corral.config import limit_malloc_arenas
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.options import coerce_options
-from registry.gguf import inspect_gguf
-from runner import memory
-from runner.context import EngineConfig
 from runner.engine import Engine
 from runner.jobs import Done, Embed, Job, SamplingParams, Token
 from runner.loadconfig import LoadConfig
+from runner.loading import Loaded, Pending, load
 from runner.prompt import PromptBuilder
 
 log = logging.getLogger("corral.runner")
@@ -229,14 +225,11 @@ def _shutdown(service: RunnerService) -> None:
         service.server.shutdown()
 
 
-def build(config: LoadConfig) -> RunnerService:
-    info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
-    est = memory.estimate(info, config.num_ctx, config.n_slots, memory.free_gpu_memory(),
-                          config.num_gpu, config.kv_cache_type, config.n_batch)
-    engine = Engine(config.model, EngineConfig(
-        n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
-        n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
-        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap))
+def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
+    loaded = loaded or load(config)
+    info, est = loaded.info, loaded.estimate
+    engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,
+                    load_seconds=loaded.seconds)
     import llama_cpp as L
 
     from runner import native
@@ -267,16 +260,13 @@ def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
     server.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.process")
-    parser.add_argument("--config", required=True, help="JSON load configuration")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    limit_malloc_arenas()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
+    pending = pending or Pending(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.DEBUG if pending.args.verbose else logging.WARNING,
                         stream=sys.stderr, format="runner %(levelname)s %(message)s")
     try:
-        service = build(LoadConfig.from_json(args.config))
+        loaded = pending.result()
+        service = build(loaded.config, loaded)
     except CorralError as exc:
         print(json.dumps(format_error(exc, Shape.RUNNER)[1]), flush=True)
         return 1

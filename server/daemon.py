@@ -11,26 +11,29 @@ import logging
 import signal
 import sys
 import threading
-from typing import IO, Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 from corral.config import Settings, limit_malloc_arenas
 from corral.errors import CorralError
-from registry.download import Downloader, DownloadOptions
-from registry.pull import Puller
 from registry.store import Store
 from runner.client import RunnerProcess
 from runner.loadconfig import LoadConfig
-from server import manage, native, openai
-from server.http import Route
 from server.inference import Inference
 from server.metrics import Metrics
 from server.scheduler import Runner, Scheduler
+
+if TYPE_CHECKING:
+    from registry.download import DownloadOptions
+    from registry.pull import Puller
+    from server.http import Route
 
 log = logging.getLogger("corral")
 
 
 def routes(inf: Inference, puller: Puller
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
+    from server import manage, native, openai
+
     table: dict[tuple[str, str], Route] = {
         ("GET", "/"): manage.root(inf),
         ("GET", "/api/version"): manage.version(inf),
@@ -72,8 +75,11 @@ class Daemon:
         self.inference = Inference(self.store, self.scheduler, Metrics())
         if preload:
             self.preload(preload)  # the runner starts while the HTTP stack loads
-        # Imported here, after the preload started: uvicorn and Starlette take a tenth
-        # of a second to import, which a cold `corral run` would otherwise wait for.
+        # Imported here, after the preload started: uvicorn, Starlette and httpx take
+        # a few tenths of a second to import, which a cold `corral run` would otherwise
+        # wait for before its model even starts loading.
+        from registry.download import Downloader, DownloadOptions
+        from registry.pull import Puller
         from server.asgi import HttpServer, build_app
 
         self.downloader = Downloader(self.store, download_options or DownloadOptions())

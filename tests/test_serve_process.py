@@ -42,7 +42,7 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
             "options": {"num_predict": 3}})
         assert r.status_code == 200 and r.json()["eval_count"] == 3
         # This daemon's own runners: other tests' daemons may have theirs alive too.
-        runners = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "runner.process"],
+        runners = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "runner --config"],
                                  capture_output=True, text=True).stdout.split()
         assert runners
         proc.send_signal(signal.SIGTERM)

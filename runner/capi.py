@@ -1,0 +1,40 @@
+"""llama.cpp's C API from llama-cpp-python, without its high-level layer.
+
+`import llama_cpp` runs the package's `__init__`, which also imports its
+`Llama` class and chat formats: numpy, jinja2 and a dozen modules, about a
+tenth of a second that a cold `corral run` waits for. The runner process needs
+only the ctypes bindings, so its entry point (`runner/__main__.py`) registers
+a bare `llama_cpp` package holding exactly those names before anything imports
+it. Submodules (`llama_cpp.llama_grammar`, `llama_cpp.mtmd_cpp`) still import
+normally from the package's path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+
+def install() -> types.ModuleType:
+    """Make `import llama_cpp` yield the C bindings only; a no-op once it is imported."""
+    if "llama_cpp" in sys.modules:
+        return sys.modules["llama_cpp"]
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError("llama-cpp-python is not installed")
+    package = types.ModuleType("llama_cpp")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__file__ = spec.origin
+    package.__spec__ = spec
+    sys.modules["llama_cpp"] = package
+    try:
+        bindings = importlib.import_module("llama_cpp.llama_cpp")
+    except BaseException:
+        del sys.modules["llama_cpp"]
+        raise
+    # What the package's own `from .llama_cpp import *` would bind.
+    package.__dict__.update({k: v for k, v in vars(bindings).items() if not k.startswith("_")})
+    package.llama_cpp = bindings  # type: ignore[attr-defined]
+    return package

@@ -1,0 +1,77 @@
+"""The model load, started before the runner's heavier modules are imported.
+
+llama.cpp reads the weights and zeroes the KV cache in C, with the GIL
+released, for a few tenths of a second. `begin` starts that on a helper
+thread, so the Python imports of the engine, sampling (numpy), templates
+(jinja2) and the HTTP service run at the same time instead of before it. The
+context is handed over whole to the engine thread, which alone uses it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass
+
+from corral.config import limit_malloc_arenas
+from corral.errors import BadRequest
+from registry.gguf import GGUFInfo, inspect_gguf
+from runner import memory, native
+from runner.context import EngineConfig, LlamaContext
+from runner.loadconfig import LoadConfig
+
+
+@dataclass
+class Loaded:
+    config: LoadConfig
+    info: GGUFInfo
+    estimate: memory.Estimate
+    engine_config: EngineConfig
+    llama: LlamaContext
+    seconds: float
+
+
+def load(config: LoadConfig) -> Loaded:
+    info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
+    est = memory.estimate(info, config.num_ctx, config.n_slots, memory.free_gpu_memory(),
+                          config.num_gpu, config.kv_cache_type, config.n_batch)
+    cfg = EngineConfig(
+        n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
+        n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
+        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap)
+    if cfg.n_slots < 1 or cfg.n_slots > 256:
+        raise BadRequest("slots must be between 1 and 256")
+    native.init_backend()
+    t0 = time.perf_counter()
+    llama = LlamaContext(config.model, cfg)
+    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0)
+
+
+class Pending:
+    """A load running on its helper thread; `result()` waits for it."""
+
+    def __init__(self, argv: list[str]) -> None:
+        parser = argparse.ArgumentParser(prog="python -m runner")
+        parser.add_argument("--config", required=True, help="JSON load configuration")
+        parser.add_argument("--verbose", action="store_true")
+        self.args = parser.parse_args(argv)
+        limit_malloc_arenas()  # before any thread allocates
+        self._loaded: Loaded | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loaded = load(LoadConfig.from_json(self.args.config))
+        except BaseException as exc:  # re-raised on the main thread by result()
+            self._error = exc
+
+    def result(self) -> Loaded:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._loaded is not None
+        return self._loaded
+

@@ -1,0 +1,42 @@
+"""What a cold `corral run` waits for: the modules imported before a model starts loading.
+
+The budget is a benchmark (`benchmarks/latency.py`); these tests keep the
+structure that makes it: the daemon reaches its first runner spawn without the
+HTTP stack, and the runner process never loads llama-cpp-python's high-level
+layer (numpy and jinja2 come later, while the model loads).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def imported_after(code: str) -> set[str]:
+    probe = code + "\nimport sys\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return set(out.split())
+
+
+def test_daemon_spawns_its_first_runner_before_the_http_stack_is_imported() -> None:
+    mods = imported_after("import server.daemon")
+    assert not {"httpx", "uvicorn", "starlette", "anyio", "llama_cpp", "numpy",
+                "rich", "registry.download", "server.asgi"} & mods
+
+
+@pytest.mark.model
+def test_runner_entry_loads_only_the_c_bindings() -> None:
+    mods = imported_after("from runner import capi\ncapi.install()\nimport runner.process")
+    assert "llama_cpp.llama_cpp" in mods
+    assert "llama_cpp.llama" not in mods and "llama_cpp.llama_chat_format" not in mods
+
+
+@pytest.mark.model
+def test_bare_package_has_the_bindings_and_its_submodules() -> None:
+    code = ("from runner import capi\nL = capi.install()\n"
+            "assert L.llama_decode is L.llama_cpp.llama_decode\n"
+            "import llama_cpp.llama_grammar\nassert capi.install() is L")
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
