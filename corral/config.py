@@ -236,7 +236,18 @@ SPECS: tuple[Spec, ...] = (
     Spec("KEEP_ALIVE", "keep_alive", 300.0, "5m",
          "how long an idle model stays loaded (negative: forever)", parse_duration),
     Spec("NUM_PARALLEL", "num_parallel", 0, "auto",
-         "parallel slots per model (0: auto, up to 4 as memory allows)", _parse_count),
+         "parallel slots per model (0: auto, as many as memory fits, up to MAX_SLOTS)",
+         _parse_count),
+    Spec("MAX_SLOTS", "max_slots", 0, "auto",
+         "most slots auto mode gives a model (0: 16 on the CPU, 32 on a GPU)", _parse_count),
+    Spec("KV_POOL", "kv_pool", False, "false",
+         "slots share one KV pool; num_ctx caps a sequence instead of reserving it",
+         parse_bool),
+    Spec("KV_POOL_TOKENS", "kv_pool_tokens", 0, "auto",
+         "KV pool size in tokens (0: MAX_SLOTS x num_ctx, as memory allows)", _parse_count),
+    Spec("DETERMINISTIC", "deterministic", False, "false",
+         "batch-invariant kernels: greedy output never depends on what shares the batch",
+         parse_bool),
     Spec("MAX_LOADED_MODELS", "max_loaded_models", 0, "auto",
          "most models loaded at once (0: auto)", _parse_count),
     Spec("MAX_QUEUE", "max_queue", 512, "512", "most pending requests before 503", _parse_count),
@@ -280,6 +291,10 @@ class Settings:
     models: Path
     keep_alive: float
     num_parallel: int
+    max_slots: int
+    kv_pool: bool
+    kv_pool_tokens: int
+    deterministic: bool
     max_loaded_models: int
     max_queue: int
     context_length: int
@@ -359,5 +374,16 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
     try:
         ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+def trim_malloc() -> None:
+    """Hand freed heap pages back to the OS; glibc keeps them otherwise, so a process's
+    resident size would stay at its peak, and creep up as free pages fragment."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
 
@@ -38,3 +39,29 @@ def install() -> types.ModuleType:
     package.__dict__.update({k: v for k, v in vars(bindings).items() if not k.startswith("_")})
     package.llama_cpp = bindings  # type: ignore[attr-defined]
     return package
+
+
+def pure_module(name: str) -> types.ModuleType:
+    """A pure-Python submodule of llama-cpp-python (`llama_grammar`) loaded on its own.
+
+    Its package's `__init__` would load libllama, numpy and jinja2 into the
+    daemon, tens of megabytes that a JSON-schema conversion does not need.
+    """
+    key = f"_corral_llama_cpp_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError("llama-cpp-python is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
+    module_spec = importlib.util.spec_from_file_location(key, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"llama_cpp.{name} is missing")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[key] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module

@@ -29,6 +29,8 @@ class LoadConfig:
     flash_attn: bool | None = None  # None: llama.cpp decides
     kv_cache_type: str = "f16"
     template: str | None = None  # a TEMPLATE layer, which wins over the GGUF's
+    kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
+    deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
 
     @classmethod
     def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":

@@ -78,6 +78,37 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
     return Estimate(layers, gpu_layers, weights, kv, compute, gpu, weights + kv + compute - gpu)
 
 
+CPU_MAX_SLOTS = 16  # aggregate decode on a CPU stops growing near 8 streams; 16 keeps the queue off
+GPU_MAX_SLOTS = 32  # see the README's GPU notes
+
+
+def memory_margin(budget: int) -> int:
+    """Memory auto sizing leaves free: a tenth, and at least 512 MiB, for everything else."""
+    return max(budget // 10, 512 << 20)
+
+
+def slots_that_fit(info: GGUFInfo, num_ctx: int, budget: int, max_slots: int,
+                   kv_type: str = "f16", n_batch: int = DEFAULT_BATCH) -> int:
+    """The most slots, each with its whole `num_ctx`, whose estimate fits `budget` bytes
+    after the margin; at least one (a load that cannot fit fails on its own terms)."""
+    room = budget - memory_margin(budget)
+    best = 1
+    for n in range(2, max(max_slots, 1) + 1):
+        if estimate(info, num_ctx, n, 0, kv_type=kv_type, n_batch=n_batch).total > room:
+            break
+        best = n
+    return best
+
+
+def pool_tokens_that_fit(info: GGUFInfo, want: int, budget: int, n_seqs: int,
+                         kv_type: str = "f16", n_batch: int = DEFAULT_BATCH) -> int:
+    """A shared KV pool of up to `want` tokens that fits `budget` after the margin."""
+    room = budget - memory_margin(budget)
+    fixed = estimate(info, 0, n_seqs, 0, kv_type=kv_type, n_batch=n_batch).total
+    per_token = max(kv_bytes_per_token(info, kv_type), 1)
+    return max(256, min(want, (room - fixed) // per_token))
+
+
 def free_gpu_memory() -> int:
     """Free bytes summed over GPU devices that ggml reports; 0 on a CPU-only build."""
     if not gpu_backend_present():

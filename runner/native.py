@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import llama_cpp as L
 
-from corral.config import apply_native_defaults
+from corral.config import apply_native_defaults, trim_malloc
 
 _log_hook: Any = None
 
@@ -90,17 +90,7 @@ def release_free_memory() -> None:
     context has its own compute buffer; once freed, without this the runner's
     resident size would stay at its peak for good.
     """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
+    trim_malloc()
 
 
 def fill_batch(batch: Any, entries: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:

@@ -58,16 +58,17 @@ def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     """Ollama's `format`: "json", a JSON schema object, or nothing."""
     if fmt in (None, "", "null"):
         return None
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+    from runner.capi import pure_module
 
+    grammars = pure_module("llama_grammar")  # not `import llama_cpp`: see pure_module
     if fmt == "json":
-        return str(JSON_GBNF)
+        return str(grammars.JSON_GBNF)
     if isinstance(fmt, dict):
         if len(json.dumps(fmt)) > max_bytes:
             raise BadRequest(f"the JSON schema in format is over the limit of {max_bytes} bytes"
                              " (CORRAL_MAX_GRAMMAR_BYTES)")
         try:
-            return str(json_schema_to_gbnf(json.dumps(fmt)))
+            return str(grammars.json_schema_to_gbnf(json.dumps(fmt)))
         except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
             raise BadRequest(f"invalid JSON schema in format: {exc}") from None
     raise BadRequest("invalid format")

@@ -218,22 +218,40 @@ class Scheduler:
         return opts
 
     def _choose_slots(self, record: ModelRecord, opts: dict[str, Any]) -> int:
+        """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
+        vram = self.free_vram()
+        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if vram > 0 else
+                                          memory.CPU_MAX_SLOTS)
+        if self.settings.kv_pool:
+            return cap  # sequences share the pool; num_ctx caps each, reserves nothing
         try:
             info = self.inspect(record)
         except CorralError:
             return 1
-        vram, ram = self.free_vram(), self.free_memory()
-        budget = vram if vram > 0 else ram
+        budget = vram if vram > 0 else self.free_memory()
         if budget <= 0:
             return 1
-        for slots in (4, 3, 2):
-            est = memory.estimate(info, int(opts["num_ctx"]), slots, 0,
-                                  kv_type=self.settings.kv_cache_type)
-            if est.total <= budget:
-                return slots
-        return 1
+        return memory.slots_that_fit(info, int(opts["num_ctx"]), budget, cap,
+                                     self.settings.kv_cache_type)
+
+    def _pool_tokens(self, record: ModelRecord, opts: dict[str, Any], slots: int) -> int:
+        """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
+        allows (one buffer either way: it is allocated whole when the model loads)."""
+        if not self.settings.kv_pool:
+            return 0
+        want = self.settings.kv_pool_tokens or slots * int(opts["num_ctx"])
+        try:
+            info = self.inspect(record)
+        except CorralError:
+            return want
+        vram = self.free_vram()
+        budget = vram if vram > 0 else self.free_memory()
+        if budget <= 0 or self.settings.kv_pool_tokens:
+            return want
+        return memory.pool_tokens_that_fit(info, want, budget, slots,
+                                           self.settings.kv_cache_type)
 
     def _make_room(self, record: ModelRecord) -> bool:
         """Evict idle models (shortest keep-alive first) until the new one may load."""
@@ -261,7 +279,9 @@ class Scheduler:
             config = LoadConfig.from_options(
                 str(entry.record.model_path), entry.options, n_slots=entry.slots,
                 flash_attn=self.settings.flash_attention,
-                kv_cache_type=self.settings.kv_cache_type, template=entry.record.template)
+                kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
+                kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
+                deterministic=self.settings.deterministic)
             runner = self.runner_factory(config)
             try:
                 runner.start(self.settings.load_timeout)

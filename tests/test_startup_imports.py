@@ -40,3 +40,12 @@ def test_bare_package_has_the_bindings_and_its_submodules() -> None:
             "assert L.llama_decode is L.llama_cpp.llama_decode\n"
             "import llama_cpp.llama_grammar\nassert capi.install() is L")
     subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
+
+
+def test_json_schema_grammar_leaves_llama_cpp_out_of_the_daemon() -> None:
+    # `import llama_cpp.llama_grammar` would run the package's __init__: libllama,
+    # numpy and jinja2 resident in the daemon for good after one JSON-schema request.
+    mods = imported_after("from server.inference import grammar_for\n"
+                          "assert 'root' in grammar_for({'type': 'object'}, 1 << 16)\n"
+                          "assert 'root' in grammar_for('json', 1 << 16)")
+    assert not {"llama_cpp", "numpy", "jinja2"} & mods
