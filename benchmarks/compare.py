@@ -1,11 +1,18 @@
-"""Side by side on one machine: llama.cpp's llama-server, Corral with N slots, Corral with 1.
+"""Side by side on one machine: the queue cliff, and who avoids it.
 
-Runs the same `corral bench` load over the OpenAI route against each, with the
-starter model, the same thread count and concurrency 1, 2, 4, 8; prints one
-table of ratios and appends the results (date, CPU, versions) to
-benchmarks/RESULTS.md. Also runs llama-bench (tg128, pp512) as the engine floor.
+Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
+2 requests per client) at concurrency 1, 2, 4, 8, 16 against:
 
-    .venv/bin/python benchmarks/compare.py [--slots 4] [--requests 8] [--max-tokens 64]
+- llama-server with 4 slots, with 8 slots and `--kv-unified`, and with 1 slot
+  (Ollama's default);
+- Corral in its default mode (slots sized by memory) and in pool mode.
+
+All with the starter model and the same threads, in one run; prints TTFT
+p50/p99 and aggregate tok/s per level, the issue's target ratios, and appends
+them to benchmarks/RESULTS.md. Also runs llama-bench (tg128, pp512) as the
+engine floor.
+
+    .venv/bin/python benchmarks/compare.py [--levels 1,2,4,8,16] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -32,7 +39,7 @@ from registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from registry.store import Store  # noqa: E402
 from runner.native import physical_cores  # noqa: E402
 
-LEVELS = "1,2,4,8"
+LEVELS = "1,2,4,8,16"
 
 
 def free_port() -> int:
@@ -62,18 +69,20 @@ def bench(url: str, out: Path, args: argparse.Namespace, dataset: str = "random"
            "--api", "openai", "--base-url", url, "--concurrency", levels,
            "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--dataset", dataset, "--seed", "1", "--json", str(out)]
-    if args.requests:
-        cmd += ["--requests", str(args.requests)]
+    cmd += ["--per-client", str(args.per_client)]
     warm = {"model": STARTER_NAME, "prompt": "warm up", "max_tokens": 4}
     httpx.post(url + "/v1/completions", json=warm, timeout=300)
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
     return list(json.loads(out.read_text())["levels"])
 
 
-def start_corral(slots: int, num_ctx: int, threads: int) -> tuple[str, subprocess.Popen[bytes]]:
+def start_corral(slots: int, num_ctx: int, threads: int, **extra: str
+                 ) -> tuple[str, subprocess.Popen[bytes]]:
+    """Corral with `slots` fixed slots, or 0 for its default (sized by memory)."""
     port = free_port()
     env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_NUM_PARALLEL=str(slots),
-               CORRAL_CONTEXT_LENGTH=str(num_ctx), CORRAL_KEEP_ALIVE="-1", CORRAL_NOPRUNE="1")
+               CORRAL_CONTEXT_LENGTH=str(num_ctx), CORRAL_KEEP_ALIVE="-1", CORRAL_NOPRUNE="1",
+               **{f"CORRAL_{k}": v for k, v in extra.items()})
     proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
                             cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -84,14 +93,14 @@ def start_corral(slots: int, num_ctx: int, threads: int) -> tuple[str, subproces
     return url, proc
 
 
-def start_llama_server(binaries: Path, model: Path, slots: int, num_ctx: int, threads: int
-                       ) -> tuple[str, subprocess.Popen[bytes]]:
+def start_llama_server(binaries: Path, model: Path, slots: int, num_ctx: int, threads: int,
+                       *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(binaries))
     proc = subprocess.Popen([str(binaries / "llama-server"), "-m", str(model), "--host",
                              "127.0.0.1", "--port", str(port), "--parallel", str(slots),
                              "-c", str(num_ctx * slots), "-t", str(threads), "-tb", str(threads),
-                             "--cont-batching"], env=env, stdout=subprocess.DEVNULL,
+                             "--cont-batching", *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
@@ -123,14 +132,28 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b and b == b and a == a else "-"
 
 
+def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: int
+               ) -> list[tuple[str, Callable[[], tuple[str, subprocess.Popen[bytes]]]]]:
+    ctx = args.num_ctx
+    return [
+        ("llama-server 4", lambda: start_llama_server(binaries, model, 4, ctx, threads)),
+        ("llama-server 8 unified", lambda: start_llama_server(binaries, model, 8, ctx, threads,
+                                                              "--kv-unified")),
+        ("llama-server 1", lambda: start_llama_server(binaries, model, 1, ctx, threads)),
+        ("corral", lambda: start_corral(0, ctx, threads)),
+        ("corral pool", lambda: start_corral(0, ctx, threads, KV_POOL="1")),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--num-ctx", type=int, default=1024)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--levels", default=LEVELS)
+    parser.add_argument("--num-ctx", type=int, default=4096)
+    parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated contender names")
     args = parser.parse_args()
     threads = args.threads or physical_cores()
     model = starter_model_path(Store(load_settings().models))
@@ -142,17 +165,14 @@ def main() -> None:
     work = ROOT / "benchmarks" / ".out"
     work.mkdir(exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {}
-    for label, starter in (
-            ("llama-server", lambda: start_llama_server(binaries, model, args.slots,
-                                                        args.num_ctx, threads)),
-            (f"corral-{args.slots}", lambda: start_corral(args.slots, args.num_ctx, threads)),
-            ("corral-1", lambda: start_corral(1, args.num_ctx, threads))):
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    for label, starter in contenders(args, binaries, model, threads):
+        if only and label not in only:
+            continue
         url, proc = starter()
         try:
-            results[label] = bench(url, work / f"{label}.json", args)
-            if label.startswith("corral-") and label != "corral-1":
-                results[label + "-chat"] = bench(url, work / f"{label}-chat.json", args,
-                                                 dataset="chat", levels=str(args.slots))
+            results[label] = bench(url, work / f"{label.replace(' ', '-')}.json", args,
+                                   levels=args.levels)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -160,35 +180,45 @@ def main() -> None:
     report(args, threads, results, floor)
 
 
+def cell(results: dict[str, list[dict[str, Any]]], label: str, level: str) -> dict[str, Any]:
+    return by_level(results.get(label, [])).get(level, {})
+
+
+def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
+    def ttft(label: str, level: str) -> float:
+        return float(cell(results, label, level).get("ttft", {}).get("median", float("nan")))
+
+    def tput(label: str, level: str) -> float:
+        return float(cell(results, label, level).get("output_throughput", float("nan")))
+
+    ref = "llama-server 4"
+    return [
+        ("c=8 TTFT p50, corral vs llama-server 4 (<= 0.25)",
+         ratio(ttft("corral", "8"), ttft(ref, "8"))),
+        ("c=16 TTFT p50, corral vs llama-server 4 (<= 0.25)",
+         ratio(ttft("corral", "16"), ttft(ref, "16"))),
+        *[(f"c={c} aggregate tok/s, corral vs llama-server 4 (>= 1.0)",
+           ratio(tput("corral", c), tput(ref, c))) for c in ("1", "4", "8")],
+        ("c=16 failed requests, corral (0)",
+         str(cell(results, "corral", "16").get("failed", "-"))),
+    ]
+
+
 def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[str, Any]]],
            floor: dict[str, float]) -> None:
-    ref = by_level(results["llama-server"])
-    ours = by_level(results[f"corral-{args.slots}"])
-    one = by_level(results["corral-1"])
-    chat = results.get(f"corral-{args.slots}-chat", [{}])[0].get("ttft_by_turn", {})
-    lines = [f"| conc | llama-server tok/s | corral-{args.slots} tok/s | corral-1 tok/s | "
-             f"ratio vs llama-server | ratio vs 1 slot | TTFT p50 ratio |", "|---|---|---|---|---|---|---|"]
-    for level in LEVELS.split(","):
-        r, o, s = ref[level], ours[level], one[level]
-        lines.append(f"| {level} | {r['output_throughput']:.1f} | {o['output_throughput']:.1f} | "
-                     f"{s['output_throughput']:.1f} | "
-                     f"{ratio(o['output_throughput'], r['output_throughput'])} | "
-                     f"{ratio(o['output_throughput'], s['output_throughput'])} | "
-                     f"{ratio(o['ttft']['median'], r['ttft']['median'])} |")
-    turn1, turn5 = chat.get("1") or chat.get(1), chat.get("5") or chat.get(5)
-    targets = [
-        ("c=1 decode tok/s vs llama-server (>= 0.9)",
-         ratio(decode_rate(ours["1"]), decode_rate(ref["1"]))),
-        ("c=4 output tok/s vs llama-server 4 slots (>= 0.9)",
-         ratio(ours["4"]["output_throughput"], ref["4"]["output_throughput"])),
-        ("c=4 output tok/s vs corral 1 slot (>= 2)",
-         ratio(ours["4"]["output_throughput"], one["4"]["output_throughput"])),
-        ("c=8 TTFT p50 vs llama-server (<= 1.25)",
-         ratio(ours["8"]["ttft"]["median"], ref["8"]["ttft"]["median"])),
-        ("chat TTFT turn 5 vs turn 1 (<= 1.5)", ratio(turn5 or 0, turn1 or 0)),
-        ("warm TTFT c=1, 32-token prompt, vs llama-server (<= 1.2)",
-         ratio(ours["1"]["ttft"]["median"], ref["1"]["ttft"]["median"])),
-    ]
+    labels = list(results)
+    head = "| conc | " + " | ".join(f"{lb} TTFT p50 / p99 s, tok/s" for lb in labels) + " |"
+    lines = [head, "|---|" + "---|" * len(labels)]
+    for level in args.levels.split(","):
+        row = []
+        for lb in labels:
+            c = cell(results, lb, level)
+            if not c:
+                row.append("-")
+                continue
+            row.append(f"{c['ttft']['median']:.2f} / {c['ttft']['p99']:.2f}, "
+                       f"{c['output_throughput']:.1f}")
+        lines.append(f"| {level} | " + " | ".join(row) + " |")
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
@@ -197,20 +227,17 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
         pass
     from importlib.metadata import version
 
-    text = [f"## {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: {cpu}, {threads} threads",
-            "", f"corral {version('corral')}, llama-cpp-python {version('llama-cpp-python')}, "
-            f"{args.slots} slots, num_ctx {args.num_ctx}, {args.prompt_tokens} prompt / "
-            f"{args.max_tokens} output tokens, {args.requests} requests per level, OpenAI route.",
-            "", *lines, "", "| target | ratio |", "|---|---|",
-            *[f"| {name} | {value} |" for name, value in targets], "",
+    text = [f"## {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: compare.py, {cpu}, "
+            f"{threads} threads", "",
+            f"corral {version('corral')}, llama-cpp-python {version('llama-cpp-python')}, "
+            f"num_ctx {args.num_ctx} per slot, {args.prompt_tokens} prompt / {args.max_tokens} "
+            f"output tokens (ignore_eos), {args.per_client} requests per client, streaming "
+            "/v1/completions.", "", *lines, "", "| target | ratio |", "|---|---|",
+            *[f"| {name} | {value} |" for name, value in targets(results)], "",
             f"Engine floor (llama-bench, {threads} threads): "
-            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "",
-            "Chat TTFT p50 by turn (ms): "
-            + ", ".join(f"{k}: {v * 1000:.0f}" for k, v in chat.items()), "", ""]
+            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "", ""]
     print("\n".join(text))
     results_md = ROOT / "benchmarks" / "RESULTS.md"
-    if not results_md.exists():
-        results_md.write_text("# Benchmark results\n\nAppended by `benchmarks/compare.py`.\n\n")
     with results_md.open("a") as f:
         f.write("\n".join(text))
 

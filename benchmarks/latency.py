@@ -195,7 +195,7 @@ def runner_pids(daemon_pid: int) -> list[int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"runner.process" in cmd and ppid == daemon_pid:
+        if b"\0runner\0--config" in cmd and ppid == daemon_pid:
             pids.append(int(entry.name))
     return pids
 

@@ -33,7 +33,8 @@ class BenchConfig:
     model: str
     base_url: str
     api: str = "native"
-    requests: int = 0  # per level; 0 means 4 x concurrency
+    requests: int = 0  # per level; 0 means per_client x concurrency
+    per_client: int = 4
     prompt_tokens: int = 32
     max_tokens: int = 64
     dataset: str = "random"
@@ -122,7 +123,7 @@ def _work_items(cfg: BenchConfig, concurrency: int, rng: random.Random) -> list[
         users = cfg.requests // TURNS if cfg.requests else concurrency
         return [[random_prompt(rng, cfg.prompt_tokens) for _ in range(TURNS)]
                 for _ in range(max(1, users))]
-    n = cfg.requests or 4 * concurrency
+    n = cfg.requests or cfg.per_client * concurrency
     return [random_prompt(rng, cfg.prompt_tokens) for _ in range(n)]
 
 
@@ -214,7 +215,7 @@ def total_requests(cfg: BenchConfig, levels: list[int]) -> int:
         levels = [1]
     if cfg.dataset == "chat":
         return sum(max(1, (cfg.requests // TURNS if cfg.requests else c)) * TURNS for c in levels)
-    return sum(cfg.requests or 4 * c for c in levels)
+    return sum(cfg.requests or cfg.per_client * c for c in levels)
 
 
 def save_json(path: Path, cfg: BenchConfig, summaries: list[Summary]) -> None:

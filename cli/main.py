@@ -205,7 +205,9 @@ def bench(model: str,
           concurrency: str = typer.Option("1,2,4,8", help="Closed-loop sweep levels."),
           request_rate: float = typer.Option(0.0, help="Open loop: Poisson arrivals per second."),
           max_concurrency: int = typer.Option(0, help="Open loop: most requests in flight."),
-          requests: int = typer.Option(0, help="Requests per level (default 4 x concurrency)."),
+          requests: int = typer.Option(0, help="Requests per level (default per-client x "
+                                                  "concurrency)."),
+          per_client: int = typer.Option(4, "--per-client", help="Requests per client and level."),
           prompt_tokens: int = typer.Option(32, help="Prompt length in tokens."),
           max_tokens: int = typer.Option(64, help="Tokens to generate, exactly."),
           dataset: str = typer.Option("random", help="random, or chat (multi-turn)."),
@@ -229,7 +231,7 @@ def bench(model: str,
         raise CorralError("concurrency, --max-tokens and --prompt-tokens must be positive")
     url = base_url.rstrip("/") or client().base
     cfg = b.BenchConfig(model=model, base_url=url, api=api, requests=requests,
-                        prompt_tokens=prompt_tokens, max_tokens=max_tokens, dataset=dataset,
+                        per_client=per_client, prompt_tokens=prompt_tokens, max_tokens=max_tokens, dataset=dataset,
                         seed=seed, request_rate=request_rate, max_concurrency=max_concurrency)
     summaries = print_report(cfg, levels if request_rate <= 0 else [max_concurrency or 1])
     if json_path is not None:

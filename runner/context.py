@@ -28,6 +28,7 @@ class EngineConfig:
     flash_attn: bool | None = None
     kv_cache_type: str = "f16"
     use_mmap: bool = True
+    kv_pool: int = 0  # tokens in one KV buffer the slots share; 0: a stream per slot
     # llama.cpp's extra CPU buffer types (weight repacking, AMX) make a row's
     # logits depend on how many rows share the batch, so greedy output would
     # change with load; on this class of CPU they are not faster either.
@@ -55,17 +56,19 @@ class LlamaContext:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
+        if cfg.kv_pool:
+            self.num_ctx = min(self.num_ctx, cfg.kv_pool)  # a cap on each sequence
         self.n_threads = cfg.n_threads or native.physical_cores()
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = self.num_ctx * cfg.n_slots
+        cparams.n_ctx = cfg.kv_pool or self.num_ctx * cfg.n_slots
         cparams.n_seq_max = cfg.n_slots
         cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        # One KV stream per slot. In a shared (unified) stream, a sequence's new
-        # cells can land in holes another slot left behind, which changes the
-        # order flash attention visits them in, and so its floating-point sums:
-        # outputs would then depend on the neighbours.
-        cparams.kv_unified = False
+        # One KV stream per slot, unless the slots share a pool. In a shared
+        # (unified) stream, a sequence's new cells can land in holes another slot
+        # left behind, which changes the order flash attention visits them in, and
+        # so its floating-point sums: outputs then depend on the neighbours.
+        cparams.kv_unified = bool(cfg.kv_pool)
         # Gemma 3's sliding-window cache must be full size, or prefix reuse and
         # context shift would need KV that has already been evicted.
         cparams.swa_full = True

@@ -23,14 +23,16 @@ from typing import Callable
 
 import llama_cpp as L
 
-from corral.errors import BadRequest, ContextOverflow, CorralError, RunnerError
-from runner import native
+from corral.errors import BadRequest, CorralError, RunnerError
+from runner import kvops, native
+from runner.admission import fit_prompt, generation_limit
 from runner.batchplan import StepPlan, plan_step
 from runner.context import EngineConfig, LlamaContext
 from runner.embedding import Embedder, EmbedQueue
 from runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
 from runner.sampling import Sampler
-from runner.slot import DoneReason, Slot, SlotState, common_prefix
+from runner.kvpool import KVPool
+from runner.slot import DoneReason, Progress, Slot, SlotState, common_prefix
 from runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
@@ -74,6 +76,8 @@ class Engine:
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
+        self.pool = KVPool(self.n_ctx) if config.kv_pool else None
+        self._progress: dict[int, Progress] = {}  # preempted jobs' progress, by id(job)
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads)
 
     @property
@@ -130,6 +134,7 @@ class Engine:
             "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots),
             "kv_reserved": self.n_ctx,
+            "preemptions": self.pool.preemptions if self.pool is not None else 0,
         }
 
     def stop(self) -> None:
@@ -198,6 +203,9 @@ class Engine:
         # A queued request whose client has gone is dropped without running.
         for job in [j for j in self._waiting if j.cancelled.is_set()]:
             self._waiting.remove(job)
+            progress = self._progress.pop(id(job), None)
+            if progress is not None:
+                progress.sampler.free()
             job.events.put(Done({"done_reason": DoneReason.CANCEL.value}))
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled.is_set():
@@ -208,15 +216,24 @@ class Engine:
             idle = [s for s in self.slots if s.state is SlotState.IDLE]
             if not idle:
                 return
-            job = self._waiting.popleft()  # oldest first
+            job = self._waiting[0]  # oldest first; a preempted job is back at the front
+            if self.pool is not None and not self.pool.admits(self.slots, self._need(job)):
+                return  # no room in the pool yet: it and everything behind it wait
+            self._waiting.popleft()
             try:
                 self._prepare(job, idle)
             except BadRequest as exc:
                 job.events.put(Failed(exc))
 
+    def _need(self, job: Job) -> int:
+        progress = self._progress.get(id(job))
+        return min(len(job.prompt) + (len(progress.generated) if progress else 0), self.num_ctx)
+
     def _prepare(self, job: Job, idle: list[Slot]) -> None:
-        prompt = self._fit_prompt(job)
-        job.prompt = prompt
+        progress = self._progress.pop(id(job), None)
+        prompt = fit_prompt(job, progress.generated if progress else [], self.num_ctx)
+        if progress is None:
+            job.prompt = prompt
         # The idle slot sharing the longest prefix wins; ties go to the least recently used.
         keep, _, slot = max(((common_prefix(s.reusable(), prompt), -s.last_used, s)
                              for s in idle), key=lambda c: (c[0], c[1]))
@@ -225,37 +242,26 @@ class Engine:
         if keep == 0 or not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             keep = 0
+        if progress is not None:
+            slot.resume(job, keep, prompt, progress)
+            return
         sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
                           self.eog_tokens if job.ignore_eos else None)
         if job.params.penalized():
             sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
-        slot.start(job, keep, sampler, self._limit(job, len(prompt)), self.clock())
-
-    def _fit_prompt(self, job: Job) -> list[int]:
-        prompt, n_ctx = job.prompt, self.num_ctx
-        if len(prompt) < n_ctx:
-            return prompt
-        if not job.truncate:
-            raise ContextOverflow(
-                f"the input length ({len(prompt)} tokens) exceeds the context length ({n_ctx})")
-        keep = max(0, min(job.num_keep if job.num_keep >= 0 else len(prompt), n_ctx // 2))
-        tail = n_ctx - keep - 1
-        return prompt[:keep] + prompt[len(prompt) - tail:]
-
-    def _limit(self, job: Job, n_prompt: int) -> int:
-        if job.num_predict == -2:
-            return max(1, self.num_ctx - n_prompt)
-        if job.num_predict < 0:
-            return 10 * self.num_ctx
-        return max(job.num_predict, 0)
+        slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
+                   self.clock())
 
     # ---- one step ----------------------------------------------------------------------
 
     def _step(self) -> None:
         for slot in self.slots:
             if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
-                self._make_room(slot)
+                if not kvops.shift_context(self.mem, slot, self.can_shift):
+                    self._finish(slot, DoneReason.LENGTH)
         plan = plan_step(self.slots, self.n_batch)
+        if self.pool is not None:
+            plan = self._fit_pool(plan)
         if not plan.entries:
             return
         native.fill_batch(self.batch, plan.entries, self.n_batch)
@@ -274,7 +280,7 @@ class Engine:
             del slot.pending[:taken]
             if not slot.pending:
                 slot.transition(SlotState.DECODE)
-                slot.t_first = self.clock()
+                slot.t_first = slot.t_first or self.clock()  # a resumed job keeps its own
                 self._sample(slot, plan.sample_at[slot.seq])
         for slot in plan.decoding:
             if slot.state is SlotState.DECODE:
@@ -303,25 +309,30 @@ class Engine:
         elif slot.n_generated >= slot.limit:
             self._finish(slot, DoneReason.LENGTH)
 
-    def _make_room(self, slot: Slot) -> None:
-        """Context shift: drop half of what follows num_keep, or end with 'length'."""
-        job = slot.job
-        assert job is not None
-        if not (job.shift and self.can_shift) or job.num_predict == -2:
-            self._finish(slot, DoneReason.LENGTH)
-            return
-        keep = max(0, min(job.num_keep, slot.n_past // 2))
-        discard = (slot.n_past - keep) // 2
-        if discard <= 0:
-            self._finish(slot, DoneReason.LENGTH)
-            return
-        L.llama_memory_seq_rm(self.mem, slot.seq, keep, keep + discard)
-        L.llama_memory_seq_add(self.mem, slot.seq, keep + discard, slot.n_past, -discard)
-        del slot.cached[keep:keep + discard]
-        # Tokens after the cut were computed beside tokens that are gone, and a
-        # sliding-window cache keeps more than the positions say: none of this
-        # sequence is what a fresh prefill of its tokens would give.
-        slot.tainted = True
+    def _fit_pool(self, plan: StepPlan) -> StepPlan:
+        """Make the pool hold this step: drop idle caches, then preempt newest first."""
+        assert self.pool is not None
+        while plan.entries and self.pool.shortfall(self.slots, len(plan.entries)) > 0:
+            idle = KVPool.evictable(self.slots)
+            victim = None if idle else KVPool.victim(self.slots)
+            if idle:
+                kvops.drop(self.mem, idle[0])
+            elif victim is not None:
+                self._preempt(victim)
+                plan = plan_step(self.slots, self.n_batch)
+            else:
+                break
+        return plan
+
+    def _preempt(self, slot: Slot) -> None:
+        assert self.pool is not None
+        kvops.drop(self.mem, slot)
+        job, progress = slot.suspend(self.clock())
+        self._progress[id(job)] = progress
+        self._waiting.appendleft(job)
+        self.pool.preemptions += 1
+        self.pool.pressure = True
+        log.debug("preempted a sequence after %d tokens", progress.n_generated)
 
     def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
         log.error("llama_decode returned %d", rc)
@@ -352,18 +363,10 @@ class Engine:
             if tail and reason is not DoneReason.CANCEL:
                 job.events.put(Token(tail))
         now = self.clock()
-        first = slot.t_first or now
-        stats = {
-            "done_reason": reason.value,
-            "prompt_eval_count": slot.n_prompt_eval,
-            "prompt_eval_duration": int((first - slot.t_start) * 1e9),
-            "eval_count": slot.n_generated,
-            "eval_duration": int((now - first) * 1e9),
-            "queue_duration": int((slot.t_start - job.submitted) * 1e9),
-            "prompt_tokens": len(job.prompt),
-            "context": job.prompt + slot.generated,
-        }
+        stats = slot.stats(job, reason, now)
         slot.release(now)
+        if self.pool is not None:
+            self.pool.pressure = False  # cells came free: waiting jobs may try again
         self._transient = self._transient or job.grammar is not None
         job.events.put(Done(stats))
 

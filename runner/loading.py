@@ -34,12 +34,16 @@ class Loaded:
 
 def load(config: LoadConfig) -> Loaded:
     info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
-    est = memory.estimate(info, config.num_ctx, config.n_slots, memory.free_gpu_memory(),
+    # A pool is one buffer of kv_pool tokens whatever the slot count: estimate it as one.
+    ctx_tokens, kv_seqs = ((config.kv_pool, 1) if config.kv_pool else
+                           (config.num_ctx, config.n_slots))
+    est = memory.estimate(info, ctx_tokens, kv_seqs, memory.free_gpu_memory(),
                           config.num_gpu, config.kv_cache_type, config.n_batch)
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
-        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap)
+        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
+        extra_bufts=not config.deterministic and EngineConfig.extra_bufts)
     if cfg.n_slots < 1 or cfg.n_slots > 256:
         raise BadRequest("slots must be between 1 and 256")
     native.init_backend()

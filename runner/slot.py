@@ -2,6 +2,11 @@
 
     IDLE --admit--> PREFILL --prompt done--> DECODE --finish--> IDLE
                       \\--------------finish / cancel / error------^
+                      \\--------------preempt (KV pool full)-------^
+
+A preempted job leaves with its Progress (sampler, text streams, the tokens
+generated so far) and later resumes on some slot: its prompt and those tokens
+are prefilled again, and generation continues where it stopped.
 
 An IDLE slot keeps its tokens' KV cached, so the next request that shares a
 prefix with them prefills only the rest.
@@ -38,6 +43,21 @@ class DoneReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     CANCEL = "cancel"
+
+
+@dataclass
+class Progress:
+    """What a job has produced so far, carried across a preemption."""
+
+    sampler: "Sampler"
+    utf8: Utf8Stream
+    stops: StopMatcher
+    generated: list[int]
+    n_generated: int
+    n_prompt_eval: int
+    limit: int
+    t_start: float
+    t_first: float
 
 
 @dataclass
@@ -90,6 +110,46 @@ class Slot:
         self.stops = StopMatcher(job.stop)
         self.t_start = now
         self.t_first = 0.0
+
+    def suspend(self, now: float) -> tuple[Job, Progress]:
+        """PREFILL/DECODE -> IDLE without finishing: the job keeps its progress. The
+        caller drops the sequence's KV, so nothing of it stays cached here."""
+        job, sampler = self.job, self.sampler
+        assert job is not None and sampler is not None
+        progress = Progress(sampler, self.utf8, self.stops, self.generated, self.n_generated,
+                            self.n_prompt_eval, self.limit, self.t_start, self.t_first)
+        self.sampler = None  # the job owns it now
+        self.release(now)
+        self.cached = []
+        return job, progress
+
+    def resume(self, job: Job, keep: int, tokens: list[int], progress: Progress) -> None:
+        """IDLE -> PREFILL for a preempted job: `tokens` (its prompt and what it had
+        generated) are prefilled again; sampling then continues from its progress."""
+        self.transition(SlotState.PREFILL)
+        self.job, self.sampler = job, progress.sampler
+        self.cached = self.cached[:keep]
+        self.tainted = False
+        self.pending = tokens[keep:]
+        self.limit, self.n_generated = progress.limit, progress.n_generated
+        self.n_prompt_eval = progress.n_prompt_eval
+        self.generated, self.utf8, self.stops = progress.generated, progress.utf8, progress.stops
+        self.t_start, self.t_first = progress.t_start, progress.t_first
+        self.last_token = tokens[-1]
+
+    def stats(self, job: Job, reason: DoneReason, now: float) -> dict[str, object]:
+        """The Done event's counts and durations (Ollama's names)."""
+        first = self.t_first or now
+        return {
+            "done_reason": reason.value,
+            "prompt_eval_count": self.n_prompt_eval,
+            "prompt_eval_duration": int((first - self.t_start) * 1e9),
+            "eval_count": self.n_generated,
+            "eval_duration": int((now - first) * 1e9),
+            "queue_duration": int((self.t_start - job.submitted) * 1e9),
+            "prompt_tokens": len(job.prompt),
+            "context": job.prompt + self.generated,
+        }
 
     def release(self, now: float) -> Job | None:
         """Back to IDLE, keeping the cached KV for prefix reuse."""

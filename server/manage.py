@@ -262,7 +262,8 @@ def metrics(inf: Inference) -> Any:
                 values.update({"queue_depth": health.get("waiting", 0),
                                "busy_slots": health.get("busy_slots", 0),
                                "kv_cells_used": health.get("kv_used", 0),
-                               "kv_cells_reserved": health.get("kv_reserved", 0)})
+                               "kv_cells_reserved": health.get("kv_reserved", 0),
+                               "preemptions_total": health.get("preemptions", 0)})
             except (CorralError, AttributeError, AssertionError):
                 pass
             yield entry.record.name.display(), values

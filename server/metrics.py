@@ -86,10 +86,12 @@ class Metrics:
                  "busy_slots": "Slots decoding or prefilling.",
                  "slots": "Slots per loaded model.",
                  "kv_cells_used": "KV cache cells holding tokens.",
-                 "kv_cells_reserved": "KV cache cells reserved."}
+                 "kv_cells_reserved": "KV cache cells reserved.",
+                 "preemptions_total": "Sequences preempted because the KV pool was full "
+                                      "(pool mode), since the model loaded."}
         rows = list(gauges())
         for key, help_text in names.items():
-            family(key, "gauge", help_text)
+            family(key, "counter" if key.endswith("_total") else "gauge", help_text)
             for model, values in rows:
                 if key in values:
                     out.append(f'corral_{key}{{model="{_label(model)}"}} {values[key]}')

@@ -1,0 +1,36 @@
+"""What the engine does to one sequence's KV cells, beside decoding into them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llama_cpp as L
+
+from runner.slot import Slot
+
+
+def drop(mem: Any, slot: Slot) -> None:
+    """Free every cell of the slot's sequence; it caches nothing after."""
+    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    slot.cached = []
+
+
+def shift_context(mem: Any, slot: Slot, can_shift: bool) -> bool:
+    """Context shift: drop half of what follows num_keep. False when the job must end
+    instead ('length'): shifting is off, impossible, or would drop nothing."""
+    job = slot.job
+    assert job is not None
+    if not (job.shift and can_shift) or job.num_predict == -2:
+        return False
+    keep = max(0, min(job.num_keep, slot.n_past // 2))
+    discard = (slot.n_past - keep) // 2
+    if discard <= 0:
+        return False
+    L.llama_memory_seq_rm(mem, slot.seq, keep, keep + discard)
+    L.llama_memory_seq_add(mem, slot.seq, keep + discard, slot.n_past, -discard)
+    del slot.cached[keep:keep + discard]
+    # Tokens after the cut were computed beside tokens that are gone, and a
+    # sliding-window cache keeps more than the positions say: none of this
+    # sequence is what a fresh prefill of its tokens would give.
+    slot.tainted = True
+    return True
