@@ -134,7 +134,7 @@ class Scheduler:
             return Ticket(None)
 
     def acquire(self, ticket: "Ticket", record: ModelRecord, options: dict[str, Any],
-                keep_alive: float | None) -> Loaded:
+                keep_alive: float | None, max_slots: int = 0) -> Loaded:
         """Return a READY model with this request counted in; loads or reloads as needed."""
         load_opts = self._load_options(options)
         try:
@@ -166,7 +166,7 @@ class Scheduler:
                     if not self._make_room(record):
                         self.cond.wait(timeout=0.5)
                         continue
-                    slots = self._choose_slots(record, load_opts)
+                    slots = self._choose_slots(record, load_opts, max_slots)
                     entry = Loaded(record, load_opts, slots,
                                    keep_alive=self.settings.keep_alive if keep_alive is None
                                    else keep_alive)
@@ -217,13 +217,14 @@ class Scheduler:
             del opts["num_gpu"]  # auto never forces a reload
         return opts
 
-    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any]) -> int:
-        """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits."""
+    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any], limit: int = 0) -> int:
+        """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up
+        to CORRAL_MAX_SLOTS, or to `limit` when the caller sets one and the user did not."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
         vram = self.free_vram()
-        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if vram > 0 else
-                                          memory.CPU_MAX_SLOTS)
+        cap = self.settings.max_slots or limit or (memory.GPU_MAX_SLOTS if vram > 0 else
+                                                   memory.CPU_MAX_SLOTS)
         if self.settings.kv_pool:
             return cap  # sequences share the pool; num_ctx caps each, reserves nothing
         try:

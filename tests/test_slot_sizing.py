@@ -1,0 +1,82 @@
+"""Auto mode sizes slots by the memory estimate (level 1: the estimator and the scheduler's
+policy, with a synthetic model and fake memory, no llama.cpp)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from corral.config import load_settings
+from registry.gguf import GGUFInfo
+from registry.models import ModelRecord
+from registry.names import parse_name
+from runner import memory
+from server.scheduler import Scheduler
+from tests.test_scheduler import FakeRunner
+
+MB = 1 << 20
+# 30 layers of 3 MB and a KV of 30 x 2 x 3 x 64 x 2 bytes = 23,040 bytes per token:
+# 4096 tokens per slot come to 90 MiB.
+INFO = GGUFInfo(3, "llama", 135_000_000, 15, "Q4_1", 8192, 30, 576, 9, 3, 64, 64, None, None,
+                {**{f"blk.{i}.w": 3 * MB for i in range(30)}, "token_embd": 28 * MB}, 0, 0)
+SLOT = memory.kv_bytes_per_token(INFO) * 4096
+
+
+def fits(n: int, budget: int) -> bool:
+    room = budget - memory.memory_margin(budget)
+    return memory.estimate(INFO, 4096, n, 0).total <= room
+
+
+def test_estimator_sizes_slots_by_memory_and_never_past_the_cap() -> None:
+    assert SLOT == 90 * MB
+    for budget in (600 * MB, 1200 * MB, 2 << 30, 8 << 30):
+        n = memory.slots_that_fit(INFO, 4096, budget, 16)
+        assert 1 <= n <= 16
+        assert n == 16 or not fits(n + 1, budget)  # the most that fit ...
+        assert n == 1 or fits(n, budget)  # ... and they do fit, margin kept
+    assert memory.slots_that_fit(INFO, 4096, 64 << 30, 16) == 16
+    assert memory.slots_that_fit(INFO, 4096, 64 << 30, 40) == 40
+    assert memory.slots_that_fit(INFO, 4096, 100 * MB, 16) == 1  # at least one
+    assert memory.slots_that_fit(INFO, 2048, 1200 * MB, 16) > memory.slots_that_fit(
+        INFO, 4096, 1200 * MB, 16)
+
+
+def test_pool_tokens_fit_memory() -> None:
+    per_token = memory.kv_bytes_per_token(INFO)
+    assert memory.pool_tokens_that_fit(INFO, 65536, 64 << 30, 16) == 65536
+    small = memory.pool_tokens_that_fit(INFO, 65536, 1 << 30, 16)
+    assert 256 <= small < 65536
+    fixed = memory.estimate(INFO, 0, 16, 0).total
+    assert fixed + small * per_token <= (1 << 30) - memory.memory_margin(1 << 30)
+
+
+def scheduler(free: int, **env: str) -> Scheduler:
+    settings = load_settings({f"CORRAL_{k}": v for k, v in env.items()})
+    return Scheduler(settings, FakeRunner, free_memory=lambda: free, free_vram=lambda: 0,
+                     inspect=lambda r: INFO)
+
+
+def rec(tmp_path: Path) -> ModelRecord:
+    return ModelRecord(parse_name("m"), "m" * 8, 1, 0.0, tmp_path / "m.gguf", "sha256:" + "0" * 64)
+
+
+def test_scheduler_policy(tmp_path: Path) -> None:
+    opts = {"num_ctx": 4096}
+    r = rec(tmp_path)
+    big, small = 64 << 30, 1200 * MB
+    assert scheduler(big)._choose_slots(r, opts) == memory.CPU_MAX_SLOTS == 16
+    assert scheduler(small)._choose_slots(r, opts) == memory.slots_that_fit(INFO, 4096, small, 16)
+    assert scheduler(small)._choose_slots(r, opts) < 16
+    assert scheduler(big, MAX_SLOTS="6")._choose_slots(r, opts) == 6
+    assert scheduler(big, NUM_PARALLEL="3")._choose_slots(r, opts) == 3  # fixed means fixed
+    assert scheduler(100 * MB, NUM_PARALLEL="8")._choose_slots(r, opts) == 8
+    # The preload for `corral run` starts small unless the user set a cap.
+    assert scheduler(big)._choose_slots(r, opts, limit=4) == 4
+    assert scheduler(big, MAX_SLOTS="10")._choose_slots(r, opts, limit=4) == 10
+    # Pool mode: every slot a sequence; the pool, not num_ctx x slots, is what fits.
+    pool = scheduler(big, KV_POOL="1")
+    assert pool._choose_slots(r, opts) == 16
+    assert pool._pool_tokens(r, opts, 16) == 16 * 4096
+    assert scheduler(big, KV_POOL="1", KV_POOL_TOKENS="4096")._pool_tokens(r, opts, 16) == 4096
+    assert scheduler(small, KV_POOL="1")._pool_tokens(r, opts, 16) < 16 * 4096
+    assert scheduler(big)._pool_tokens(r, opts, 16) == 0  # default mode: no pool
+
