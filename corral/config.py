@@ -353,14 +353,17 @@ def describe_settings() -> str:
     return "\n".join(lines)
 
 
-def apply_native_defaults() -> None:
+def apply_native_defaults(deterministic: bool = False) -> None:
     """Environment knobs read by ggml itself, set before the first model loads.
 
     ggml's tiled matmul takes over from 8 rows per batch, so a sequence's logits
-    would depend on how many other tokens share its batch; with it off, greedy
-    output is the same alone or batched, at no measurable cost on CPUs.
+    depend on how many other tokens share its batch. Deterministic mode turns it
+    off (and the engine skips the repacked weight layouts, for the same reason):
+    greedy output is then the same alone or batched, at 4-13% of throughput on
+    the CPUs measured here (benchmarks/RESULTS.md).
     """
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    if deterministic:
+        os.environ["GGML_CPU_TILED_MM"] = "0"
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:

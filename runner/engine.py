@@ -59,7 +59,7 @@ class Engine:
         self.step_time = 0.0  # seconds inside _step
         self.native_time = 0.0  # of which in llama_decode and samplers
         if llama is None:  # else loaded already, by runner/loading.py
-            native.init_backend()
+            native.init_backend(deterministic=config.deterministic)
             t0 = clock()
             llama = LlamaContext(model_path, config)
             load_seconds = clock() - t0

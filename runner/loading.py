@@ -43,10 +43,10 @@ def load(config: LoadConfig) -> Loaded:
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
         kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
-        extra_bufts=not config.deterministic and EngineConfig.extra_bufts)
+        deterministic=config.deterministic)
     if cfg.n_slots < 1 or cfg.n_slots > 256:
         raise BadRequest("slots must be between 1 and 256")
-    native.init_backend()
+    native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
     return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0)

@@ -17,12 +17,12 @@ from corral.config import apply_native_defaults, trim_malloc
 _log_hook: Any = None
 
 
-def init_backend(verbose: bool = False) -> None:
+def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
     """Initialise ggml once and route llama.cpp's logging (silent unless verbose)."""
     global _log_hook
     if _log_hook is not None:
         return
-    apply_native_defaults()
+    apply_native_defaults(deterministic)
 
     def _log(level: int, text: bytes, _user: Any) -> None:
         if verbose and text:

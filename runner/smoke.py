@@ -25,7 +25,7 @@ def decode_tokens(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, fl
 
     init_backend()
     mparams = L.llama_model_default_params()
-    mparams.use_extra_bufts = False  # as the engine runs it
+    mparams.use_extra_bufts = True  # as the engine runs it by default
     model = L.llama_model_load_from_file(str(model_path).encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {model_path}")

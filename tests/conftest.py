@@ -14,6 +14,11 @@ from registry.store import Store
 if TYPE_CHECKING:
     from server.daemon import Daemon
 
+# Engines created in this process share one ggml, which may read this once: set it
+# before any of them, so the tests that ask for batch-invariant kernels
+# (EngineConfig(deterministic=True)) get them whatever engine ran first.
+os.environ["GGML_CPU_TILED_MM"] = "0"
+
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
