@@ -36,32 +36,30 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}}, "required": ["name"]}
 
 
-def one(client: httpx.Client, kind: str, rng: random.Random) -> int:
+def one(client: httpx.Client, kind: str, rng: random.Random) -> httpx.Response:
     greedy = {"temperature": 0.7, "num_predict": rng.randint(8, 48), "seed": rng.randint(0, 99)}
     if kind == "generate":
         return client.post("/api/generate", json={"model": MODEL, "stream": False,
                                                   "prompt": f"Story {rng.random()}:",
-                                                  "options": greedy}).status_code
+                                                  "options": greedy})
     if kind == "chat":
         return client.post("/api/chat", json={"model": MODEL, "stream": False, "options": greedy,
                                               "messages": [{"role": "user",
-                                                            "content": f"Say {rng.random()}"}]}
-                           ).status_code
+                                                            "content": f"Say {rng.random()}"}]})
     if kind == "embed":
         return client.post("/api/embed", json={"model": MODEL,
-                                               "input": [f"text {rng.random()}"] * 8}).status_code
+                                               "input": [f"text {rng.random()}"] * 8})
     if kind == "schema":
         return client.post("/api/chat", json={"model": MODEL, "stream": False, "format": SCHEMA,
                                               "options": {**greedy, "num_predict": 24},
                                               "messages": [{"role": "user",
-                                                            "content": "A person as JSON."}]}
-                           ).status_code
+                                                            "content": "A person as JSON."}]})
     with client.stream("POST", "/api/generate", json={"model": MODEL, "prompt": "Once",
                                                       "options": {"num_predict": 200}}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 2:
                 break  # hang up mid-stream
-        return r.status_code
+        return r
 
 
 def client_loop(url: str, until: float, seed: int, counts: collections.Counter[str],
@@ -72,13 +70,15 @@ def client_loop(url: str, until: float, seed: int, counts: collections.Counter[s
         while time.monotonic() < until:
             kind = rng.choice(kinds)
             try:
-                status = one(client, kind, rng)
+                resp = one(client, kind, rng)
+                status = resp.status_code
             except httpx.HTTPError as exc:
                 errors.append(f"{kind}: {exc!r}")
                 continue
             counts[f"{kind} {status}"] += 1
             if status >= 400 and status != 503:
-                errors.append(f"{kind}: HTTP {status}")
+                body = resp.read().decode("utf-8", "replace") if kind != "cancel" else ""
+                errors.append(f"{kind}: HTTP {status} {body[:200]}")
 
 
 def main() -> None:

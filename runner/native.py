@@ -108,3 +108,4 @@ def fill_batch(batch: Any, entries: Sequence[tuple[int, int, int, bool]], capaci
         batch.seq_id[i][0] = seq
         batch.logits[i] = logits
     batch.n_tokens = len(entries)
+

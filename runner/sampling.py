@@ -22,6 +22,24 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
 
 
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest logits (any order), without partitioning the whole
+    vocabulary: a language model's top few dozen lie within a few nats of its best,
+    so a threshold pass leaves a short list, and only that is partitioned."""
+    best = float(np.max(logits))
+    ids = np.empty(0, dtype=np.int64)
+    if np.isfinite(best):
+        for margin in (8.0, 16.0, 32.0):
+            ids = np.flatnonzero(logits >= best - margin)
+            if len(ids) >= k:
+                break
+    if len(ids) < k:
+        ids = np.argpartition(logits, -k)[-k:]
+    elif len(ids) > k:
+        ids = ids[np.argpartition(logits[ids], -k)[-k:]]
+    return ids.astype(np.int32)
+
+
 def compile_grammar(vocab: Any, gbnf: str) -> Any:
     """A grammar sampler, or InvalidOption if the grammar does not parse."""
     sampler = L.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
@@ -34,7 +52,8 @@ class Sampler:
     """One request's sampler. Owned and used only by the engine thread."""
 
     def __init__(self, params: SamplingParams, vocab: Any, n_vocab: int, num_ctx: int,
-                 grammar: str | None = None, banned: list[int] | None = None) -> None:
+                 grammar: str | None = None, banned: list[int] | None = None,
+                 preselect: bool = True) -> None:
         self.n_vocab = n_vocab
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         self.grammar = compile_grammar(vocab, grammar) if grammar else None
@@ -46,10 +65,18 @@ class Sampler:
             add(L.llama_sampler_init_logit_bias(n_vocab, len(banned), biases))
         last_n = num_ctx if params.repeat_last_n < 0 else params.repeat_last_n
         greedy = params.temperature <= 0
+        # The chain would copy the whole vocabulary into a candidate list for every
+        # token (1.2 ms on a 262k vocabulary, a tenth of a CPU decode step at four
+        # streams). When its first stage is top-k, or it is plain greedy, numpy finds
+        # those candidates in a fraction of that and the chain runs on them alone.
+        self._banned = np.array(banned, dtype=np.int64) if banned and preselect else None
+        self._argmax = preselect and greedy and not params.penalized()
+        self._top_k = 0
         if params.top_k > 0 and (not greedy or params.penalized()):
             add(L.llama_sampler_init_top_k(params.top_k))
+            self._top_k = min(params.top_k, n_vocab) if preselect else 0
         if params.penalized():
-            add(L.llama_sampler_init_penalties(last_n, params.repeat_penalty,
+            add(L.llama_sampler_init_penalties(n_vocab, last_n, params.repeat_penalty,
                                                params.frequency_penalty,
                                                params.presence_penalty))
         if greedy:
@@ -72,9 +99,28 @@ class Sampler:
 
     def sample(self, ctx: Any, index: int) -> int:
         """Sample (and accept) the next token from the logits at batch `index`."""
-        if self.grammar is None:
+        if self.grammar is not None:
+            return self._sample_with_grammar(ctx, index)
+        if not (self._argmax or self._top_k):
             return int(L.llama_sampler_sample(self.chain, ctx, index))
-        return self._sample_with_grammar(ctx, index)
+        ptr = L.llama_get_logits_ith(ctx, index)
+        if not ptr:
+            raise RuntimeError("no logits at batch index")
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        if self._banned is not None:
+            logits[self._banned] = -np.inf  # this row's logits are ours alone to use
+        if self._argmax:
+            token = int(np.argmax(logits))
+        else:
+            ids = top_ids(logits, self._top_k)
+            cands = np.zeros(len(ids), dtype=_TOKEN_DATA)
+            cands["id"], cands["logit"] = ids, logits[ids]
+            arr = L.llama_token_data_array(
+                cands.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), len(ids), -1, False)
+            L.llama_sampler_apply(self.chain, ctypes.byref(arr))
+            token = int(cands["id"][arr.selected])
+        L.llama_sampler_accept(self.chain, token)
+        return token
 
     def _fill(self, ctx: Any, index: int) -> tuple[np.ndarray, Any]:
         ptr = L.llama_get_logits_ith(ctx, index)
