@@ -381,6 +381,9 @@ class Engine:
             if slot.job is not None:
                 self._fail(slot, error)
         for job in self._waiting:
+            progress = self._progress.pop(id(job), None)
+            if progress is not None:
+                progress.sampler.free()
             job.events.put(Failed(error))
         self._waiting.clear()
         self._embeds.fail_all(error)

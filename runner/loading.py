@@ -34,18 +34,17 @@ class Loaded:
 
 def load(config: LoadConfig) -> Loaded:
     info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
-    # A pool is one buffer of kv_pool tokens whatever the slot count: estimate it as one.
-    ctx_tokens, kv_seqs = ((config.kv_pool, 1) if config.kv_pool else
-                           (config.num_ctx, config.n_slots))
-    est = memory.estimate(info, ctx_tokens, kv_seqs, memory.free_gpu_memory(),
+    if config.n_slots < 1 or config.n_slots > 256:
+        raise BadRequest("slots must be between 1 and 256")
+    # A pool is one buffer of kv_pool tokens whatever the slot count.
+    per_slot = -(-config.kv_pool // config.n_slots) if config.kv_pool else config.num_ctx
+    est = memory.estimate(info, per_slot, config.n_slots, memory.free_gpu_memory(),
                           config.num_gpu, config.kv_cache_type, config.n_batch)
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
         kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
         deterministic=config.deterministic)
-    if cfg.n_slots < 1 or cfg.n_slots > 256:
-        raise BadRequest("slots must be between 1 and 256")
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)

@@ -151,3 +151,33 @@ def test_daemon_in_pool_mode_counts_preemptions(daemon_factory: Any, starter_sto
     assert float(line.split()[-1]) > 0
     slots = next(ln for ln in metrics.splitlines() if ln.startswith("corral_slots{"))
     assert float(slots.split()[-1]) == 3
+
+
+def test_sixteen_clients_all_run_at_once_with_defaults(daemon_factory: Any,
+                                                       starter_store: Any) -> None:
+    """Default mode sizes slots by memory (16 here), so c=16 meets no queue and no 503."""
+    import httpx
+
+    from registry.starter import STARTER_NAME
+
+    d = daemon_factory(starter_store, NUM_PARALLEL="0")  # auto, as shipped
+    statuses: list[int] = []
+    start = threading.Barrier(16)
+
+    def client(i: int) -> None:
+        start.wait()
+        r = httpx.post(d.url + "/api/generate", timeout=300, json={
+            "model": STARTER_NAME, "prompt": f"Item {i}:", "stream": False,
+            "options": {"num_predict": 4, "temperature": 0}})
+        statuses.append(r.status_code)
+
+    httpx.post(d.url + "/api/generate", timeout=300, json={"model": STARTER_NAME})  # load
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 16
+    metrics = httpx.get(d.url + "/metrics").text
+    slots = next(ln for ln in metrics.splitlines() if ln.startswith("corral_slots{"))
+    assert float(slots.split()[-1]) == 16
