@@ -270,7 +270,11 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
     except CorralError as exc:
         print(json.dumps(format_error(exc, Shape.RUNNER)[1]), flush=True)
         return 1
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (Handler,), {"service": service}))
+    # A listen backlog of five (the standard library's) overflows when sixteen slots'
+    # streams and their cancels connect at once; a dropped handshake can surface in the
+    # daemon as a lost connection.
+    server_class = type("RunnerHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 256})
+    server = server_class(("127.0.0.1", 0), type("H", (Handler,), {"service": service}))
     server.daemon_threads = True
     service.server = server
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
