@@ -168,8 +168,10 @@ async def watch_disconnect(receive: Receive, request: Request) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            # Cancelling a runner job is a blocking call: never on the event loop.
-            threading.Thread(target=request.disconnected, daemon=True).start()
+            # Cancelling a runner job is a blocking call: never on the event loop. Every
+            # request ends here (uvicorn reports a disconnect once a response is done), so
+            # a pooled worker, not a new thread each time: thread churn grew the heap.
+            await anyio.to_thread.run_sync(request.disconnected)
             return
 
 
