@@ -231,7 +231,7 @@ class Scheduler:
             info = self.inspect(record)
         except CorralError:
             return 1
-        budget = vram if vram > 0 else self.free_memory()
+        budget = self._budget()
         if budget <= 0:
             return 1
         return memory.slots_that_fit(info, int(opts["num_ctx"]), budget, cap,
@@ -242,14 +242,15 @@ class Scheduler:
         allows (one buffer either way: it is allocated whole when the model loads)."""
         if not self.settings.kv_pool:
             return 0
-        want = self.settings.kv_pool_tokens or slots * int(opts["num_ctx"])
+        if self.settings.kv_pool_tokens:
+            return self.settings.kv_pool_tokens  # the user's size, as given
+        want = slots * int(opts["num_ctx"])
         try:
             info = self.inspect(record)
         except CorralError:
             return want
-        vram = self.free_vram()
-        budget = vram if vram > 0 else self.free_memory()
-        if budget <= 0 or self.settings.kv_pool_tokens:
+        budget = self._budget()
+        if budget <= 0:
             return want
         return memory.pool_tokens_that_fit(info, want, budget, slots,
                                            self.settings.kv_cache_type)
@@ -270,8 +271,12 @@ class Scheduler:
                                               m.expires_at or 0))
             self._begin_unload(victim)
 
+    def _budget(self) -> int:
+        """Free memory where the model's KV goes: VRAM on a GPU, else RAM (<= 0: unknown)."""
+        return self.free_vram() or self.free_memory()
+
     def _spare_memory(self) -> int:
-        free = self.free_vram() or self.free_memory()
+        free = self._budget()
         return free if free > 0 else 1 << 62
 
     def _load(self, entry: Loaded) -> None:
