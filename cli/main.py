@@ -95,6 +95,13 @@ def pull(model: str, insecure: bool = typer.Option(False, help="Allow a plain-HT
 
 
 @app.command()
+def push(model: str, insecure: bool = typer.Option(False, help="Allow a plain-HTTP registry.")
+         ) -> None:
+    """Push a model to a registry."""
+    show_progress(client().stream("/api/push", {"model": model, "insecure": insecure}))
+
+
+@app.command()
 def show(model: str,
          license: bool = typer.Option(False, "--license"),
          modelfile: bool = typer.Option(False, "--modelfile"),

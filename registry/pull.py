@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Callable
+from typing import Callable, Iterator, Union
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
@@ -28,6 +28,7 @@ log = logging.getLogger("corral.pull")
 
 ACCEPT = f"{MANIFEST_MEDIA_TYPE}, application/vnd.oci.image.manifest.v1+json"
 _CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+Body = Union[bytes, Callable[[], Iterator[bytes]]]
 
 
 class PullError(CorralError):
@@ -56,10 +57,16 @@ class Registry:
         return headers
 
     def request(self, method: str, url: str, headers: dict[str, str] | None = None,
-                stream: bool = False) -> httpx.Response:
-        """A request that answers one bearer challenge; redirects are left to the caller."""
+                stream: bool = False, body: Body | None = None) -> httpx.Response:
+        """A request that answers one bearer challenge; redirects are left to the caller.
+
+        `body` is bytes or a function that makes the body anew, since a challenged
+        request is sent twice.
+        """
         for attempt in range(2):
-            req = self.client.build_request(method, url, headers=self._headers(headers or {}))
+            content = body() if callable(body) else body
+            req = self.client.build_request(method, url, headers=self._headers(headers or {}),
+                                            content=content)
             resp = self.client.send(req, stream=stream, follow_redirects=False)
             if resp.status_code != 401 or attempt == 1:
                 return resp

@@ -25,6 +25,7 @@ from server.scheduler import Runner, Scheduler
 if TYPE_CHECKING:
     from registry.download import DownloadOptions
     from registry.pull import Puller
+    from registry.push import Pusher, PushOptions
     from server.http import Route
 
 log = logging.getLogger("corral")
@@ -36,9 +37,9 @@ HOUSEKEEPING_SECONDS = 10.0
 PRELOAD_SLOTS = 4
 
 
-def routes(inf: Inference, puller: Puller
+def routes(inf: Inference, puller: Puller, pusher: Pusher
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
-    from server import manage, native, openai
+    from server import lifecycle, manage, native, openai
 
     table: dict[tuple[str, str], Route] = {
         ("GET", "/"): manage.root(inf),
@@ -49,12 +50,12 @@ def routes(inf: Inference, puller: Puller
         ("POST", "/api/embeddings"): native.embeddings(inf),
         ("GET", "/api/tags"): manage.tags(inf),
         ("POST", "/api/show"): manage.show(inf),
-        ("POST", "/api/create"): manage.create(inf),
+        ("POST", "/api/create"): lifecycle.create(inf),
         ("POST", "/api/copy"): manage.copy(inf),
         ("DELETE", "/api/delete"): manage.delete(inf),
         ("GET", "/api/ps"): manage.ps(inf),
-        ("POST", "/api/pull"): manage.pull(inf, puller),
-        ("POST", "/api/push"): manage.unsupported("pushing models is not supported yet"),
+        ("POST", "/api/pull"): lifecycle.pull(inf, puller),
+        ("POST", "/api/push"): lifecycle.push(inf, pusher),
         ("GET", "/metrics"): manage.metrics(inf),
         ("POST", "/v1/chat/completions"): openai.chat_completions(inf),
         ("POST", "/v1/completions"): openai.completions(inf),
@@ -72,7 +73,7 @@ class Daemon:
                  runner_factory: Callable[[LoadConfig], Runner] | None = None,
                  runner_log: IO[bytes] | None = None,
                  download_options: DownloadOptions | None = None,
-                 preload: str | None = None) -> None:
+                 preload: str | None = None, push_options: PushOptions | None = None) -> None:
         self.settings = settings
         self.store = Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
@@ -86,11 +87,13 @@ class Daemon:
         # wait for before its model even starts loading.
         from registry.download import Downloader, DownloadOptions
         from registry.pull import Puller
+        from registry.push import Pusher, PushOptions
         from server.asgi import HttpServer, build_app
 
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)
-        table, prefixes = routes(self.inference, self.puller)
+        self.pusher = Pusher(self.store, push_options or PushOptions())
+        table, prefixes = routes(self.inference, self.puller, self.pusher)
         self.http = HttpServer(build_app(table, prefixes, settings), settings.host.host,
                                settings.host.port, settings)
         self._stop_housekeeping = threading.Event()

@@ -6,20 +6,17 @@ import json
 import time
 from typing import Any, Iterator
 
-from api.types import STREAM_CONTENT_TYPE, rfc3339
+from api.types import rfc3339
 from corral.config import FOREVER
 from corral.errors import (
     BadRequest,
     CorralError,
     ModelNotFound,
     NotFound,
-    NotImplementedYet,
-    format_error,
 )
 from corral.version import corral_version
-from registry.create import CreateRequest, create_model
 from registry.gguf import GGUFInfo
-from registry.modelfile import format_modelfile, parse_modelfile
+from registry.modelfile import format_modelfile
 from registry.models import details, load_record, read_config
 from registry.store import ModelEntry
 from registry.names import parse_name
@@ -89,66 +86,6 @@ def show(inf: Inference) -> Any:
         if record.messages:
             out["messages"] = record.messages
         handler.send_json(200, out)
-    return route
-
-
-def _create_request(body: dict[str, Any]) -> CreateRequest:
-    model = body.get("model") or body.get("name")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("invalid model name")
-    req = CreateRequest(model=model)
-    if body.get("modelfile"):
-        mf = parse_modelfile(str(body["modelfile"]))
-        # Remote clients never name server paths: only models or uploaded blobs.
-        if mf.from_.startswith("@"):
-            req.files = {"model.gguf": mf.from_[1:]}
-        else:
-            req.from_ = mf.from_
-        req.template, req.system = mf.template, mf.system
-        req.license, req.parameters, req.messages = mf.licenses, mf.parameters, mf.messages
-    else:
-        req.from_ = body.get("from") or None
-        files = body.get("files") or {}
-        if not isinstance(files, dict):
-            raise BadRequest("files must be an object")
-        req.files = dict(files)
-        req.adapters = dict(body.get("adapters") or {})
-        req.template, req.system = body.get("template"), body.get("system")
-        lic = body.get("license") or []
-        req.license = [lic] if isinstance(lic, str) else list(lic)
-        req.parameters = dict(body.get("parameters") or {})
-        req.messages = body.get("messages")
-    if body.get("quantize") or body.get("quantization"):
-        raise BadRequest("quantization is not supported yet")
-    return req
-
-
-def create(inf: Inference) -> Any:
-    def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        request = _create_request(body)
-        limit = inf.settings.max_create_files
-        if len(request.files) > limit:
-            raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
-                             " (CORRAL_MAX_CREATE_FILES)")
-        if request.template is not None:
-            from runner.templates.gotemplate import GoTemplate
-            GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
-        if body.get("stream", True) is False:
-            create_model(inf.store, request)
-            handler.send_json(200, {"status": "success"})
-            return
-        events: list[dict[str, Any]] = []
-        try:
-            create_model(inf.store, request, events.append)
-        except CorralError as exc:
-            if not events:
-                raise
-            events.append(format_error(exc)[1])
-        writer = handler.start_stream(STREAM_CONTENT_TYPE)
-        for event in events:
-            writer.write(json.dumps(event).encode() + b"\n")
-        writer.end()
     return route
 
 
@@ -246,12 +183,6 @@ def root(inf: Inference) -> Any:
     return route
 
 
-def unsupported(message: str) -> Any:
-    def route(req: Request, handler: Handler) -> None:
-        raise NotImplementedYet(message)
-    return route
-
-
 def metrics(inf: Inference) -> Any:
     def gauges() -> Iterator[tuple[str, dict[str, float]]]:
         for entry in inf.scheduler.running():
@@ -270,27 +201,4 @@ def metrics(inf: Inference) -> Any:
 
     def route(req: Request, handler: Handler) -> None:
         handler.send_text(200, inf.metrics.render(gauges), "text/plain; version=0.0.4")
-    return route
-
-
-def pull(inf: Inference, puller: Any) -> Any:
-    def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        name = require_model(body.get("model") or body.get("name"))
-        parse_name(name)  # a bad name is a 400 now, not a 200 stream with an error line
-        insecure = bool(body.get("insecure"))
-        if body.get("stream", True) is False:
-            puller.pull(name, lambda event: None, insecure)
-            handler.send_json(200, {"status": "success"})
-            return
-        writer = handler.start_stream(STREAM_CONTENT_TYPE)
-
-        def progress(event: dict[str, Any]) -> None:
-            writer.write(json.dumps(event).encode() + b"\n")
-
-        try:
-            puller.pull(name, progress, insecure, cancelled=lambda: writer.closed)
-        except CorralError as exc:
-            writer.write(json.dumps(format_error(exc)[1]).encode() + b"\n")
-        writer.end()
     return route

@@ -1,6 +1,7 @@
-"""A real registry on loopback for pull tests: /v2 manifests and blobs from memory, blob
-downloads redirected to a second "CDN" port, a bearer challenge for `private/*`, and
-switches that make it misbehave."""
+"""A real registry on loopback for pull and push tests: /v2 manifests and blobs from memory,
+blob downloads redirected to a second "CDN" port, the upload protocol (HEAD, POST with
+cross-repository mount, PATCH, PUT ?digest=, PUT manifest), a bearer challenge for
+`private/*`, and switches that make it misbehave."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from registry import manifest as mt
+from tests import registry_upload as upload
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Faults:
     foreign_realm: bool = False
     gzip_manifest: bool = False
     blob_delay: float = 0.0  # seconds between chunks, to keep a download busy
+    drop_upload_at: list[int] = field(default_factory=list)  # upload bytes; drop once at each
 
 
 @dataclass
@@ -36,6 +39,9 @@ class Stats:
     blob_requests: int = 0
     ranges: list[str] = field(default_factory=list)
     token_requests: int = 0
+    upload_bytes: int = 0
+    uploads: int = 0  # upload sessions opened
+    mounts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -48,6 +54,8 @@ class FakeRegistry:
     def __init__(self) -> None:
         self.manifests: dict[tuple[str, str, str], bytes] = {}
         self.blobs: dict[str, Path | bytes] = {}
+        self.repo_blobs: dict[tuple[str, str], set[str]] = {}  # what HEAD finds, per repository
+        self.sessions: dict[str, tuple[tuple[str, str], bytearray]] = {}
         self.faults = Faults()
         self.stats = Stats()
         self.token = "tok-123"
@@ -89,6 +97,8 @@ class FakeRegistry:
             entries.append({"mediaType": media, "digest": digest, "size": size})
         cdigest, csize = self.add_blob(json.dumps({"model_format": "gguf",
                                                    "model_family": "gemma3"}).encode())
+        self.repo_blobs.setdefault((ns, model), set()).update(
+            [cdigest, *(e["digest"] for e in entries)])
         doc = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE,
                "config": {"mediaType": mt.CONFIG_MEDIA_TYPE, "digest": cdigest, "size": csize},
                "layers": entries}
@@ -126,8 +136,59 @@ class _Base(BaseHTTPRequestHandler):
 
 
 class _RegistryHandler(_Base):
+    def _route(self) -> tuple[str, str, str, str] | None:
+        """(namespace, model, kind, ref) of a /v2 path once any bearer challenge is met."""
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if len(parts) in (5, 6) and parts[3:5] == ["blobs", "uploads"]:
+            parts = [*parts[:3], "uploads", parts[5] if len(parts) == 6 else ""]
+        if len(parts) != 5 or parts[0] != "v2":
+            self.send_bytes(404, b'{"errors":[{"code":"NAME_UNKNOWN"}]}')
+            return None
+        _, ns, model, kind, ref = parts
+        if ns == "private" and self.headers.get("Authorization") != f"Bearer {self.reg.token}":
+            realm_host = "evil.example.com:9999" if self.reg.faults.foreign_realm \
+                else self.reg.host
+            action = "pull" if self.command in ("GET", "HEAD") else "push,pull"
+            self.send_bytes(401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', {
+                "WWW-Authenticate": f'Bearer realm="http://{realm_host}/token",'
+                                    f'service="fake",scope="repository:{ns}/{model}:{action}"'})
+            self._drain()
+            return None
+        return ns, model, kind, ref
+
+    def _drain(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+
     def do_HEAD(self) -> None:
-        self.do_GET()
+        route = self._route()
+        if route is None:
+            return
+        ns, model, kind, ref = route
+        if kind == "blobs":
+            known = ref in self.reg.repo_blobs.get((ns, model), set())
+            size = len(self.reg.blob_bytes(ref)) if known else 0
+            self.send_bytes(200 if known else 404, b"", {"X-Blob-Size": str(size)})
+        else:
+            self.do_GET()
+
+    def do_POST(self) -> None:
+        if (route := self._route()) is not None:
+            upload.start(self, *route)
+
+    def do_PATCH(self) -> None:
+        if (route := self._route()) is not None:
+            upload.patch(self, route[3])
+
+    def do_PUT(self) -> None:
+        if (route := self._route()) is None:
+            return
+        ns, model, kind, ref = route
+        if kind == "manifests":
+            upload.put_manifest(self, ns, model, ref)
+        else:
+            upload.finish(self, ref)
 
     def do_GET(self) -> None:
         reg = self.reg
@@ -136,17 +197,10 @@ class _RegistryHandler(_Base):
             self.send_bytes(200, json.dumps({"token": reg.token}).encode(),
                             {"Content-Type": "application/json"})
             return
-        parts = self.path.split("?")[0].strip("/").split("/")
-        if len(parts) != 5 or parts[0] != "v2":
-            self.send_bytes(404, b'{"errors":[{"code":"NAME_UNKNOWN"}]}')
+        route = self._route()
+        if route is None:
             return
-        _, ns, model, kind, ref = parts
-        if ns == "private" and self.headers.get("Authorization") != f"Bearer {reg.token}":
-            realm_host = "evil.example.com:9999" if reg.faults.foreign_realm else reg.host
-            self.send_bytes(401, b'{"errors":[{"code":"UNAUTHORIZED"}]}', {
-                "WWW-Authenticate": f'Bearer realm="http://{realm_host}/token",'
-                                    f'service="fake",scope="repository:{ns}/{model}:pull"'})
-            return
+        ns, model, kind, ref = route
         if kind == "manifests":
             raw = reg.manifests.get((ns, model, ref))
             if raw is None:

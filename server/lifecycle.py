@@ -1,0 +1,116 @@
+"""Routes that make models and move them: create, pull and push, each a progress stream.
+
+A stream starts with its first progress event, so an error found before any work (a
+bad name, a missing source) is still a plain 4xx; an error after that is the stream's
+last line, as Ollama sends it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from api.types import STREAM_CONTENT_TYPE
+from corral.errors import BadRequest, CorralError, format_error
+from registry.create import CreateRequest, create_model
+from registry.modelfile import parse_modelfile
+from registry.names import parse_name
+from registry.pull import Puller
+from registry.push import Pusher
+from server.http import Handler, Request, StreamWriter
+from server.inference import Inference, require_model
+
+Work = Callable[[Callable[[dict[str, Any]], None], Callable[[], bool]], Any]
+
+
+def stream_progress(body: dict[str, Any], handler: Handler, work: Work) -> None:
+    """Run `work(progress, cancelled)`, streaming its events live unless `stream` is false."""
+    if body.get("stream", True) is False:
+        work(lambda event: None, lambda: False)
+        handler.send_json(200, {"status": "success"})
+        return
+    writer: StreamWriter | None = None
+
+    def progress(event: dict[str, Any]) -> None:
+        nonlocal writer
+        if writer is None:
+            writer = handler.start_stream(STREAM_CONTENT_TYPE)
+        writer.write(json.dumps(event).encode() + b"\n")
+
+    try:
+        work(progress, lambda: writer is not None and writer.closed)
+    except CorralError as exc:
+        if writer is None:
+            raise
+        writer.write(json.dumps(format_error(exc)[1]).encode() + b"\n")
+    if writer is not None:
+        writer.end()
+
+
+def pull(inf: Inference, puller: Puller) -> Any:
+    def route(req: Request, handler: Handler) -> None:
+        body = req.json()
+        name = require_model(body.get("model") or body.get("name"))
+        parse_name(name)  # a bad name is a 400 now, not a 200 stream with an error line
+        insecure = bool(body.get("insecure"))
+        stream_progress(body, handler, lambda progress, cancelled: puller.pull(
+            name, progress, insecure, cancelled=cancelled))
+    return route
+
+
+def push(inf: Inference, pusher: Pusher) -> Any:
+    def route(req: Request, handler: Handler) -> None:
+        body = req.json()
+        name = require_model(body.get("model") or body.get("name"))
+        inf.store.require(parse_name(name))  # a 404 before the stream starts
+        insecure = bool(body.get("insecure"))
+        stream_progress(body, handler, lambda progress, cancelled: pusher.push(
+            name, progress, insecure, cancelled=cancelled))
+    return route
+
+
+def _create_request(body: dict[str, Any]) -> CreateRequest:
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("invalid model name")
+    req = CreateRequest(model=model)
+    if body.get("modelfile"):
+        mf = parse_modelfile(str(body["modelfile"]))
+        # Remote clients never name server paths: only models or uploaded blobs.
+        if mf.from_.startswith("@"):
+            req.files = {"model.gguf": mf.from_[1:]}
+        else:
+            req.from_ = mf.from_
+        req.template, req.system = mf.template, mf.system
+        req.license, req.parameters, req.messages = mf.licenses, mf.parameters, mf.messages
+    else:
+        req.from_ = body.get("from") or None
+        files = body.get("files") or {}
+        if not isinstance(files, dict):
+            raise BadRequest("files must be an object")
+        req.files = dict(files)
+        req.adapters = dict(body.get("adapters") or {})
+        req.template, req.system = body.get("template"), body.get("system")
+        lic = body.get("license") or []
+        req.license = [lic] if isinstance(lic, str) else list(lic)
+        req.parameters = dict(body.get("parameters") or {})
+        req.messages = body.get("messages")
+    if body.get("quantize") or body.get("quantization"):
+        raise BadRequest("quantization is not supported yet")
+    return req
+
+
+def create(inf: Inference) -> Any:
+    def route(req: Request, handler: Handler) -> None:
+        body = req.json()
+        request = _create_request(body)
+        limit = inf.settings.max_create_files
+        if len(request.files) > limit:
+            raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
+                             " (CORRAL_MAX_CREATE_FILES)")
+        if request.template is not None:
+            from runner.templates.gotemplate import GoTemplate
+            GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
+        stream_progress(body, handler, lambda progress, cancelled: create_model(
+            inf.store, request, progress))
+    return route
