@@ -118,8 +118,11 @@ class Client:
     def ps(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/api/ps")["models"])
 
-    def show(self, model: str) -> dict[str, Any]:
-        return dict(self._call("POST", "/api/show", {"model": model}))
+    def show(self, model: str, verbose: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model}
+        if verbose:
+            body["verbose"] = True
+        return dict(self._call("POST", "/api/show", body))
 
     def exists(self, model: str) -> bool:
         try:

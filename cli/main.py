@@ -107,7 +107,9 @@ def show(model: str,
          modelfile: bool = typer.Option(False, "--modelfile"),
          parameters: bool = typer.Option(False, "--parameters"),
          system: bool = typer.Option(False, "--system"),
-         template: bool = typer.Option(False, "--template")) -> None:
+         template: bool = typer.Option(False, "--template"),
+         verbose: bool = typer.Option(False, "--verbose", "-v",
+                                      help="Add the metadata and tensors.")) -> None:
     """Show a model's details, or one of its parts."""
     flags = {"license": license, "modelfile": modelfile, "parameters": parameters,
              "system": system, "template": template}
@@ -115,7 +117,7 @@ def show(model: str,
     if len(chosen) > 1:
         raise CorralError("only one of '--license', '--modelfile', '--parameters', '--system', "
                           "or '--template' can be specified")
-    info = client().show(model)
+    info = client().show(model, verbose=verbose)
     if chosen:
         typer.echo(info.get(chosen[0], "") or "")
     else:

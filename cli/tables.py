@@ -110,6 +110,11 @@ def show_text(info: dict[str, Any]) -> str:
     out += ["", "  Capabilities"] + [f"    {c}" for c in info.get("capabilities", [])]
     if info.get("parameters"):
         out += ["", "  Parameters"] + [f"    {line}" for line in info["parameters"].splitlines()]
+    if "tensors" in info:  # a verbose show
+        width = max((len(k) for k in mi), default=0) + 4
+        out += ["", "  Metadata"] + [f"    {k:<{width}}{summarize(v)}" for k, v in sorted(mi.items())]
+        out += ["", "  Tensors"] + [f"    {t['name']:<32}{t['type']:<8}{t['shape']}"
+                                    for t in info["tensors"]]
     for title, key in (("System", "system"), ("License", "license")):
         text = [line for line in (info.get(key) or "").splitlines() if line.strip()]
         if text:
@@ -117,6 +122,20 @@ def show_text(info: dict[str, Any]) -> str:
             if len(text) > 2:
                 out.append("    ...")
     return "\n".join(out) + "\n"
+
+
+SUMMARY_ITEMS = 3  # array items shown before the count
+
+
+def summarize(value: Any) -> str:
+    """A metadata value on a terminal: long arrays as their first items and a count."""
+    if isinstance(value, list) and len(value) > SUMMARY_ITEMS:
+        head = ", ".join(repr(v) if isinstance(v, str) else str(v)
+                         for v in value[:SUMMARY_ITEMS])
+        return f"[{head}, ...] ({len(value)} items)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def go_duration(ns: int) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from corral.errors import CorralError
 from registry import manifest as mt
+from registry.gguf import GGUFInfo
 from registry.names import Name
 from registry.store import ModelEntry, Store
 
@@ -44,14 +45,14 @@ class ModelRecord:
     projector: bool = False
     adapters: int = 0
 
-    def details(self) -> dict[str, Any]:
-        return details(self.config)
+    def details(self, info: GGUFInfo | None = None) -> dict[str, Any]:
+        return details(self.config, info)
 
 
-def details(config: dict[str, Any]) -> dict[str, Any]:
-    """Ollama's `details` object, from a manifest's config blob."""
+def details(config: dict[str, Any], info: GGUFInfo | None = None) -> dict[str, Any]:
+    """Ollama's `details` object, from a manifest's config blob and the weights' header."""
     family = config.get("model_family", "")
-    return {
+    out: dict[str, Any] = {
         "parent_model": "",
         "format": config.get("model_format", "gguf"),
         "family": family,
@@ -59,6 +60,12 @@ def details(config: dict[str, Any]) -> dict[str, Any]:
         "parameter_size": config.get("model_type", ""),
         "quantization_level": config.get("file_type", ""),
     }
+    if info is not None:
+        if info.context_length:
+            out["context_length"] = info.context_length
+        if info.embedding_length:
+            out["embedding_length"] = info.embedding_length
+    return out
 
 
 def read_config(store: Store, entry: ModelEntry) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from corral.errors import (
 from corral.version import corral_version
 from registry.gguf import GGUFInfo
 from registry.modelfile import format_modelfile
-from registry.models import details, load_record, read_config
+from registry.ggufdump import dump_gguf
+from registry.models import ModelRecord, details, load_record, read_config
 from registry.store import ModelEntry
-from registry.names import parse_name
+from registry.names import Name, parse_name
 from server.http import Handler, Request
 from server.inference import Inference, capabilities, require_model
 
@@ -27,11 +28,26 @@ API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400
 
 
+def _describe(inf: Inference, name: Name) -> tuple[ModelRecord, dict[str, Any], list[str]]:
+    """A model's record, `details` (with the header's lengths) and capabilities."""
+    record = load_record(inf.store, name)
+    try:
+        info: GGUFInfo | None = inf.store.gguf_info(record.model_digest)
+    except CorralError:
+        info = None
+    caps = capabilities(inf.store, record, inf.template_text(record))
+    return record, record.details(info), caps
+
+
 def _model_entry(inf: Inference, entry: ModelEntry) -> dict[str, Any]:
     name = entry.name.display()
-    return {"name": name, "model": name, "modified_at": rfc3339(entry.modified_at, utc=False),
-            "size": entry.size, "digest": entry.digest,
-            "details": details(read_config(inf.store, entry))}
+    out = {"name": name, "model": name, "modified_at": rfc3339(entry.modified_at, utc=False),
+           "size": entry.size, "digest": entry.digest}
+    try:
+        _, out["details"], out["capabilities"] = _describe(inf, entry.name)
+    except CorralError:  # a model whose weights are gone still lists, as in Ollama
+        out["details"] = details(read_config(inf.store, entry))
+    return out
 
 
 def tags(inf: Inference) -> Any:
@@ -51,8 +67,8 @@ def _param_lines(params: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _model_info(info: GGUFInfo) -> dict[str, Any]:
-    out: dict[str, Any] = {k: v for k, v in info.metadata.items()
+def _model_info(info: GGUFInfo, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {k: v for k, v in (metadata or info.metadata).items()
                            if k not in ("general.name", "tokenizer.chat_template")}
     out["general.parameter_count"] = info.parameter_count
     return out
@@ -64,7 +80,7 @@ def show(inf: Inference) -> Any:
         parsed = parse_name(require_model(body.get("model") or body.get("name")))
         if inf.store.resolve(parsed) is None:
             raise ModelNotFound(f"model '{parsed.display()}' not found")
-        record = load_record(inf.store, parsed)
+        record, model_details, caps = _describe(inf, parsed)
         template = inf.template_text(record)
         params = {**record.parameters, **(body.get("options") or {})}
         system = body.get("system") or record.system
@@ -75,10 +91,15 @@ def show(inf: Inference) -> Any:
                                               system, record.licenses, record.messages)
         out: dict[str, Any] = {
             "modelfile": modelfile, "parameters": _param_lines(params), "template": template,
-            "details": record.details(), "model_info": _model_info(inf.store.gguf_info(record.model_digest)),
-            "capabilities": capabilities(inf.store, record, template),
+            "details": model_details, "capabilities": caps,
             "modified_at": rfc3339(record.modified_at, utc=False),
         }
+        info = inf.store.gguf_info(record.model_digest)
+        if body.get("verbose") is True:
+            metadata, out["tensors"] = dump_gguf(record.model_path)
+            out["model_info"] = _model_info(info, metadata)
+        else:
+            out["model_info"] = _model_info(info)
         if system:
             out["system"] = system
         if record.licenses:

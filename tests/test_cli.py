@@ -59,6 +59,14 @@ def test_show_variants(daemon: Daemon) -> None:
     assert "User:" in corral(daemon, "show", MODEL, "--parameters").stdout
     assert ".Messages" in corral(daemon, "show", MODEL, "--template").stdout
     assert "Gemma" in corral(daemon, "show", MODEL, "--license").stdout
+    verbose = corral(daemon, "show", MODEL, "-v")
+    assert verbose.returncode == 0, verbose.stderr
+    sections = verbose.stdout.split("\n\n")
+    [metadata] = [s for s in sections if s.startswith("  Metadata")]
+    [tokens] = [line for line in metadata.splitlines() if "tokenizer.ggml.tokens" in line]
+    assert tokens.rstrip().endswith("items)") and len(tokens) < 200  # summarised, not dumped
+    [tensors] = [s for s in sections if s.startswith("  Tensors")]
+    assert any(line.split()[0] == "token_embd.weight" for line in tensors.splitlines()[1:])
     both = corral(daemon, "show", MODEL, "--license", "--system")
     assert both.returncode == 1 and both.stderr.startswith("Error: only one of")
 

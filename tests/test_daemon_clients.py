@@ -68,6 +68,32 @@ def test_list_show_ps(client: ollama.Client) -> None:
     assert running.size_vram == 0 and running.expires_at is not None
 
 
+def test_verbose_show_and_tags_details(daemon: Daemon, starter_gguf: Path) -> None:
+    import httpx
+
+    from registry.gguf import inspect_gguf
+
+    info = inspect_gguf(starter_gguf)
+    plain = httpx.post(daemon.url + "/api/show", json={"model": MODEL}, timeout=30).json()
+    assert "tensors" not in plain and "tokenizer.ggml.tokens" not in plain["model_info"]
+    assert plain["details"]["context_length"] == info.context_length
+    assert plain["details"]["embedding_length"] == info.embedding_length
+    full = httpx.post(daemon.url + "/api/show", json={"model": MODEL, "verbose": True},
+                      timeout=60).json()
+    tensors = {t["name"]: t for t in full["tensors"]}
+    assert set(tensors) == set(info.tensor_bytes)
+    embd = tensors["token_embd.weight"]
+    assert embd["shape"][0] == info.embedding_length and embd["type"] in ("Q4_K", "Q6_K", "Q8_0",
+                                                                          "Q5_0", "Q4_0")
+    tokens = full["model_info"]["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, list) and len(tokens) == embd["shape"][1]
+    assert full["model_info"]["general.architecture"] == "gemma3"
+    listed = httpx.get(daemon.url + "/api/tags").json()["models"]
+    [entry] = [m for m in listed if m["model"] == MODEL]
+    assert entry["capabilities"] == plain["capabilities"]
+    assert entry["details"]["context_length"] == info.context_length
+
+
 def test_copy_delete_and_create_from_blob(client: ollama.Client, tmp_path: Path) -> None:
     client.copy(MODEL, "mycopy:v1")
     assert "mycopy:v1" in [m.model for m in client.list().models]
