@@ -146,30 +146,49 @@ def stop(model: str) -> None:
     client().stop(model)
 
 
-@app.command()
-def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f",
-                                                help="The Modelfile (default ./Modelfile).")
-           ) -> None:
-    """Create a model from a Modelfile."""
-    from registry.create import local_model_file, looks_like_path
-    from registry.modelfile import parse_modelfile
+def _upload(c: Client, ref: str, base: Path) -> tuple[str, str]:
+    """A Modelfile's local GGUF (FROM or ADAPTER) sent as a blob: (file name, digest)."""
+    from registry.create import local_model_file
     from registry.store import file_sha256
 
+    path = local_model_file(ref, base)  # refuse a bad file before uploading it
+    digest = file_sha256(path)
+    typer.echo(f"copying file {digest}", err=True)
+    c.create_blob(path, digest)
+    return path.name, digest
+
+
+@app.command()
+def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f",
+                                                help="The Modelfile (default ./Modelfile)."),
+           quantize: Optional[str] = typer.Option(
+               None, "--quantize", "-q", help="Quantize the model: q4_K_M, q4_K_S, q5_K_M, "
+               "q8_0, f16, ..."),
+           requantize: bool = typer.Option(
+               False, "--requantize", help="Allow quantizing a model that is already "
+               "quantized (quality drops).")) -> None:
+    """Create a model from a Modelfile."""
+    from registry.create import looks_like_path
+    from registry.derive import file_type
+    from registry.modelfile import parse_modelfile
+
+    if quantize is not None:
+        file_type(quantize)  # a bad type fails before any upload
     if not file.is_file():
         raise CorralError(f"specified Modelfile wasn't found: {file}")
     mf = parse_modelfile(file.read_text(encoding="utf-8", errors="replace"))
     c = client()
     body: dict[str, object] = {"model": name, "template": mf.template, "system": mf.system,
                                "license": mf.licenses, "parameters": mf.parameters,
-                               "messages": mf.messages}
+                               "messages": mf.messages, "quantize": quantize}
+    if requantize:
+        body["requantize"] = True
     if looks_like_path(mf.from_):
-        path = local_model_file(mf.from_, file.parent)  # refuse a bad file before uploading it
-        digest = file_sha256(path)
-        typer.echo(f"copying file {digest}", err=True)
-        c.create_blob(path, digest)
-        body["files"] = {path.name: digest}
+        body["files"] = dict([_upload(c, mf.from_, file.parent)])
     else:
         body["from"] = mf.from_
+    if mf.adapters:
+        body["adapters"] = dict(_upload(c, ref, file.parent) for ref in mf.adapters)
     show_progress(c.stream("/api/create", {k: v for k, v in body.items() if v is not None}))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
 from registry import manifest as mt
+from registry.derive import Quantizer, check_adapter, quantize_layer
 from registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
 from registry.manifest import Layer, Manifest, canonical_digest
 from registry.modelfile import ROLES
@@ -39,6 +40,8 @@ class CreateRequest:
     license: list[str] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
+    quantize: str | None = None  # a type name the quantizer accepts, e.g. q4_K_M
+    requantize: bool = False  # allow an already-quantized source (quality drops)
 
 
 def _validate_messages(messages: Any) -> list[dict[str, str]]:
@@ -110,14 +113,20 @@ def _base(store: Store, req: CreateRequest, progress: Progress
 
 
 def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
-                 prune: bool = True) -> Name:
+                 prune: bool = True, quantizer: Quantizer | None = None) -> Name:
     """Build layers for `req` and write the manifest last."""
     name = parse_name(req.model)
-    if req.adapters:
-        raise ModelfileError("adapters are not supported yet")
     if not req.from_ and not req.files:
         raise ModelfileError("neither 'from' or 'files' was specified")
     base_layers, config, base_params = _base(store, req, progress)
+    if req.quantize:
+        model = next(ly for ly in base_layers if ly.media_type == mt.MODEL)
+        quantized = quantize_layer(store, model, req.quantize, req.requantize, quantizer,
+                                   progress)
+        base_layers = [quantized if ly is model else ly for ly in base_layers]
+        config = {**config, **_model_config(store.gguf_info(quantized.digest))}
+    if req.adapters:
+        base_layers = _with_adapters(store, req, base_layers, progress)
 
     layers = list(base_layers)
 
@@ -147,6 +156,26 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
     manifest = Manifest(Layer(mt.CONFIG_MEDIA_TYPE, config_digest, config_size), tuple(layers))
     _write_manifest(store, name, manifest, progress, prune)
     return name
+
+
+def _with_adapters(store: Store, req: CreateRequest, layers: list[Layer],
+                   progress: Progress) -> list[Layer]:
+    """Replace the adapters with `req.adapters`, each checked against the model first."""
+    model = next(ly for ly in layers if ly.media_type == mt.MODEL)
+    base = store.gguf_info(model.digest)
+    adapters = []
+    for filename, digest in req.adapters.items():
+        _check_filename(filename)
+        digest = canonical_digest(digest)
+        if not store.has_blob(digest):
+            raise ModelNotFound(f"blob {digest} not found")
+        try:
+            info = store.gguf_info(digest)
+        except InvalidModelFile:
+            raise InvalidModelFile("the adapter was not in GGUF format") from None
+        check_adapter(base, info)
+        adapters.append(Layer(mt.ADAPTER, digest, store.blob_size(digest)))
+    return [ly for ly in layers if ly.media_type != mt.ADAPTER] + adapters
 
 
 def _put_blob(store: Store, data: bytes, progress: Progress) -> tuple[str, int]:

@@ -73,6 +73,7 @@ class GGUFInfo:
     data_offset: int
     file_size: int
     metadata: dict[str, object] = field(default_factory=dict)
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ggml order
 
     def layer_bytes(self) -> dict[int, int]:
         """Weight bytes per block index (`blk.N.*`), for the GPU offload estimate."""
@@ -195,6 +196,7 @@ class _Tensor:
     offset: int
     nbytes: int
     n_elements: int
+    shape: tuple[int, ...] = ()
 
 
 def _read_tensor_infos(r: Reader, n_tensors: int, alignment: int) -> list[_Tensor]:
@@ -227,7 +229,8 @@ def _read_tensor_infos(r: Reader, n_tensors: int, alignment: int) -> list[_Tenso
             raise InvalidModelFile("invalid model file: tensor row not a whole number of blocks")
         if offset % alignment:
             raise InvalidModelFile("invalid model file: unaligned tensor offset")
-        tensors.append(_Tensor(name, offset, n_elements // block * type_size, n_elements))
+        tensors.append(_Tensor(name, offset, n_elements // block * type_size, n_elements,
+                               tuple(dims)))
     return tensors
 
 
@@ -293,6 +296,7 @@ def _summarize(version: int, metadata: dict[str, object], tensors: list[_Tensor]
         data_offset=data_offset,
         file_size=size,
         metadata=plain,
+        tensor_shapes={t.name: t.shape for t in tensors},
     )
 
 

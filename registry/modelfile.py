@@ -88,7 +88,7 @@ def parse_modelfile(text: str) -> Modelfile:
                 pending["messages"] = []
             pending["messages"].append({"role": role.lower(), "content": content.strip()})
         elif instruction == "adapter":
-            raise ModelfileError("ADAPTER is not supported yet")
+            pending["adapters"].append(value)
         else:
             log.warning("ignoring Modelfile instruction %s", instruction.upper())
     if not scalar["from"]:
@@ -100,6 +100,7 @@ def parse_modelfile(text: str) -> Modelfile:
         system=scalar["system"],
         licenses=pending["licenses"],
         messages=pending["messages"],
+        adapters=pending["adapters"],
     )
 
 
@@ -124,9 +125,9 @@ def _add_parameter(params: dict[str, Any], value: str, number: int) -> None:
 
 def format_modelfile(from_: str, parameters: dict[str, Any], template: str | None,
                      system: str | None, licenses: list[str],
-                     messages: list[dict[str, str]] | None) -> str:
+                     messages: list[dict[str, str]] | None, adapters: tuple[str, ...] = ()) -> str:
     """Render a Modelfile that recreates a model (used by `show --modelfile`)."""
-    out = [f"FROM {from_}"]
+    out = [f"FROM {from_}"] + [f"ADAPTER {path}" for path in adapters]
     if template:
         out.append(f'TEMPLATE """{template}"""')
     if system:

@@ -43,7 +43,7 @@ class ModelRecord:
     messages: list[dict[str, Any]] = field(default_factory=list)
     licenses: list[str] = field(default_factory=list)
     projector: bool = False
-    adapters: int = 0
+    adapters: list[Path] = field(default_factory=list)  # LoRA GGUFs, applied at scale 1
 
     def details(self, info: GGUFInfo | None = None) -> dict[str, Any]:
         return details(self.config, info)
@@ -109,5 +109,5 @@ def load_record(store: Store, name: Name | str) -> ModelRecord:
         elif kind == mt.PROJECTOR:
             record.projector = True
         elif kind == mt.ADAPTER:
-            record.adapters += 1
+            record.adapters.append(store.blob_path(layer.digest))
     return record

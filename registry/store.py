@@ -158,6 +158,24 @@ class Store:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def adopt(self, tmp: Path) -> tuple[str, int]:
+        """Move a finished file from `temp_path()` into the store under its digest.
+
+        The file is always gone afterwards: renamed into place, or deleted on failure.
+        """
+        try:
+            digest, size = file_sha256(tmp), tmp.stat().st_size
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.blob_path(digest))
+            _sync_dir(self.blobs)
+            return digest, size
+        except OSError as exc:
+            _raise_disk_error(exc)
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def write_blob_bytes(self, data: bytes, expected: str | None = None) -> tuple[str, int]:
         return self.write_blob([data], expected)
 

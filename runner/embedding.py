@@ -28,8 +28,10 @@ class Embedder:
     short texts keeps a small context, and one long input reopens it larger.
     """
 
-    def __init__(self, model: Any, num_ctx: int, n_threads: int) -> None:
+    def __init__(self, model: Any, num_ctx: int, n_threads: int,
+                 adapters: tuple[Any, Any, int] | None = None) -> None:
         self.model = model
+        self.adapters = adapters  # (handles, scales, count), as set on the main context
         self.num_ctx = num_ctx
         self.n_threads = n_threads
         self.ctx: Any = None
@@ -50,6 +52,8 @@ class Embedder:
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RunnerError("llama.cpp could not create an embedding context")
+        if self.adapters:
+            L.llama_set_adapters_lora(self.ctx, *self.adapters)
 
     def _ensure(self, longest: int) -> None:
         if self.ctx is not None and longest <= self.capacity:

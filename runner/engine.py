@@ -78,7 +78,7 @@ class Engine:
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self._progress: dict[int, Progress] = {}  # preempted jobs' progress, by id(job)
-        self.embedder = Embedder(self.model, self.num_ctx, self.n_threads)
+        self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
 
     @property
     def eog_tokens(self) -> list[int]:

@@ -31,6 +31,7 @@ class LoadConfig:
     template: str | None = None  # a TEMPLATE layer, which wins over the GGUF's
     kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
+    adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
 
     @classmethod
     def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":
@@ -56,4 +57,10 @@ class LoadConfig:
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or "model" not in data or not set(data) <= names:
             raise BadRequest("load configuration has unknown or missing fields")
+        if "adapters" in data:
+            try:
+                data["adapters"] = tuple((str(path), float(scale))
+                                         for path, scale in data["adapters"])
+            except (TypeError, ValueError):
+                raise BadRequest("load configuration has a malformed adapter list") from None
         return cls(**data)

@@ -8,15 +8,18 @@ last line, as Ollama sends it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 from api.types import STREAM_CONTENT_TYPE
 from corral.errors import BadRequest, CorralError, format_error
 from registry.create import CreateRequest, create_model
+from registry.derive import Quantizer, file_type
 from registry.modelfile import parse_modelfile
 from registry.names import parse_name
 from registry.pull import Puller
 from registry.push import Pusher
+from runner.quantize import quantize_in_child
 from server.http import Handler, Request, StreamWriter
 from server.inference import Inference, require_model
 
@@ -81,6 +84,10 @@ def _create_request(body: dict[str, Any]) -> CreateRequest:
             req.files = {"model.gguf": mf.from_[1:]}
         else:
             req.from_ = mf.from_
+        for i, ref in enumerate(mf.adapters):
+            if not ref.startswith("@"):
+                raise BadRequest("ADAPTER must name an uploaded blob (@sha256:...) here")
+            req.adapters[f"adapter{i}.gguf"] = ref[1:]
         req.template, req.system = mf.template, mf.system
         req.license, req.parameters, req.messages = mf.licenses, mf.parameters, mf.messages
     else:
@@ -89,15 +96,30 @@ def _create_request(body: dict[str, Any]) -> CreateRequest:
         if not isinstance(files, dict):
             raise BadRequest("files must be an object")
         req.files = dict(files)
-        req.adapters = dict(body.get("adapters") or {})
+        adapters = body.get("adapters") or {}
+        if not isinstance(adapters, dict):
+            raise BadRequest("adapters must be an object")
+        req.adapters = dict(adapters)
         req.template, req.system = body.get("template"), body.get("system")
         lic = body.get("license") or []
         req.license = [lic] if isinstance(lic, str) else list(lic)
         req.parameters = dict(body.get("parameters") or {})
         req.messages = body.get("messages")
-    if body.get("quantize") or body.get("quantization"):
-        raise BadRequest("quantization is not supported yet")
+    quantize = body.get("quantize") or body.get("quantization")
+    if quantize:
+        if not isinstance(quantize, str):
+            raise BadRequest("quantize must be a string")
+        file_type(quantize)  # an unknown type is a 400 before any work
+        req.quantize = quantize
+        req.requantize = body.get("requantize") is True
     return req
+
+
+def _quantizer(cancelled: Callable[[], bool]) -> Quantizer:
+    def run(src: Path, dst: Path, type_name: str, requantize: bool,
+            progress: Callable[[int, int, str], None]) -> None:
+        quantize_in_child(src, dst, type_name, requantize, progress, cancelled)
+    return run
 
 
 def create(inf: Inference) -> Any:
@@ -112,5 +134,5 @@ def create(inf: Inference) -> Any:
             from runner.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
         stream_progress(body, handler, lambda progress, cancelled: create_model(
-            inf.store, request, progress))
+            inf.store, request, progress, quantizer=_quantizer(cancelled)))
     return route

@@ -88,7 +88,8 @@ def show(inf: Inference) -> Any:
                   "# To build a new Modelfile based on this, replace FROM with:\n"
                   f"# FROM {record.name.display()}\n\n")
         modelfile = header + format_modelfile(str(record.model_path), params, record.template,
-                                              system, record.licenses, record.messages)
+                                              system, record.licenses, record.messages,
+                                              tuple(str(path) for path in record.adapters))
         out: dict[str, Any] = {
             "modelfile": modelfile, "parameters": _param_lines(params), "template": template,
             "details": model_details, "capabilities": caps,

@@ -287,7 +287,8 @@ class Scheduler:
                 flash_attn=self.settings.flash_attention,
                 kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
                 kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
-                deterministic=self.settings.deterministic)
+                deterministic=self.settings.deterministic,
+                adapters=tuple((str(path), 1.0) for path in entry.record.adapters))
             runner = self.runner_factory(config)
             try:
                 runner.start(self.settings.load_timeout)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
+from corral.errors import CorralError, InvalidModelFile, ModelfileError, ModelNotFound, NoSpace
 from registry import manifest as mt
 from registry.create import (
     CreateRequest,
@@ -79,7 +81,6 @@ def test_parse_every_instruction() -> None:
     ("FROM x\nPARAMETER temperature nan", "finite"),
     ("FROM x\nPARAMETER top_k -1", "out of range"),
     ("FROM x\nMESSAGE robot hi", "message role must be one of"),
-    ("FROM x\nADAPTER ./lora.gguf", "ADAPTER is not supported"),
     ('FROM x\nSYSTEM """never closed', "unterminated"),
 ])
 def test_parse_errors(text: str, message: str) -> None:
@@ -198,3 +199,61 @@ def test_overwrite_prunes_layers_no_longer_used(store: Store, tmp_path: Path) ->
     old_system = store.read_manifest("m")[1].layers_of(mt.SYSTEM)[0].digest
     create_from_modelfile(store, "m", parse_modelfile("FROM ./tiny.gguf\nSYSTEM two"), tmp_path)
     assert not store.has_blob(old_system)
+
+
+def _tiny_blob(store: Store, tmp_path: Path) -> str:
+    with write_tiny_gguf(tmp_path / "tiny.gguf").open("rb") as f:
+        return store.import_blob(f)[0]
+
+
+def test_quantize_that_fails_half_way_leaves_no_blob(store: Store, tmp_path: Path) -> None:
+    digest = _tiny_blob(store, tmp_path)
+    before = sorted(os.listdir(store.blobs))
+    written: list[Path] = []
+
+    def half_then_crash(src: Path, dst: Path, type_name: str, requantize: bool,
+                        progress: Any) -> None:
+        dst.write_bytes(b"GGUF" + b"\0" * 4096)  # what a child killed mid-write leaves
+        written.append(dst)
+        progress(1, 2, "token_embd.weight")
+        raise CorralError("quantizing failed (signal 9): ")
+
+    req = CreateRequest(model="q", files={"tiny.gguf": digest}, quantize="q8_0")
+    with pytest.raises(CorralError, match="signal 9"):
+        create_model(store, req, quantizer=half_then_crash)
+    assert written and not written[0].exists()
+    assert sorted(os.listdir(store.blobs)) == before and store.list_models() == []
+
+    def garbage(src: Path, dst: Path, type_name: str, requantize: bool, progress: Any) -> None:
+        dst.write_bytes(b"not a gguf")
+
+    with pytest.raises(CorralError, match="invalid model file"):
+        create_model(store, req, quantizer=garbage)
+    assert sorted(os.listdir(store.blobs)) == before
+
+
+def test_quantize_checks_space_first(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
+                                            str(mount)], capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        store = Store(mount / "models")
+        digest = _tiny_blob(store, tmp_path)
+        calls: list[Path] = []
+        req = CreateRequest(model="q", files={"tiny.gguf": digest}, quantize="q8_0")
+        with pytest.raises(NoSpace, match="no space left on device"):
+            create_model(store, req, quantizer=lambda *args: calls.append(args[1]))
+        assert calls == [] and os.listdir(store.blobs) == [digest.replace(":", "-")]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("source_type,allowed", [(0, True), (1, True), (32, True), (15, False)])
+def test_only_float_sources_quantize_without_the_flag(store: Store, tmp_path: Path,
+                                                      source_type: int, allowed: bool) -> None:
+    from registry.derive import FLOAT_SOURCES
+    from registry.gguf import _quant_name
+
+    assert (_quant_name(source_type) in FLOAT_SOURCES) is allowed
