@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 import types
 
 
@@ -46,22 +47,28 @@ def pure_module(name: str) -> types.ModuleType:
 
     Its package's `__init__` would load libllama, numpy and jinja2 into the
     daemon, tens of megabytes that a JSON-schema conversion does not need.
+    Concurrent first calls wait for one load: a module is in `sys.modules`
+    while its body runs, and a second thread must not use it half-made.
     """
     key = f"_corral_llama_cpp_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.submodule_search_locations is None:
-        raise ImportError("llama-cpp-python is not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
-    module_spec = importlib.util.spec_from_file_location(key, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"llama_cpp.{name} is missing")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[key] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[key]
-        raise
-    return module
+    with _pure_lock:
+        if key in sys.modules:
+            return sys.modules[key]
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError("llama-cpp-python is not installed")
+        path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
+        module_spec = importlib.util.spec_from_file_location(key, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"llama_cpp.{name} is missing")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[key] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+        return module
+
+
+_pure_lock = threading.Lock()

@@ -49,3 +49,29 @@ def test_json_schema_grammar_leaves_llama_cpp_out_of_the_daemon() -> None:
                           "assert 'root' in grammar_for({'type': 'object'}, 1 << 16)\n"
                           "assert 'root' in grammar_for('json', 1 << 16)")
     assert not {"llama_cpp", "numpy", "jinja2"} & mods
+
+
+def test_concurrent_first_grammar_conversions_wait_for_one_load() -> None:
+    # The soak found it: sixteen clients' first JSON-schema requests at once, and one
+    # saw the module while its body was still running ("has no attribute").
+    code = """
+import threading
+from runner.capi import pure_module
+from server.inference import grammar_for
+errors = []
+start = threading.Barrier(8)
+def convert():
+    start.wait()
+    try:
+        grammar_for({"type": "object", "properties": {"a": {"type": "integer"}}}, 65536)
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=convert) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        assert out.strip() == "[]", out
