@@ -94,6 +94,25 @@ def pull(model: str, insecure: bool = typer.Option(False, help="Allow a plain-HT
     show_progress(client().stream("/api/pull", {"model": model, "insecure": insecure}))
 
 
+@app.command("rpc-server")
+def rpc_server(host: str = typer.Option("127.0.0.1", help="Address to listen on; anything "
+                                        "but loopback must be a trusted network."),
+               port: int = typer.Option(50052, help="Port to listen on."),
+               threads: int = typer.Option(0, help="CPU threads (0: all cores)."),
+               cache: Optional[Path] = typer.Option(None, help="Tensor cache directory "
+                                                    "(off unless given).")) -> None:
+    """Serve this machine's best device to other hosts' models (llama.cpp RPC)."""
+    import os
+
+    argv = [sys.executable, "-m", "runner.rpc", "--host", host, "--port", str(port),
+            "--threads", str(threads)]
+    if cache is not None:
+        argv += ["--cache", str(cache.resolve())]
+    os.chdir(Path(__file__).resolve().parents[1])  # where `-m runner.rpc` is found
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)  # the worker is the process: signals reach it directly
+
+
 @app.command()
 def push(model: str, insecure: bool = typer.Option(False, help="Allow a plain-HTTP registry.")
          ) -> None:

@@ -63,13 +63,15 @@ def parse_time(text: str) -> float:
     return dt.datetime.fromisoformat(text).timestamp()
 
 
-def processor(size: int, vram: int) -> str:
-    if vram <= 0 or size <= 0:
+def processor(size: int, vram: int, rpc: int = 0) -> str:
+    """Where a model's bytes are, as Ollama shows it; RPC workers are a third place."""
+    if size <= 0:
         return "100% CPU"
-    if vram >= size:
-        return "100% GPU"
-    cpu = round((size - vram) / size * 100)
-    return f"{cpu}%/{100 - cpu}% CPU/GPU"
+    places = [(p, round(n / size * 100)) for p, n in
+              (("CPU", size - vram - rpc), ("GPU", vram), ("RPC", rpc)) if n > 0]
+    if len(places) == 1:
+        return f"100% {places[0][0]}"
+    return "/".join(f"{pct}%" for _, pct in places) + " " + "/".join(p for p, _ in places)
 
 
 def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -91,7 +93,8 @@ def models_table(models: list[dict[str, Any]]) -> str:
 
 def ps_table(models: list[dict[str, Any]]) -> str:
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
-             processor(m["size"], m.get("size_vram", 0)), str(m.get("context_length", "")),
+             processor(m["size"], m.get("size_vram", 0), m.get("size_rpc", 0)),
+             str(m.get("context_length", "")),
              human_until(parse_time(m["expires_at"]))] for m in models]
     return render(["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows)
 

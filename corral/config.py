@@ -182,6 +182,16 @@ def _parse_origins(value: str) -> tuple[str, ...]:
     return tuple(o.strip() for o in value.split(",") if o.strip())
 
 
+def _parse_rpc_servers(value: str) -> tuple[str, ...]:
+    from corral.errors import InvalidOption
+    from corral.options import parse_rpc_servers
+
+    try:
+        return parse_rpc_servers(value)
+    except InvalidOption as exc:
+        raise ValueError(exc.message) from None
+
+
 def _parse_kv_type(value: str) -> str:
     value = value.lower()
     if value not in ("f16", "q8_0", "q4_0"):
@@ -280,6 +290,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("MAX_CREATE_FILES", "max_create_files", 64, "64", "most `files` entries in one create",
          _parse_count),
     Spec("MAX_IMAGES", "max_images", 16, "16", "most images in one request", _parse_count),
+    Spec("RPC_SERVERS", "rpc_servers", (), "",
+         "llama.cpp RPC workers (`corral rpc-server`) to spread layers over: host:port,...",
+         _parse_rpc_servers),
     Spec("MAX_GRAMMAR_BYTES", "max_grammar_bytes", 64 << 10, "65536",
          "largest grammar or JSON schema in `format`, bytes", _parse_count),
 )
@@ -313,6 +326,7 @@ class Settings:
     max_embed_tokens: int
     max_create_files: int
     max_images: int
+    rpc_servers: tuple[str, ...]
     max_grammar_bytes: int
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -364,6 +378,14 @@ def apply_native_defaults(deterministic: bool = False) -> None:
     """
     if deterministic:
         os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
+def quiet_native_aborts() -> None:
+    """No gdb backtrace when ggml aborts (a runner whose RPC worker died does).
+
+    ggml attaches gdb to itself to print one when gdb is installed, which holds the
+    dying runner for seconds and floods the daemon's log."""
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:

@@ -7,6 +7,7 @@ One table types Modelfile PARAMETERs, request `options`, and the CLI's
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 from corral.errors import InvalidOption
@@ -20,6 +21,7 @@ OPTION_TYPES: dict[str, tuple[type, str]] = {
     "use_mmap": (bool, "load"),
     "num_thread": (int, "load"),
     "draft_num_predict": (int, "load"),
+    "rpc_servers": (str, "load"),  # Corral extension: llama.cpp RPC workers, host:port,...
     "num_keep": (int, "request"),
     "seed": (int, "request"),
     "num_predict": (int, "request"),
@@ -84,6 +86,10 @@ def coerce_option(name: str, value: Any) -> Any:
     kind = OPTION_TYPES[name][0]
     if kind is list:
         return _coerce_stop(value)
+    if name == "rpc_servers":
+        if not isinstance(value, str):
+            raise InvalidOption("option 'rpc_servers' must be a string of host:port,...")
+        return ",".join(parse_rpc_servers(value))
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -102,6 +108,22 @@ def coerce_option(name: str, value: Any) -> Any:
     if check is not None and not check(number):
         raise InvalidOption(f"option {name!r} is out of range: {value!r}")
     return number
+
+
+MAX_RPC_SERVERS = 16  # GGML_RPC_MAX_SERVERS
+_ENDPOINT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]):(\d{1,5})")
+
+
+def parse_rpc_servers(value: str) -> tuple[str, ...]:
+    """`host:port,host:port` -> the endpoints, each checked; empty means none."""
+    endpoints = tuple(e.strip() for e in value.split(",") if e.strip())
+    if len(endpoints) > MAX_RPC_SERVERS:
+        raise InvalidOption(f"at most {MAX_RPC_SERVERS} RPC servers")
+    for endpoint in endpoints:
+        match = _ENDPOINT.fullmatch(endpoint)
+        if match is None or not 0 < int(match.group(1)) < 65536:
+            raise InvalidOption(f"RPC server {endpoint[:80]!r} is not host:port")
+    return endpoints
 
 
 def _to_int(value: Any) -> int:

@@ -32,6 +32,7 @@ class LoadConfig:
     kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
+    rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port
 
     @classmethod
     def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":
@@ -45,6 +46,14 @@ class LoadConfig:
                    use_mmap=bool(options.get("use_mmap", True)),
                    **settings)
 
+    @staticmethod
+    def rpc_from(options: dict[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
+        """A request's or Modelfile's `rpc_servers` (possibly "" for none), else the setting."""
+        value = options.get("rpc_servers")
+        if value is None:
+            return default
+        return tuple(e for e in str(value).split(",") if e)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
@@ -57,6 +66,8 @@ class LoadConfig:
         names = {f.name for f in fields(cls)}
         if not isinstance(data, dict) or "model" not in data or not set(data) <= names:
             raise BadRequest("load configuration has unknown or missing fields")
+        if "rpc_servers" in data:
+            data["rpc_servers"] = tuple(str(e) for e in data["rpc_servers"])
         if "adapters" in data:
             try:
                 data["adapters"] = tuple((str(path), float(scale))

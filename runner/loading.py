@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from corral.config import limit_malloc_arenas
 from corral.errors import BadRequest
 from registry.gguf import GGUFInfo, inspect_gguf
-from runner import memory, native
+from runner import memory, native, rpc
 from runner.context import EngineConfig, LlamaContext
 from runner.loadconfig import LoadConfig
 
@@ -30,6 +30,7 @@ class Loaded:
     engine_config: EngineConfig
     llama: LlamaContext
     seconds: float
+    rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
 
 
 def load(config: LoadConfig) -> Loaded:
@@ -38,8 +39,13 @@ def load(config: LoadConfig) -> Loaded:
         raise BadRequest("slots must be between 1 and 256")
     # A pool is one buffer of kv_pool tokens whatever the slot count.
     per_slot = -(-config.kv_pool // config.n_slots) if config.kv_pool else config.num_ctx
-    est = memory.estimate(info, per_slot, config.n_slots, memory.free_gpu_memory(),
+    gpu_free = memory.free_gpu_memory()  # before RPC devices join the GPU-type list
+    # Remote workers' devices count as offload targets beside local GPUs; llama.cpp
+    # splits the offloaded layers between all of them by the free memory each reports.
+    rpc_free = sum(w.free for w in rpc.add_workers(config.rpc_servers))
+    est = memory.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
                           config.num_gpu, config.kv_cache_type, config.n_batch)
+    rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
@@ -48,7 +54,7 @@ def load(config: LoadConfig) -> Loaded:
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
-    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0)
+    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes)
 
 
 class Pending:

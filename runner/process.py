@@ -242,7 +242,8 @@ def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
     report = {
         "weights": est.weights, "kv": est.kv, "compute": est.compute,
         "gpu_layers": est.gpu_layers, "layers": est.layers,
-        "size": est.total, "size_vram": est.gpu_bytes,
+        "size": est.total, "size_vram": est.gpu_bytes - loaded.rpc_bytes,
+        "size_rpc": loaded.rpc_bytes, "rpc_servers": list(config.rpc_servers),
         "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": config.n_slots,
         "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
         "template_kind": builder.kind, "template": builder.source,

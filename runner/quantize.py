@@ -34,12 +34,9 @@ def quantize_in_child(src: Path, dst: Path, type_name: str, requantize: bool,
     cmd = [sys.executable, "-m", "runner.quantize", str(src), str(dst), type_name]
     if requantize:
         cmd.append("--requantize")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    root = Path(__file__).resolve().parents[1]  # `-m runner.quantize` finds us from here
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=root, env=env,
-                            start_new_session=True)
+                            stderr=subprocess.PIPE, cwd=root, start_new_session=True)
     tail: list[bytes] = []
     assert proc.stderr is not None
     try:

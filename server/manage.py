@@ -188,6 +188,8 @@ def ps(inf: Inference) -> Any:
                            "expires_at": rfc3339(expires, utc=False),
                            "size_vram": int(report.get("size_vram", 0)),
                            "context_length": int(report.get("num_ctx", 0))})
+            if report.get("size_rpc"):  # a Corral extension: bytes on RPC workers
+                models[-1]["size_rpc"] = int(report["size_rpc"])
         models.sort(key=lambda m: str(m["expires_at"]), reverse=True)
         handler.send_json(200, {"models": models})
     return route

@@ -288,7 +288,8 @@ class Scheduler:
                 kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
                 kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
                 deterministic=self.settings.deterministic,
-                adapters=tuple((str(path), 1.0) for path in entry.record.adapters))
+                adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
+                rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
             runner = self.runner_factory(config)
             try:
                 runner.start(self.settings.load_timeout)

@@ -38,3 +38,26 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: floa
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    """Wait until something accepts connections on loopback `port`."""
+    import socket
+
+    def accepts() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    wait_for(accepts, timeout, 0.1)

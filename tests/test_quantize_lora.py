@@ -63,9 +63,18 @@ def answer(d: Daemon, model: str) -> str:
 
 
 def create_stream(d: Daemon, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The create's events; checks that they stream live: when the first quantizing
+    event arrives, the model is not listed yet (a buffered stream would come after)."""
+    events: list[dict[str, Any]] = []
     with httpx.stream("POST", d.url + "/api/create", json=body, timeout=300) as resp:
         assert resp.status_code == 200, resp.read()
-        return [json.loads(line) for line in resp.iter_lines()]
+        for line in resp.iter_lines():
+            events.append(json.loads(line))
+            if events[-1]["status"].startswith("quantizing") and \
+                    sum(e["status"].startswith("quantizing") for e in events) == 1:
+                listed = httpx.get(d.url + "/api/tags").json()["models"]
+                assert f"{body['model']}:latest" not in [m["model"] for m in listed]
+    return events
 
 
 def test_quantize_f16_source(daemon: Daemon, files: dict[str, Path]) -> None:
