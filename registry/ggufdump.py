@@ -13,7 +13,7 @@ import struct
 from typing import Any
 
 from corral.errors import InvalidModelFile
-from registry.gguf import MAGIC, MAX_ARRAY, MAX_DIMS, SUPPORTED_VERSIONS, gguf
+from registry.gguf import MAGIC, MAX_ARRAY, MAX_DIMS, SUPPORTED_VERSIONS, _read_value, gguf
 from registry.ggufio import ARRAY, SCALAR, STRING, Reader, open_regular
 
 
@@ -34,12 +34,8 @@ def dump_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[s
 
 
 def _value(r: Reader, type_id: int, key: str) -> Any:
-    if type_id in SCALAR:
-        return r.scalar(type_id, key)
-    if type_id == STRING:
-        return r.string(key, strict=False)
-    if type_id != ARRAY:
-        raise InvalidModelFile(f"invalid model file: unknown value type {type_id}")
+    if type_id != ARRAY:  # scalars and strings exactly as the inspector reads them
+        return _read_value(r, type_id, key)
     item_type, count = r.u32(key), r.u64(key)
     if count > MAX_ARRAY or count > r.remaining:
         raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")

@@ -75,27 +75,32 @@ def _read_body(handler: "_RegistryHandler", into: bytearray, blob: bool = True) 
     return True
 
 
-def patch(handler: "_RegistryHandler", session: str) -> None:
+def _append(handler: "_RegistryHandler", session: str
+            ) -> tuple[tuple[str, str], bytearray] | None:
+    """The session's repository and bytes with this request's body added, or None when
+    the session is unknown (answered) or the connection dropped part-way."""
     found = handler.reg.sessions.get(session)
     if found is None:
         _error(handler, 404, "BLOB_UPLOAD_UNKNOWN")
+        return None
+    return found if _read_body(handler, found[1]) else None
+
+
+def patch(handler: "_RegistryHandler", session: str) -> None:
+    found = _append(handler, session)
+    if found is None:
         return
     (ns, model), data = found
-    if not _read_body(handler, data):
-        return
     handler.send_bytes(202, b"", {"Location": f"/v2/{ns}/{model}/blobs/uploads/{session}",
                                   "Range": f"0-{max(len(data) - 1, 0)}"})
 
 
 def finish(handler: "_RegistryHandler", session: str) -> None:
     reg = handler.reg
-    found = reg.sessions.get(session)
+    found = _append(handler, session)
     if found is None:
-        _error(handler, 404, "BLOB_UPLOAD_UNKNOWN")
         return
     (ns, model), data = found
-    if not _read_body(handler, data):
-        return
     digest = _query(handler).get("digest", "")
     if digest != "sha256:" + hashlib.sha256(data).hexdigest():
         _error(handler, 400, "DIGEST_INVALID")
