@@ -17,6 +17,10 @@ def main() -> None:
         from corral.config import load_settings
 
         spawn_early(load_settings(warn=False), argv[1])  # the CLI warns once, later
+    if argv and argv[0] == "run":
+        # `--think` alone means true, `--think=high` a level, as in Ollama's CLI; the
+        # option parser would take the next word (the prompt) as the value instead.
+        sys.argv[1:] = ["--think=true" if a == "--think" else a for a in argv]
     from cli.main import main as cli_main
 
     cli_main()

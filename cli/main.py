@@ -218,7 +218,10 @@ def run(model: str,
         verbose: bool = typer.Option(False, "--verbose", help="Print timings after answers."),
         format: str = typer.Option("", "--format", help="Response format, e.g. json."),
         keepalive: str = typer.Option("", "--keepalive", help="How long to keep the model."),
-        think: bool = typer.Option(False, "--think", help="Ask a thinking model to think."),
+        think: Optional[str] = typer.Option(None, "--think", help="Ask a thinking model to "
+                                            "think: --think, or --think=low|medium|high|false."),
+        hidethinking: bool = typer.Option(False, "--hidethinking",
+                                          help="Do not show the model's thinking."),
         nowordwrap: bool = typer.Option(False, "--nowordwrap", help="Do not wrap words."),
         insecure: bool = typer.Option(False, "--insecure", help="Pull over plain HTTP.")) -> None:
     """Run a model: one answer with a PROMPT or piped input, else an interactive chat."""
@@ -239,12 +242,25 @@ def run(model: str,
         piped = sys.stdin.read()
         text = f"{text}\n\n{piped}".strip() if text else piped
     opts = repl.RunOptions(model=model, verbose=verbose, format=format or None,
-                           keep_alive=keep_alive, think=think or None, wordwrap=not nowordwrap,
+                           keep_alive=keep_alive, think=_think_flag(think),
+                           hide_thinking=hidethinking, wordwrap=not nowordwrap,
                            history=not settings().nohistory)
     if text or not sys.stdin.isatty() or not sys.stdout.isatty():
         repl.one_shot(c, opts, text)
     else:
         repl.interactive(c, opts)
+
+
+def _think_flag(value: str | None) -> bool | str | None:
+    if value is None:
+        return None
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("low", "medium", "high"):
+        return lowered
+    raise CorralError(f"invalid value for --think: {value!r} "
+                      "(use true, false, low, medium or high)")
 
 
 @app.command()

@@ -33,6 +33,8 @@ SET_HELP = """Available Commands:
   /set noformat          Disable formatting
   /set verbose           Show LLM stats
   /set quiet             Disable LLM stats
+  /set think [level]     Let a thinking model think (low, medium, high)
+  /set nothink           Ask it not to think
   /set wordwrap          Enable wordwrap
   /set nowordwrap        Disable wordwrap"""
 
@@ -51,7 +53,8 @@ class RunOptions:
     verbose: bool = False
     format: str | None = None
     keep_alive: str | None = None
-    think: bool | None = None
+    think: bool | str | None = None
+    hide_thinking: bool = False
     wordwrap: bool = True
     history: bool = True
     options: dict[str, Any] = field(default_factory=dict)
@@ -72,29 +75,24 @@ def _request(opts: RunOptions, **body: Any) -> dict[str, Any]:
 
 
 def one_shot(client: Client, opts: RunOptions, prompt: str) -> None:
-    """Stream one answer to stdout: plain text, no spinner or colour when piped."""
+    """Stream one answer to stdout: plain text, no spinner or colour when piped.
+
+    Thinking goes first, dimmed, on a terminal; piped, it is left out unless --think
+    asked for it (and never with --hidethinking)."""
     if not prompt:
         for _ in client.stream("/api/generate", _request(opts)):
             pass
         return
     err = Console(stderr=True)
     stream = client.stream("/api/generate", _request(opts, prompt=prompt))
-    final = _print_stream((obj.get("response", ""), obj) for obj in stream) if not \
-        sys.stdout.isatty() else _with_spinner(err, stream, "response", opts.wordwrap)
+    tty = sys.stdout.isatty()
+    show = not opts.hide_thinking and (tty or bool(opts.think))
+    parts = ((obj.get("thinking", ""), obj.get("response", ""), obj) for obj in stream)
+    final = _with_spinner(err, parts, opts.wordwrap and tty, show, dim=tty, spin=tty)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if opts.verbose:
         print(verbose_stats(final), file=sys.stderr)
-
-
-def _print_stream(pieces: Iterator[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    final: dict[str, Any] = {}
-    for text, obj in pieces:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        if obj.get("done"):
-            final = obj
-    return final
 
 
 class _Wrapper:
@@ -138,26 +136,57 @@ class _Wrapper:
         sys.stdout.flush()
 
 
-def _with_spinner(err: Console, stream: Iterator[dict[str, Any]], key: str,
-                  wordwrap: bool) -> dict[str, Any]:
+class _Thinking:
+    """Thinking before the answer: a header, the text (dimmed on a terminal), a footer."""
+
+    def __init__(self, show: bool, dim: bool) -> None:
+        self.show, self.dim = show, dim
+        self.open = False
+
+    def feed(self, text: str) -> None:
+        if not self.show or not text:
+            return
+        if not self.open:
+            self._write("Thinking...\n")
+            self.open = True
+        self._write(text)
+
+    def close(self) -> None:
+        if self.open:
+            self._write("\n...done thinking.\n\n")
+            self.open = False
+
+    def _write(self, text: str) -> None:
+        sys.stdout.write(f"\x1b[2m{text}\x1b[0m" if self.dim else text)
+        sys.stdout.flush()
+
+
+def _with_spinner(err: Console, parts: Iterator[tuple[str, str, dict[str, Any]]],
+                  wordwrap: bool, show_thinking: bool, dim: bool = True,
+                  spin: bool = True) -> dict[str, Any]:
+    """Print (thinking, text, object) parts as they stream; returns the final object."""
     wrap = _Wrapper(wordwrap)
+    thinking = _Thinking(show_thinking, dim)
     final: dict[str, Any] = {}
     status = err.status("", spinner="dots")
-    status.start()
-    started = False
+    if spin:
+        status.start()
+    started = not spin
     try:
-        for obj in stream:
-            text = obj.get(key, "") if key == "response" else obj.get("message", {}).get(
-                "content", "")
-            if text and not started:
+        for thought, text, obj in parts:
+            if (text or (thought and show_thinking)) and not started:
                 status.stop()
                 started = True
+            thinking.feed(thought)
+            if text:
+                thinking.close()
             wrap.feed(text)
             if obj.get("done"):
                 final = obj
     finally:
         if not started:
             status.stop()
+        thinking.close()
         wrap.end()
     return final
 
@@ -177,12 +206,14 @@ class Session:
         stream = self.client.stream("/api/chat", _request(self.opts, messages=messages))
         pieces: list[str] = []
 
-        def collect() -> Iterator[dict[str, Any]]:
+        def collect() -> Iterator[tuple[str, str, dict[str, Any]]]:
             for obj in stream:
-                pieces.append(obj.get("message", {}).get("content", ""))
-                yield obj
+                message = obj.get("message", {})
+                pieces.append(message.get("content", ""))
+                yield message.get("thinking", ""), message.get("content", ""), obj
         try:
-            final = _with_spinner(self.err, collect(), "message", self.opts.wordwrap)
+            final = _with_spinner(self.err, collect(), self.opts.wordwrap,
+                                  not self.opts.hide_thinking)
         except KeyboardInterrupt:
             stream.close()  # hanging up cancels the generation on the daemon
             print()
@@ -255,6 +286,13 @@ class Session:
         elif what in ("verbose", "quiet"):
             self.opts.verbose = what == "verbose"
             print(f"Set '{what}' mode.")
+        elif what in ("think", "nothink"):
+            level = args[1].lower() if what == "think" and len(args) > 1 else None
+            if level is not None and level not in ("low", "medium", "high"):
+                print("Invalid think level: use low, medium or high.")
+                return
+            self.opts.think = level or what == "think"
+            print("Set 'think' mode." if what == "think" else "Set 'nothink' mode.")
         elif what in ("wordwrap", "nowordwrap"):
             self.opts.wordwrap = what == "wordwrap"
             print(f"Set '{what}' mode.")

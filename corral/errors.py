@@ -127,12 +127,16 @@ class Shape(str, enum.Enum):
 
     OLLAMA = "ollama"  # {"error": message}
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}
     RUNNER = "runner"  # {"error": message, "kind": class name}: the type survives the hop
     TEXT = "text"  # "404 page not found": what Ollama (gin) answers for unknown routes
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                  404: "not_found_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def format_error(exc: BaseException, shape: Shape = Shape.OLLAMA) -> tuple[int, Any]:
@@ -149,6 +153,10 @@ def format_error(exc: BaseException, shape: Shape = Shape.OLLAMA) -> tuple[int, 
     if shape is Shape.OPENAI:
         return status, {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "api_error"),
                                   "param": None, "code": None}}
+    if shape is Shape.ANTHROPIC:
+        return status, {"type": "error", "error": {
+            "type": _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                         else "api_error"), "message": message}}
     if shape is Shape.RUNNER:
         kind = type(exc).__name__ if isinstance(exc, CorralError) else "CorralError"
         return status, {"error": message, "kind": kind}

@@ -246,7 +246,7 @@ class Engine:
             slot.resume(job, keep, prompt, progress)
             return
         sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
-                          self.eog_tokens if job.ignore_eos else None)
+                          self.eog_tokens if job.ignore_eos else None, logprobs=job.logprobs)
         if job.params.penalized():
             sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
         slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
@@ -288,7 +288,8 @@ class Engine:
                 self._sample(slot, plan.sample_at[slot.seq])
 
     def _sample(self, slot: Slot, row: int) -> None:
-        assert slot.sampler is not None and 0 <= row < self.batch.n_tokens
+        assert slot.sampler is not None and slot.job is not None
+        assert 0 <= row < self.batch.n_tokens
         assert self.batch.logits[row]
         t0 = self.clock()
         token = slot.sampler.sample(self.ctx, row)
@@ -296,14 +297,14 @@ class Engine:
         slot.n_generated += 1
         slot.last_token = token
         if L.llama_vocab_is_eog(self.vocab, token):
+            slot.sampler.take_logprobs()  # the end token is not part of the text
             self._finish(slot, DoneReason.STOP)
             return
         slot.generated.append(token)
-        text = slot.utf8.feed(native.token_bytes(self.vocab, token))
+        text = slot.utf8.feed(native.token_bytes(self.vocab, token, slot.job.special))
         result = slot.stops.feed(text)
         if result.text:
-            assert slot.job is not None
-            slot.job.events.put(Token(result.text))
+            slot.job.events.put(Token(result.text, slot.sampler.take_logprobs()))
         if result.stopped:
             self._finish(slot, DoneReason.STOP, flush=False)
         elif slot.n_generated >= slot.limit:
@@ -361,7 +362,8 @@ class Engine:
         if flush:
             tail = slot.stops.feed(slot.utf8.flush()).text + slot.stops.flush()
             if tail and reason is not DoneReason.CANCEL:
-                job.events.put(Token(tail))
+                assert slot.sampler is not None
+                job.events.put(Token(tail, slot.sampler.take_logprobs()))
         now = self.clock()
         stats = slot.stats(job, reason, now)
         slot.release(now)

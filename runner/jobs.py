@@ -43,6 +43,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Token:
     text: str
+    logprobs: tuple[dict[str, Any], ...] = ()  # one per token in `text`, when asked for
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Job:
     truncate: bool = True
     shift: bool = True
     ignore_eos: bool = False  # benchmarks: always generate num_predict tokens
+    logprobs: int = -1  # -1: none; else alternatives per token (0-20)
+    special: bool = False  # render control tokens as text (gpt-oss's harmony markers)
     id: str = ""
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

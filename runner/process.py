@@ -36,6 +36,7 @@ from runner.prompt import PromptBuilder
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
+PROMPT_TAIL = 64  # characters of the rendered prompt sent ahead of a reply
 
 
 class RunnerService:
@@ -49,7 +50,9 @@ class RunnerService:
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
-    def prompt_tokens(self, body: dict[str, Any]) -> list[int]:
+    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str]:
+        """The prompt's tokens, and the end of its text (the daemon's reply parser asks
+        whether the template left a think block open)."""
         builder = self.builder
         if body.get("template"):
             builder = PromptBuilder(body["template"], None, builder.bos, builder.eos)
@@ -59,17 +62,18 @@ class RunnerService:
             text, add_bos = body.get("prompt") or "", True
         else:
             text, add_bos = builder.generate(body.get("prompt") or "", body.get("system"),
-                                             body.get("suffix"))
+                                             body.get("suffix"), body.get("think"))
         context = [int(t) for t in body.get("context") or []]
         tokens = context + self.engine.tokenize(text, add_special=add_bos and not context)
         if not tokens:
             raise BadRequest("empty prompt")
-        return tokens
+        return tokens, text[-PROMPT_TAIL:]
 
-    def job(self, body: dict[str, Any]) -> Job:
+    def job(self, body: dict[str, Any]) -> tuple[Job, str]:
         options = coerce_options(body.get("options"))
+        tokens, tail = self.prompt_tokens(body)
         job = Job(
-            prompt=self.prompt_tokens(body),
+            prompt=tokens,
             params=SamplingParams.from_options(options),
             num_predict=int(options.get("num_predict", -1)),
             stop=list(options.get("stop", [])),
@@ -78,13 +82,15 @@ class RunnerService:
             truncate=bool(body.get("truncate", True)),
             shift=bool(body.get("shift", True)),
             ignore_eos=bool(options.get("ignore_eos", False)),
+            logprobs=int(body["logprobs"]) if isinstance(body.get("logprobs"), int) else -1,
+            special=body.get("special") is True,
             id=str(body.get("id") or ""),
         )
         self.engine.submit(job)
         if job.id:
             with self.lock:
                 self.jobs[job.id] = job
-        return job
+        return job, tail
 
     def forget(self, job: Job | Embed) -> None:
         with self.lock:
@@ -197,15 +203,18 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*format_error(BadRequest(str(exc)), Shape.RUNNER))
 
     def _completion(self, body: dict[str, Any]) -> None:
-        job = self.service.job(body)
+        job, tail = self.service.job(body)
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.end_headers()
         try:
+            self.wfile.write(json.dumps({"prompt_tail": tail}).encode() + b"\n")
             while True:
                 event = job.events.get()
                 if isinstance(event, Token):
                     line: dict[str, Any] = {"content": event.text}
+                    if event.logprobs:
+                        line["logprobs"] = event.logprobs
                 elif isinstance(event, Done):
                     line = {"done": True, **event.stats}
                 else:

@@ -21,7 +21,7 @@ def _go_message(m: dict[str, Any]) -> dict[str, Any]:
              for c in m.get("tool_calls") or []]
     return {"Role": m.get("role", ""), "Content": m.get("content") or "", "ToolCalls": calls,
             "Thinking": m.get("thinking") or "", "ToolName": m.get("tool_name") or "",
-            "Images": m.get("images") or []}
+            "ToolCallID": m.get("tool_call_id") or "", "Images": m.get("images") or []}
 
 
 def _go_tool(t: dict[str, Any]) -> dict[str, Any]:
@@ -65,17 +65,24 @@ class PromptBuilder:
         return self.go is not None and ".Suffix" in self.go.source
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-             think: bool | None = None) -> tuple[str, bool]:
-        """Prompt text, and whether the tokenizer should add BOS itself."""
+             think: bool | str | None = None) -> tuple[str, bool]:
+        """Prompt text, and whether the tokenizer should add BOS itself.
+
+        `think` is a bool or a level ("low", "medium", "high"): templates see both
+        as Ollama's do (.Think, .ThinkLevel; Jinja's enable_thinking, reasoning_effort).
+        """
+        level = think if isinstance(think, str) else ""
         if self.jinja is not None:
+            extra = {"reasoning_effort": level} if level else {}
             text = self.jinja.render(messages=messages, tools=tools or None,
                                      add_generation_prompt=True, bos_token=self.bos,
-                                     eos_token=self.eos, enable_thinking=bool(think))
+                                     eos_token=self.eos, enable_thinking=bool(think), **extra)
             return text, not (self.bos and text.startswith(self.bos))
         assert self.go is not None
         system, merged = _collate(messages)
         data: dict[str, Any] = {"System": system, "Tools": [_go_tool(t) for t in tools or []],
-                                "Think": bool(think), "IsThinkSet": think is not None}
+                                "Think": bool(think), "ThinkLevel": level,
+                                "IsThinkSet": think is not None}
         if self.go.uses_messages:
             data["Messages"] = [_go_message(m) for m in merged]
             return self.go.render(data), True
@@ -105,13 +112,13 @@ class PromptBuilder:
         return "".join(out)
 
     def generate(self, prompt: str, system: str | None = None,
-                 suffix: str | None = None) -> tuple[str, bool]:
+                 suffix: str | None = None, think: bool | str | None = None) -> tuple[str, bool]:
         if suffix and self.go is not None and self.supports_suffix():
             text = self.go.render({"System": system or "", "Prompt": prompt, "Suffix": suffix,
                                    "Response": ""})
             return text, True
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
-        return self.chat(messages)
+        return self.chat(messages, think=think)
 
 

@@ -53,8 +53,11 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, vocab: Any, n_vocab: int, num_ctx: int,
                  grammar: str | None = None, banned: list[int] | None = None,
-                 preselect: bool = True) -> None:
+                 preselect: bool = True, logprobs: int = -1) -> None:
         self.n_vocab = n_vocab
+        self.vocab = vocab
+        self.logprobs = logprobs  # -1: off; else how many alternatives each token reports
+        self.entries: list[dict[str, Any]] = []  # since the last emitted piece
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         self.grammar = compile_grammar(vocab, grammar) if grammar else None
         self._candidates: np.ndarray | None = None
@@ -99,6 +102,40 @@ class Sampler:
 
     def sample(self, ctx: Any, index: int) -> int:
         """Sample (and accept) the next token from the logits at batch `index`."""
+        token = self._choose(ctx, index)
+        if self.logprobs >= 0:
+            self.entries.append(self._logprob_entry(ctx, index, token))
+        return token
+
+    def take_logprobs(self) -> tuple[dict[str, Any], ...]:
+        entries, self.entries = tuple(self.entries), []
+        return entries
+
+    def _logprob_entry(self, ctx: Any, index: int, token: int) -> dict[str, Any]:
+        """The chosen token's log-probability under the model, with the most likely
+        alternatives: from the same logits row the sampler just read."""
+        from runner.native import token_bytes
+
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index),
+                                       shape=(self.n_vocab,)).astype(np.float64)
+        top = float(np.max(logits))
+        norm = top + float(np.log(np.sum(np.exp(logits - top))))
+
+        def entry(tok: int) -> dict[str, Any]:
+            raw = token_bytes(self.vocab, tok)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": float(logits[tok] - norm),
+                    "bytes": list(raw)}
+
+        out = entry(token)
+        if self.logprobs > 0:
+            best = top_ids(logits, self.logprobs)
+            best = best[np.argsort(-logits[best], kind="stable")]
+            out["top_logprobs"] = [entry(int(t)) for t in best]
+        else:
+            out["top_logprobs"] = []
+        return out
+
+    def _choose(self, ctx: Any, index: int) -> int:
         if self.grammar is not None:
             return self._sample_with_grammar(ctx, index)
         if not (self._argmax or self._top_k):

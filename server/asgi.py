@@ -54,6 +54,8 @@ async def send_error(send: Send, exc: CorralError, shape: Shape) -> None:
 
 
 def shape_of(path: str) -> Shape:
+    if path.startswith("/v1/messages"):
+        return Shape.ANTHROPIC
     return Shape.OPENAI if path.startswith("/v1/") else Shape.OLLAMA
 
 

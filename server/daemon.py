@@ -39,7 +39,7 @@ PRELOAD_SLOTS = 4
 
 def routes(inf: Inference, puller: Puller, pusher: Pusher
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
-    from server import lifecycle, manage, native, openai
+    from server import anthropic, lifecycle, manage, native, openai, responses
 
     table: dict[tuple[str, str], Route] = {
         ("GET", "/"): manage.root(inf),
@@ -61,6 +61,8 @@ def routes(inf: Inference, puller: Puller, pusher: Pusher
         ("POST", "/v1/completions"): openai.completions(inf),
         ("POST", "/v1/embeddings"): openai.embeddings(inf),
         ("GET", "/v1/models"): openai.models(inf),
+        ("POST", "/v1/messages"): anthropic.messages(inf),
+        ("POST", "/v1/responses"): responses.responses(inf),
     }
     blobs = manage.blobs(inf)
     prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),

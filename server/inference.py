@@ -33,6 +33,8 @@ class Outcome:
 
     stats: dict[str, Any] = field(default_factory=dict)
     load_duration: float = 0.0
+    prompt_tail: str = ""  # the end of the rendered prompt, known before the first piece
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # of the piece just yielded
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -89,7 +91,7 @@ def capabilities(store: Store, record: ModelRecord, template: str) -> list[str]:
         caps.append("insert")
     if vision:
         caps.append("vision")
-    if "<think>" in template or ".Think" in template:
+    if "<think>" in template or ".Think" in template or "<|channel|>" in template:
         caps.append("thinking")
     return caps
 
@@ -195,6 +197,8 @@ class Inference:
         model = record.name.display()
         gone = [False]
         job_id = uuid.uuid4().hex
+        if "<|channel|>" in self.template_text(record):  # harmony: markers are control tokens
+            runner_body = {**runner_body, "special": True}
         held: list[Loaded] = []
 
         def cancel() -> None:
@@ -228,10 +232,13 @@ class Inference:
         first = True
         try:
             for line in runner.completion(body):
-                if "content" in line:
+                if "prompt_tail" in line:
+                    outcome.prompt_tail = str(line["prompt_tail"])
+                elif "content" in line:
                     if first:
                         first = False
                         self.metrics.ttft(model, time.perf_counter() - outcome.started)
+                    outcome.logprobs = list(line.get("logprobs") or [])
                     yield line["content"]
                 if line.get("done"):
                     outcome.stats = line

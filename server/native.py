@@ -17,7 +17,8 @@ from server.inference import (
     grammar_for,
     keep_alive_of,
 )
-from server.tools import ToolCalls, with_tool_calls
+from server.reply import Kind
+from server.replies import check_think, logprobs_request, pieces_of, raw_grammar, think_value
 
 
 def _final_stats(outcome: Outcome) -> dict[str, Any]:
@@ -39,12 +40,10 @@ def _stream(handler: Handler, objects: Iterator[dict[str, Any]], stream: bool) -
         merged: dict[str, Any] = {}
         for obj in objects:
             for key, value in obj.items():
-                if key == "response" and key in merged:
+                if key in ("response", "thinking", "logprobs") and key in merged:
                     merged[key] += value
                 elif key == "message" and "message" in merged:
-                    merged["message"]["content"] += value.get("content", "")
-                    if value.get("tool_calls"):
-                        merged["message"]["tool_calls"] = value["tool_calls"]
+                    _merge_message(merged["message"], value)
                 else:
                     merged[key] = value
         handler.send_json(200, merged)
@@ -57,6 +56,14 @@ def _stream(handler: Handler, objects: Iterator[dict[str, Any]], stream: bool) -
     except CorralError as exc:
         writer.write(json.dumps(format_error(exc)[1]).encode() + b"\n")
     writer.end()
+
+
+def _merge_message(into: dict[str, Any], part: dict[str, Any]) -> None:
+    into["content"] += part.get("content", "")
+    if part.get("thinking"):
+        into["thinking"] = into.get("thinking", "") + part["thinking"]
+    if part.get("tool_calls"):
+        into["tool_calls"] = into.get("tool_calls", []) + part["tool_calls"]
 
 
 def _prefetch(objects: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -94,10 +101,14 @@ def _load_or_unload(handler: Handler, inf: Inference, record: ModelRecord, body:
 def _start(inf: Inference, record: ModelRecord, body: dict[str, Any], req: Request,
            runner_body: dict[str, Any]) -> tuple[Outcome, Iterator[str]]:
     """The parts of a generation that /api/generate and /api/chat share."""
-    grammar = grammar_for(body.get("format"), inf.settings.max_grammar_bytes)
+    grammar = raw_grammar(body, inf.settings.max_grammar_bytes, body.get("format")) or \
+        grammar_for(body.get("format"), inf.settings.max_grammar_bytes)
+    logprobs = logprobs_request(body.get("logprobs"), body.get("top_logprobs"))
     runner_body.update({"grammar": grammar,
                         "truncate": body.get("truncate", True),
                         "shift": body.get("shift", True)})
+    if logprobs is not None:
+        runner_body["logprobs"] = logprobs
     outcome = Outcome()
     pieces = inf.generate(record, runner_body, inf.options(record, body.get("options")),
                           keep_alive_of(body), outcome, req.on_disconnect)
@@ -118,20 +129,24 @@ def generate(inf: Inference) -> Any:
         template, caps = _model_caps(inf, record)
         if suffix and "insert" not in caps:
             raise BadRequest(f"{record.name.full()} does not support insert")
-        if body.get("think") and "thinking" not in caps:
-            raise BadRequest(f'"{body["model"]}" does not support thinking')
+        think = think_value(body.get("think"))
+        check_think(think, caps, body["model"])
         if not prompt and not suffix:
             _load_or_unload(handler, inf, record, body, chat=False)
             return
         outcome, pieces = _start(inf, record, body, req, {
             "prompt": prompt, "raw": bool(body.get("raw")), "suffix": suffix,
             "system": body.get("system") or record.system, "template": body.get("template"),
-            "context": body.get("context")})
+            "context": body.get("context"), "think": think})
 
         def objects() -> Iterator[dict[str, Any]]:
-            for piece in pieces:
-                yield {"model": body["model"], "created_at": rfc3339(time.time()),
-                       "response": piece, "done": False}
+            for piece in pieces_of(pieces, outcome, template, think, []):
+                out = {"model": body["model"], "created_at": rfc3339(time.time()),
+                       "response": "", "done": False}
+                out["thinking" if piece.kind is Kind.THINKING else "response"] = piece.text
+                if piece.logprobs:
+                    out["logprobs"] = list(piece.logprobs)
+                yield out
             final = {"model": body["model"], "created_at": rfc3339(time.time()), "response": "",
                      "done": True, **_final_stats(outcome)}
             if not body.get("raw"):
@@ -153,27 +168,38 @@ def chat(inf: Inference) -> Any:
         template, caps = _model_caps(inf, record)
         if tools and "tools" not in caps:
             raise BadRequest(f"{record.name.full()} does not support tools")
-        if body.get("think") and "thinking" not in caps:
-            raise BadRequest(f'"{body["model"]}" does not support thinking')
+        think = think_value(body.get("think"))
+        check_think(think, caps, body["model"])
         full = inf.chat_messages(record, messages)
         if not messages:
             _load_or_unload(handler, inf, record, body, chat=True)
             return
         outcome, pieces = _start(inf, record, body, req, {
-            "messages": full, "tools": tools or None, "think": body.get("think")})
+            "messages": full, "tools": tools or None, "think": think})
 
         def objects() -> Iterator[dict[str, Any]]:
-            message: dict[str, Any] = {"role": "assistant", "content": ""}
-            for item in with_tool_calls(pieces, tools):
-                if isinstance(item, ToolCalls):
-                    message["tool_calls"] = item.calls
-                    continue
-                yield {"model": body["model"], "created_at": rfc3339(time.time()),
-                       "message": {"role": "assistant", "content": item}, "done": False}
+            for piece in pieces_of(pieces, outcome, template, think, tools):
+                out = {"model": body["model"], "created_at": rfc3339(time.time()),
+                       "message": _message_of(piece), "done": False}
+                if piece.logprobs:
+                    out["logprobs"] = list(piece.logprobs)
+                yield out
             yield {"model": body["model"], "created_at": rfc3339(time.time()),
-                   "message": message, "done": True, **_final_stats(outcome)}
+                   "message": {"role": "assistant", "content": ""}, "done": True,
+                   **_final_stats(outcome)}
         _stream(handler, _prefetch(objects()), body.get("stream", True) is not False)
     return route
+
+
+def _message_of(piece: Any) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    if piece.kind is Kind.CONTENT:
+        message["content"] = piece.text
+    elif piece.kind is Kind.THINKING:
+        message["thinking"] = piece.text
+    else:
+        message["tool_calls"] = [piece.call]
+    return message
 
 
 def embed(inf: Inference) -> Any:

@@ -11,19 +11,26 @@ from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError, ModelNotFound, Shape, format_error
 from server.http import Handler, Request
-from server.inference import Inference, Outcome, grammar_for
-from server.tools import ToolCalls, with_tool_calls
+from server.inference import Inference, Outcome, capabilities, grammar_for
+from server.reply import Kind, Piece
+from server.replies import check_think, logprobs_request, pieces_of, raw_grammar
 
 SSE = "text/event-stream"
 
 
-def openai_route(fn: Any) -> Any:
-    def route(req: Request, handler: Handler) -> None:
-        try:
-            fn(req, handler)
-        except CorralError as exc:
-            handler.respond_error(exc, Shape.OPENAI)
-    return route
+def shaped_route(shape: Shape) -> Any:
+    """A route whose errors take `shape`: OpenAI's or Anthropic's body, not Ollama's."""
+    def decorate(fn: Any) -> Any:
+        def route(req: Request, handler: Handler) -> None:
+            try:
+                fn(req, handler)
+            except CorralError as exc:
+                handler.respond_error(exc, shape)
+        return route
+    return decorate
+
+
+openai_route = shaped_route(Shape.OPENAI)
 
 
 def _options(body: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +69,7 @@ def _format(body: dict[str, Any]) -> Any:
 def _messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("[] is too short - 'messages'")
-    out = []
+    out: list[dict[str, Any]] = []
     for m in raw:
         if not isinstance(m, dict):
             raise BadRequest("invalid message")
@@ -78,37 +85,60 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.get("role"), "content": content or ""}
         calls = []
         for call in m.get("tool_calls") or []:
-            fn = call.get("function", {})
+            fn = call.get("function", {}) if isinstance(call, dict) else {}
             try:
                 args = json.loads(fn.get("arguments") or "{}")
-            except ValueError:
+            except (TypeError, ValueError):
                 raise BadRequest("invalid tool call arguments") from None
-            calls.append({"function": {"name": fn.get("name"), "arguments": args}})
+            calls.append({"id": call.get("id", ""),
+                          "function": {"name": fn.get("name"), "arguments": args}})
         if calls:
             msg["tool_calls"] = calls
-        if m.get("role") == "tool" and m.get("name"):
-            msg["tool_name"] = m["name"]
+        if isinstance(m.get("reasoning"), str) and m["reasoning"]:
+            msg["thinking"] = m["reasoning"]
+        if m.get("role") == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id") or "")
+            msg["tool_name"] = m.get("name") or _name_of_call(out, msg["tool_call_id"])
         out.append(msg)
     return out
 
 
-def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ollama-shaped calls as OpenAI's: arguments as a JSON string, with an index."""
-    return [{"id": c["id"], "index": i, "type": "function",
-             "function": {"name": c["function"]["name"],
-                          "arguments": json.dumps(c["function"]["arguments"])}}
-            for i, c in enumerate(calls)]
+def _name_of_call(earlier: list[dict[str, Any]], call_id: str) -> str:
+    """The tool a `tool_call_id` answers, from the assistant turn that made the call."""
+    for m in reversed(earlier):
+        for call in m.get("tool_calls") or []:
+            if call_id and call.get("id") == call_id:
+                return str(call["function"].get("name") or "")
+    return ""
 
 
-def _split(items: Iterator[str | ToolCalls]) -> tuple[list[str], list[dict[str, Any]]]:
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, ToolCalls):
-            calls = _openai_calls(item.calls)
-        else:
-            texts.append(item)
-    return texts, calls
+def _think(body: dict[str, Any]) -> bool | str | None:
+    """`reasoning_effort` or `reasoning.effort`, as Ollama maps them onto `think`."""
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else \
+        body.get("reasoning_effort")
+    if effort in (None, ""):
+        return None
+    if effort not in ("high", "medium", "low", "none"):
+        raise BadRequest(f"invalid reasoning value: '{effort}' (must be \"high\", "
+                         "\"medium\", \"low\", or \"none\")")
+    return False if effort == "none" else str(effort)
+
+
+def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An Ollama-shaped call as OpenAI's: arguments as a JSON string, with its index."""
+    fn = call["function"]
+    return {"index": fn.get("index", 0), "id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
+
+
+def _delta(piece: Piece) -> dict[str, Any]:
+    if piece.kind is Kind.THINKING:  # Ollama's field, and the one vLLM and DeepSeek use
+        return {"reasoning": piece.text, "reasoning_content": piece.text}
+    if piece.kind is Kind.CALL:
+        assert piece.call is not None
+        return {"tool_calls": [_openai_call(piece.call)]}
+    return {"content": piece.text}
 
 
 def _finish_reason(outcome: Outcome) -> str:
@@ -144,26 +174,25 @@ def chat_completions(inf: Inference) -> Any:
         record = inf.record(body.get("model"))
         messages = inf.chat_messages(record, _messages(body.get("messages")))
         tools = body.get("tools") or []
+        think = _think(body)
+        template = inf.template_text(record)
+        check_think(think, capabilities(inf.store, record, template), body["model"])
         options = inf.options(record, _options(body))
+        limit = inf.settings.max_grammar_bytes
         outcome = Outcome()
-        pieces = inf.generate(record, {"messages": messages, "tools": tools or None,
-                                       "grammar": grammar_for(_format(body),
-                                                              inf.settings.max_grammar_bytes)},
-                              options, None, outcome, req.on_disconnect)
+        runner_body = {"messages": messages, "tools": tools or None, "think": think,
+                       "grammar": raw_grammar(body, limit, _format(body)) or
+                       grammar_for(_format(body), limit)}
+        logprobs = logprobs_request(body.get("logprobs"), body.get("top_logprobs"))
+        if logprobs is not None:
+            runner_body["logprobs"] = logprobs
+        text = inf.generate(record, runner_body, options, None, outcome, req.on_disconnect)
+        pieces = pieces_of(text, outcome, template, think, tools)
         cid, created, model = f"chatcmpl-{random.randint(0, 998)}", int(time.time()), body["model"]
         base = {"id": cid, "created": created, "model": model, "system_fingerprint": "fp_ollama"}
-
-        def reason(calls: list[dict[str, Any]]) -> str:
-            return "tool_calls" if calls else _finish_reason(outcome)
-
         if not body.get("stream"):
-            texts, calls = _split(with_tool_calls(pieces, tools))
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-            if calls:
-                message["tool_calls"] = calls
-            handler.send_json(200, {**base, "object": "chat.completion", "choices": [
-                {"index": 0, "message": message, "finish_reason": reason(calls)}],
-                "usage": _usage(outcome)})
+            handler.send_json(200, {**base, "object": "chat.completion",
+                                    **_whole_reply(pieces, outcome)})
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -172,19 +201,44 @@ def chat_completions(inf: Inference) -> Any:
             yield {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
                                          "finish_reason": None}]}
-            calls: list[dict[str, Any]] = []
-            for item in with_tool_calls(pieces, tools):
-                delta: dict[str, Any] = {"content": item}
-                if isinstance(item, ToolCalls):
-                    calls = _openai_calls(item.calls)
-                    delta = {"content": "", "tool_calls": calls}
-                yield {**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-            yield {**chunk, "choices": [{"index": 0, "delta": {},
-                                         "finish_reason": reason(calls)}]}
+            called = False
+            for piece in pieces:
+                called = called or piece.kind is Kind.CALL
+                choice: dict[str, Any] = {"index": 0, "delta": _delta(piece),
+                                          "finish_reason": None}
+                if piece.logprobs:
+                    choice["logprobs"] = {"content": list(piece.logprobs)}
+                yield {**chunk, "choices": [choice]}
+            yield {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason":
+                                         "tool_calls" if called else _finish_reason(outcome)}]}
             if include_usage:
                 yield {**chunk, "choices": [], "usage": _usage(outcome)}
         _sse(handler, events())
     return route
+
+
+def _whole_reply(pieces: Iterator[Piece], outcome: Outcome) -> dict[str, Any]:
+    """A non-streamed chat completion's choices and usage."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    logprobs: list[dict[str, Any]] = []
+    for piece in pieces:
+        logprobs += piece.logprobs
+        if piece.kind is Kind.CALL:
+            assert piece.call is not None
+            calls.append(_openai_call(piece.call))
+        else:
+            (reasoning if piece.kind is Kind.THINKING else content).append(piece.text)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if reasoning:
+        message["reasoning"] = message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    reason = "tool_calls" if calls else _finish_reason(outcome)
+    choice = {"index": 0, "message": message, "finish_reason": reason,
+              "logprobs": {"content": logprobs} if logprobs else None}
+    return {"choices": [choice], "usage": _usage(outcome)}
 
 
 def completions(inf: Inference) -> Any:
@@ -199,18 +253,25 @@ def completions(inf: Inference) -> Any:
             raise BadRequest("prompt must be a string")
         options = inf.options(record, _options(body))
         outcome = Outcome()
-        pieces = inf.generate(record, {"prompt": prompt, "raw": True,
-                                       "suffix": body.get("suffix") or ""},
-                              options, None, outcome, req.on_disconnect)
+        runner_body: dict[str, Any] = {"prompt": prompt, "raw": True,
+                                       "suffix": body.get("suffix") or ""}
+        top = body.get("logprobs")  # legacy completions: an integer, the alternatives wanted
+        if top is not None:
+            runner_body["logprobs"] = logprobs_request(True, top)
+        pieces = inf.generate(record, runner_body, options, None, outcome, req.on_disconnect)
         base = {"id": f"cmpl-{random.randint(0, 998)}", "object": "text_completion",
                 "created": int(time.time()), "model": body["model"],
                 "system_fingerprint": "fp_ollama"}
 
+        wanted = top is not None
         if not body.get("stream"):
-            text = "".join(pieces)
+            texts, entries = [], []
+            for piece in pieces:
+                texts.append(piece)
+                entries += outcome.logprobs
             handler.send_json(200, {**base, "choices": [
-                {"text": text, "index": 0, "finish_reason": _finish_reason(outcome),
-                 "logprobs": None}],
+                {"text": "".join(texts), "index": 0, "finish_reason": _finish_reason(outcome),
+                 "logprobs": _legacy_logprobs(entries) if wanted else None}],
                 "usage": _usage(outcome)})
             return
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -218,7 +279,8 @@ def completions(inf: Inference) -> Any:
         def events() -> Iterator[dict[str, Any]]:
             for piece in pieces:
                 yield {**base, "choices": [{"text": piece, "index": 0, "finish_reason": None,
-                                            "logprobs": None}]}
+                                            "logprobs": _legacy_logprobs(outcome.logprobs)
+                                            if wanted else None}]}
             yield {**base, "choices": [{"text": "", "index": 0,
                                         "finish_reason": _finish_reason(outcome),
                                         "logprobs": None}]}
@@ -226,6 +288,19 @@ def completions(inf: Inference) -> Any:
                 yield {**base, "choices": [], "usage": _usage(outcome)}
         _sse(handler, events())
     return route
+
+
+def _legacy_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """The completions API's logprobs: parallel lists, alternatives as {token: logprob}."""
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def embeddings(inf: Inference) -> Any:

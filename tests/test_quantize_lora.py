@@ -97,6 +97,9 @@ def test_quantize_f16_source(daemon: Daemon, files: dict[str, Path]) -> None:
         # Close to the source: a quantized model keeps most of the greedy continuation.
         similarity = difflib.SequenceMatcher(None, source, quantized).ratio()
         assert similarity > (0.6 if qtype == "q8_0" else 0.3), (source, quantized)
+    assert client.create(model="smol-q5", files={"smol.gguf": digest},
+                         quantize="q5_K_M").status == "success"  # the official client's way
+    assert client.show("smol-q5").details.quantization_level == "Q5_K_M"
     sizes = {m.model: m.size for m in client.list().models}
     assert sizes["smol-q4_K_M:latest"] < sizes["smol-q8_0:latest"] < sizes["smol-f16:latest"]
 

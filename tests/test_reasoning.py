@@ -1,0 +1,276 @@
+"""Thinking and streamed tool calls with the real chat starter.
+
+SmolLM2 neither thinks nor calls tools, so a model made from it gets a template that
+declares both, and a GBNF `grammar` (a Corral extension, as in llama-server) makes the
+real model write the exact shape; the streaming parsers then run on real tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from registry.store import Store
+from server.daemon import Daemon
+from tests.family_templates import CALLS, GPT_OSS
+
+pytestmark = pytest.mark.model
+
+CHAT = "smollm2:135m"
+THINKER = "thinker"
+TEMPLATE = """{{- if .System }}<|im_start|>system
+{{ .System }}<|im_end|>
+{{ end }}
+{{- if .Tools }}<|im_start|>system
+Tools:{{ range .Tools }} {{ .Function.Name }}{{ end }}. Call one as <tool_call>{}</tool_call><|im_end|>
+{{ end }}
+{{- range .Messages }}<|im_start|>{{ .Role }}
+{{ if eq .Role "tool" }}[{{ .ToolName }} {{ .ToolCallID }}] {{ end }}{{ .Content }}<|im_end|>
+{{ end }}<|im_start|>assistant
+{{ if .Think }}<think>{{ end }}"""
+# The prompt ends inside <think> when thinking is on: the model closes it.
+THOUGHT = 'root ::= [a-z]{3,8} " " [a-z]{3,8} "</think>" [A-Z] [a-z]{2,8} "."'
+CALL = ('root ::= "Checking. <tool_call>{\\"name\\": \\"get_weather\\", \\"arguments\\": '
+        '{\\"city\\": \\"" [A-Z] [a-z]{2,6} "\\"}}</tool_call>"')
+BROKEN = 'root ::= "<tool_call>not json at all</tool_call>"'
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+GREEDY = {"temperature": 0, "seed": 3, "num_predict": 60}
+HARMONY = "harmonious"
+LONG = {**GREEDY, "num_predict": 200}  # harmony markers are many tokens to a small model
+HARMONY_REPLY = CALLS["gpt-oss"]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    from tests.support import start_daemon
+
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("reasoning"), NUM_PARALLEL="2")
+    ollama.Client(host=d.url).create(model=THINKER, from_=CHAT, template=TEMPLATE,
+                                     parameters={"temperature": 0, "num_predict": 40})
+    ollama.Client(host=d.url).create(model=HARMONY, from_=CHAT, template=GPT_OSS)
+    yield d
+    d.shutdown()
+
+
+def chat_lines(d: Daemon, **body: Any) -> list[dict[str, Any]]:
+    with httpx.stream("POST", d.url + "/api/chat", timeout=120, json={
+            "model": THINKER, "messages": ASK, "options": GREEDY, **body}) as resp:
+        assert resp.status_code == 200, resp.read()
+        return [json.loads(line) for line in resp.iter_lines()]
+
+
+def test_thinking_streams_apart_from_the_answer(daemon: Daemon) -> None:
+    lines = chat_lines(daemon, think=True, grammar=THOUGHT)
+    kinds = [("thinking" if m["message"].get("thinking") else "content")
+             for m in lines[:-1] if m["message"].get("thinking") or m["message"]["content"]]
+    assert kinds and kinds[0] == "thinking" and "content" in kinds
+    assert kinds == sorted(kinds, key=lambda k: k != "thinking")  # thinking first, then answer
+    thinking = "".join(m["message"].get("thinking", "") for m in lines)
+    content = "".join(m["message"]["content"] for m in lines)
+    assert thinking.count(" ") == 1 and "<" not in thinking
+    assert content.endswith(".") and "think>" not in content
+    whole = httpx.post(daemon.url + "/api/chat", timeout=120, json={
+        "model": THINKER, "messages": ASK, "options": GREEDY, "think": True,
+        "grammar": THOUGHT, "stream": False}).json()
+    assert whole["message"]["thinking"] == thinking and whole["message"]["content"] == content
+    client = ollama.Client(host=daemon.url)
+    generated = client.generate(model=THINKER, prompt="Weather?", think="medium",
+                                options=GREEDY, **{})  # levels reach the template as .Think
+    assert generated.response is not None
+
+
+def test_generate_splits_thinking_too(daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/api/generate", timeout=120, json={
+        "model": THINKER, "prompt": "Weather?", "think": True, "grammar": THOUGHT,
+        "stream": False, "options": GREEDY}).json()
+    assert r["thinking"] and r["response"].endswith(".") and "think>" not in r["response"]
+
+
+def test_think_refusals(daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/api/chat", timeout=60, json={
+        "model": CHAT, "messages": ASK, "think": True})
+    assert r.status_code == 400 and r.json()["error"] == f'"{CHAT}" does not support thinking'
+    r = httpx.post(daemon.url + "/api/chat", timeout=60, json={
+        "model": THINKER, "messages": ASK, "think": "extreme"})
+    assert r.status_code == 400 and "invalid think value" in r.json()["error"]
+    off = chat_lines(daemon, think=False, grammar='root ::= "Sunny" " today."')
+    assert "".join(m["message"]["content"] for m in off) == "Sunny today."
+    assert not any(m["message"].get("thinking") for m in off)
+
+
+def test_tool_call_streams_as_soon_as_it_is_complete(daemon: Daemon) -> None:
+    lines = chat_lines(daemon, tools=TOOLS, grammar=CALL)
+    calls = [i for i, m in enumerate(lines) if m["message"].get("tool_calls")]
+    text = [i for i, m in enumerate(lines) if m["message"]["content"]]
+    assert len(calls) == 1 and text and max(text) < calls[0] < len(lines) - 1
+    assert "".join(lines[i]["message"]["content"] for i in text) == "Checking. "
+    [call] = lines[calls[0]]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(call["function"]["arguments"]) == {"city"}
+    assert lines[-1]["done"] is True
+    reply = ollama.Client(host=daemon.url).chat(model=THINKER, messages=ASK, tools=TOOLS,
+                                                options=GREEDY, **{"format": None})
+    assert reply.message is not None
+
+
+def test_malformed_call_text_is_content(daemon: Daemon) -> None:
+    lines = chat_lines(daemon, tools=TOOLS, grammar=BROKEN)
+    assert "".join(m["message"]["content"] for m in lines) == \
+        "<tool_call>not json at all</tool_call>"
+    assert not any(m["message"].get("tool_calls") for m in lines)
+
+
+def test_openai_deltas_carry_reasoning_and_call_pieces(daemon: Daemon) -> None:
+    oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    stream = oai.chat.completions.create(model=THINKER, messages=ASK, stream=True, tools=TOOLS,
+                                         temperature=0, seed=3, max_tokens=60,
+                                         extra_body={"grammar": CALL})
+    deltas = [c.choices[0] for c in stream if c.choices]
+    [call] = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert call.index == 0 and call.id and call.type == "function"
+    assert call.function is not None and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments or "")) == {"city"}
+    assert deltas[-1].finish_reason == "tool_calls"
+    thought = oai.chat.completions.create(model=THINKER, messages=ASK, temperature=0, seed=3,
+                                          max_tokens=60, reasoning_effort="low",
+                                          extra_body={"grammar": THOUGHT})
+    message = thought.choices[0].message
+    assert (message.model_extra or {}).get("reasoning") and message.content
+    assert "think>" not in message.content
+    bad = httpx.post(daemon.url + "/v1/chat/completions", timeout=60, json={
+        "model": THINKER, "messages": ASK, "reasoning_effort": "max"})
+    assert bad.status_code == 400 and "invalid reasoning value" in bad.json()["error"]["message"]
+
+
+def test_tool_call_id_names_the_tool_for_the_template(daemon: Daemon) -> None:
+    turn = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_abc123", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+
+    def prompt_tokens(call_id: str) -> int:
+        r = httpx.post(daemon.url + "/v1/chat/completions", timeout=60, json={
+            "model": THINKER, "max_tokens": 1, "temperature": 0, "messages": [
+                *turn, {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    # The template prints "[<tool name> <call id>]": an id that names no call leaves the
+    # name empty, so the prompt is shorter by the name's tokens and the id's.
+    assert prompt_tokens("call_abc123") > prompt_tokens("x")
+
+
+def test_logprobs_on_every_api(daemon: Daemon) -> None:
+    r = httpx.post(daemon.url + "/api/generate", timeout=120, json={
+        "model": CHAT, "prompt": "The capital of France is", "raw": True, "stream": False,
+        "logprobs": True, "top_logprobs": 3, "options": {**GREEDY, "num_predict": 8}}).json()
+    entries = r["logprobs"]
+    assert "".join(e["token"] for e in entries) == r["response"] and len(entries) == 8
+    for e in entries:  # greedy: the chosen token is the most likely one, from the same logits
+        tops = e["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["token"] == e["token"]
+        assert abs(tops[0]["logprob"] - e["logprob"]) < 1e-6 and e["logprob"] <= 0
+        assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert 0 < sum(math.exp(t["logprob"]) for t in tops) <= 1 + 1e-6  # a distribution's
+        assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+    streamed = chat_lines(daemon, logprobs=True, top_logprobs=1,
+                          options={**GREEDY, "num_predict": 6})
+    tokens = [e for m in streamed for e in m.get("logprobs", [])]
+    assert "".join(e["token"] for e in tokens) == "".join(m["message"]["content"]
+                                                          for m in streamed)
+    oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    chat = oai.chat.completions.create(model=CHAT, messages=ASK, temperature=0, max_tokens=6,
+                                       logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    legacy = oai.completions.create(model=CHAT, prompt="The capital of France is",
+                                    temperature=0, max_tokens=5, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and "".join(lp.tokens or []) == legacy.choices[0].text
+    assert len(lp.token_logprobs or []) == 5
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs or [])
+    bad = httpx.post(daemon.url + "/api/generate", timeout=60, json={
+        "model": CHAT, "prompt": "x", "logprobs": True, "top_logprobs": 21})
+    assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]
+
+
+def test_harmony_channels(daemon: Daemon) -> None:
+    lines = []
+    with httpx.stream("POST", daemon.url + "/api/chat", timeout=120, json={
+            "model": HARMONY, "messages": ASK, "tools": TOOLS, "options": LONG,
+            "grammar": HARMONY_REPLY}) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [json.loads(line) for line in resp.iter_lines()]
+    thinking = "".join(m["message"].get("thinking", "") for m in lines)
+    calls = [c for m in lines for c in m["message"].get("tool_calls", [])]
+    assert thinking.isalpha() and "".join(m["message"]["content"] for m in lines) == ""
+    [call] = calls
+    assert call["function"]["name"] == "get_weather"
+    assert set(call["function"]["arguments"]) == {"city"}
+
+
+def test_cli_thinking_piped(daemon: Daemon) -> None:
+    import os
+    import subprocess
+    import sys
+
+    host, port = daemon.address
+    env = dict(os.environ, CORRAL_HOST=f"{host}:{port}")
+    cli = [sys.executable, "-c", "from cli.launch import main; main()", "run", THINKER]
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *flags, "Hi"], capture_output=True, text=True, env=env,
+                              timeout=120, input="")
+
+    shown = run("--think")  # piped: thinking only because it was asked for
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("Thinking...\n") and "\x1b[" not in shown.stdout
+    hidden = run("--think", "--hidethinking")
+    assert hidden.returncode == 0 and "Thinking..." not in hidden.stdout
+    bad = run("--think=loud")
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: invalid value for --think")
+
+
+def test_grammar_refusals(daemon: Daemon) -> None:
+    both = httpx.post(daemon.url + "/api/chat", timeout=60, json={
+        "model": THINKER, "messages": ASK, "grammar": 'root ::= "x"', "format": "json"})
+    assert both.status_code == 400 and "not both" in both.json()["error"]
+    huge = httpx.post(daemon.url + "/api/chat", timeout=60, json={
+        "model": THINKER, "messages": ASK, "grammar": 'root ::= "' + "x" * 70000 + '"'})
+    assert huge.status_code == 400 and "CORRAL_MAX_GRAMMAR_BYTES" in huge.json()["error"]
+    ok = httpx.post(daemon.url + "/api/chat", timeout=60, json={
+        "model": THINKER, "messages": ASK, "grammar": "root ::= [a-z", "stream": False})
+    assert ok.status_code == 400 and "invalid grammar" in ok.json()["error"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "mistral", "gpt-oss"])
+def test_each_familys_call_syntax_through_the_ollama_client(daemon: Daemon, family: str) -> None:
+    from tests.family_templates import TEMPLATES, THINKS
+
+    client = ollama.Client(host=daemon.url)
+    name = f"family-{family.replace('.', '-')}"
+    client.create(model=name, from_=CHAT, template=TEMPLATES[family])
+    parts = list(client.chat(model=name, messages=ASK, tools=TOOLS, stream=True,
+                             think=THINKS[family],
+                             options={**LONG, "grammar": CALLS[family]}))
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    [call] = calls
+    assert call.function.name == "get_weather" and set(call.function.arguments) == {"city"}
+    thinking = "".join(p.message.thinking or "" for p in parts)
+    assert bool(thinking) == (family in ("qwen3", "gpt-oss"))
+    assert "".join(p.message.content for p in parts).strip() == ""
+    turn = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": dict(call.function.arguments)}}]},
+        {"role": "tool", "content": "Sunny", "tool_name": "get_weather"}]
+    answer = client.chat(model=name, messages=turn, tools=TOOLS, options={**GREEDY,
+                                                                          "num_predict": 4})
+    assert answer.done and answer.message.role == "assistant"

@@ -1,0 +1,135 @@
+"""The reply parser alone: thinking, content and calls from text cut at every point."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from server.reply import Format, Kind, Piece, ReplyParser, call_id, reply_format
+
+THINK = Format(think=("<think>", "</think>"))
+TAGS = Format(tools="tags")
+TOOLS = {"get_weather", "add"}
+
+
+def run(fmt: Format, text: str, cuts: list[int], **kw: Any) -> list[Piece]:
+    parser = ReplyParser(fmt, TOOLS, **kw)
+    out: list[Piece] = []
+    last = 0
+    for cut in sorted(cuts) + [len(text)]:
+        out += parser.feed(text[last:cut])
+        last = cut
+    return out + parser.finish()
+
+
+def merged(pieces: list[Piece]) -> list[tuple[str, Any]]:
+    """Adjacent text of one kind joined; calls by name and arguments (ids are random)."""
+    out: list[tuple[str, Any]] = []
+    for p in pieces:
+        if p.kind is Kind.CALL:
+            assert p.call is not None
+            out.append(("call", (p.call["function"]["name"], p.call["function"]["arguments"],
+                                 p.call["function"]["index"])))
+        elif out and out[-1][0] == p.kind.value:
+            out[-1] = (p.kind.value, out[-1][1] + p.text)
+        else:
+            out.append((p.kind.value, p.text))
+    return out
+
+
+def every_split(fmt: Format, text: str, **kw: Any) -> list[tuple[str, Any]]:
+    """The same result however the text is cut into pieces (one char, random, whole)."""
+    whole = merged(run(fmt, text, [], **kw))
+    assert merged(run(fmt, text, list(range(1, len(text))), **kw)) == whole
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = rng.sample(range(1, max(len(text), 2)), min(3, max(len(text) - 1, 0)))
+        assert merged(run(fmt, text, cuts, **kw)) == whole
+    return whole
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>plan it</think>The answer.", [("thinking", "plan it"), ("content", "The answer.")]),
+    ("  <think>\nx</think>\n\nA", [("thinking", "x"), ("content", "A")]),
+    ("No thoughts here", [("content", "No thoughts here")]),
+    ("<thinking is not a tag", [("content", "<thinking is not a tag")]),
+    ("<think>cut off", [("thinking", "cut off")]),
+    ("<think>a < b </thin k></think>ok", [("thinking", "a < b </thin k>"), ("content", "ok")]),
+])
+def test_think_tags(text: str, expected: list[tuple[str, str]]) -> None:
+    assert every_split(THINK, text) == expected
+
+
+def test_thinking_already_open_from_the_prompt() -> None:
+    got = every_split(THINK, "still thinking</think>Done", thinking_open=True)
+    assert got == [("thinking", "still thinking"), ("content", "Done")]
+
+
+def test_content_before_a_call_streams_before_it_completes() -> None:
+    parser = ReplyParser(TAGS, TOOLS)
+    first = parser.feed("Let me check. <tool_c")
+    assert [p.text for p in first] == ["Let me check. "]  # the tag prefix is held, not lost
+    assert parser.feed('all>{"name": "get_weather", "arguments": {"city": "Paris"}') == []
+    [call] = parser.feed("}</tool_call>")
+    assert call.kind is Kind.CALL and call.call is not None
+    assert call.call["function"] == {"index": 0, "name": "get_weather",
+                                     "arguments": {"city": "Paris"}}
+    assert call.call["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("fmt,text,expected", [
+    (TAGS, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+           '</tool_call>',
+     [("call", ("add", {"a": 1}, 0)), ("call", ("get_weather", {"city": "Oslo"}, 1))]),
+    (TAGS, "<tool_call>not json</tool_call> after",
+     [("content", "<tool_call>not json</tool_call> after")]),
+    (TAGS, '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+     [("content", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')]),
+    (TAGS, '<tool_call>{"name": "add"', [("content", '<tool_call>{"name": "add"')]),
+    (Format(tools="mistral"), 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]',
+     [("content", "Sure."), ("call", ("add", {"a": 2}, 0))]),
+    (Format(tools="json"), ' {"name": "add", "parameters": {"a": 3}}',
+     [("call", ("add", {"a": 3}, 0))]),
+    (Format(tools="json"), '<|python_tag|>{"name": "add", "parameters": {"a": 4}}',
+     [("call", ("add", {"a": 4}, 0))]),
+    (Format(tools="json"), "Plain answer {not a call}", [("content", "Plain answer {not a call}")]),
+    (Format(tools="json"), "[1, 2, 3] are numbers", [("content", "[1, 2, 3] are numbers")]),
+    (Format(think=("<think>", "</think>"), tools="tags"),
+     '<think>need weather</think>Checking.<tool_call>{"name": "get_weather", "arguments": '
+     '{"city": "Rome"}}</tool_call>',
+     [("thinking", "need weather"), ("content", "Checking."),
+      ("call", ("get_weather", {"city": "Rome"}, 0))]),
+])
+def test_tool_call_formats(fmt: Format, text: str, expected: list[Any]) -> None:
+    assert every_split(fmt, text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Hello!<|return|>", [("thinking", "Think first."), ("content", "Hello!")]),
+    ("<|channel|>analysis<|message|>Weather?<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+     [("thinking", "Weather?"), ("call", ("get_weather", {"city": "Paris"}, 0))]),
+    ("<|channel|>commentary to=functions.get_weather<|message|>{broken<|call|>",
+     [("content", "{broken")]),
+    ("plain text", [("content", "plain text")]),
+])
+def test_harmony(text: str, expected: list[Any]) -> None:
+    assert every_split(Format(tools="harmony", harmony=True), text) == expected
+
+
+def test_formats_come_from_the_template() -> None:
+    assert reply_format("{{ .Think }}<think>", True, False).think == ("<think>", "</think>")
+    assert reply_format("<think>", False, False).think is None
+    assert reply_format("<tool_call>{{ .Tools }}", False, True).tools == "tags"
+    assert reply_format("[TOOL_CALLS] {{ .Tools }}", False, True).tools == "mistral"
+    assert reply_format("{{ .Tools }}", False, True).tools == "json"
+    assert reply_format("<|channel|>", True, True).harmony
+
+
+def test_call_ids() -> None:
+    cid = call_id()
+    assert cid.startswith("call_") and len(cid) == 13 and cid[5:].isalnum()
