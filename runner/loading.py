@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from corral.config import limit_malloc_arenas
+from corral.process import limit_malloc_arenas
 from corral.errors import BadRequest
 from registry.gguf import GGUFInfo, inspect_gguf
 from runner import memory, native, rpc

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import llama_cpp as L
 
-from corral.config import apply_native_defaults, trim_malloc
+from corral.process import apply_native_defaults, trim_malloc
 
 _log_hook: Any = None
 

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from corral.config import quiet_native_aborts
+from corral.process import quiet_native_aborts
 from corral.errors import RunnerError
 
 DEFAULT_PORT = 50052
@@ -141,7 +141,8 @@ WARNING = ("WARNING: the RPC protocol has no authentication or encryption: anyon
 
 def serve(host: str, port: int, threads: int, cache: str | None) -> None:
     """Run a worker until the process is stopped (the call never returns)."""
-    from corral.config import apply_native_defaults, load_settings
+    from corral.config import load_settings
+    from corral.process import apply_native_defaults
 
     apply_native_defaults(load_settings(warn=False).deterministic)
     ggml, rpc = _libs()

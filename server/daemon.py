@@ -13,7 +13,8 @@ import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any, Callable
 
-from corral.config import Settings, limit_malloc_arenas, trim_malloc
+from corral.config import Settings
+from corral.process import limit_malloc_arenas, trim_malloc
 from corral.errors import CorralError
 from registry.store import Store
 from runner.client import RunnerProcess

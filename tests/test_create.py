@@ -257,3 +257,10 @@ def test_only_float_sources_quantize_without_the_flag(store: Store, tmp_path: Pa
     from registry.gguf import _quant_name
 
     assert (_quant_name(source_type) in FLOAT_SOURCES) is allowed
+
+
+def test_rpc_servers_parameter_in_a_modelfile() -> None:
+    mf = parse_modelfile("FROM x\nPARAMETER rpc_servers 10.0.0.2:50052,[::1]:50053")
+    assert mf.parameters == {"rpc_servers": "10.0.0.2:50052,[::1]:50053"}
+    with pytest.raises(ModelfileError, match="not host:port"):
+        parse_modelfile("FROM x\nPARAMETER rpc_servers nowhere")

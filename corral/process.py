@@ -1,0 +1,57 @@
+"""Process-level settings outside Python: glibc's allocator and ggml's own knobs.
+
+They are read by glibc or ggml from the environment, or set through libc, so each is
+applied once, early, in the process it is meant for (daemon, runner, worker).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+
+def apply_native_defaults(deterministic: bool = False) -> None:
+    """Environment knobs read by ggml itself, set before the first model loads.
+
+    ggml's tiled matmul takes over from 8 rows per batch, so a sequence's logits
+    depend on how many other tokens share its batch. Deterministic mode turns it
+    off (and the engine skips the repacked weight layouts, for the same reason):
+    greedy output is then the same alone or batched, at 4-13% of throughput on
+    the CPUs measured here (benchmarks/RESULTS.md).
+    """
+    if deterministic:
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
+def quiet_native_aborts() -> None:
+    """No gdb backtrace when ggml aborts (a runner whose RPC worker died does).
+
+    ggml attaches gdb to itself to print one when gdb is installed, which holds the
+    dying runner for seconds and floods the daemon's log."""
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Fewer glibc malloc arenas in a process with many threads (the daemon, a runner).
+
+    glibc gives threads their own arenas, up to eight per core, and each keeps
+    the pages freed into it: a server's resident size creeps up with every new
+    thread that allocates. Call before starting threads; a no-op off glibc.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+def trim_malloc() -> None:
+    """Hand freed heap pages back to the OS; glibc keeps them otherwise, so a process's
+    resident size would stay at its peak, and creep up as free pages fragment."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
