@@ -66,6 +66,8 @@ def test_embed_normalised(runner: RunnerProcess) -> None:
 def test_cancel_by_id(runner: RunnerProcess) -> None:
     stream = runner.completion({"prompt": "Once upon a time", "raw": True, "id": "job-1",
                                 "options": {"temperature": 0, "num_predict": 500}})
+    head = next(stream)  # the rendered prompt's end comes first, for the reply parser
+    assert head == {"prompt_tail": "Once upon a time"}
     first = next(stream)
     assert "content" in first
     runner.cancel("job-1")
