@@ -46,6 +46,24 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
+def pin_mmap_threshold(threshold: int = 128 << 10) -> None:
+    """Keep glibc's mmap threshold fixed (it is dynamic by default).
+
+    Each time a block that glibc served with mmap is freed, it raises the threshold to
+    that block's size, so later blocks that large (request bodies, JSON replies) come
+    from the heap instead, and the heap fragments around the ones still alive. A fixed
+    threshold sends every large block to its own mapping, which free() unmaps.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, threshold)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def trim_malloc() -> None:
     """Hand freed heap pages back to the OS; glibc keeps them otherwise, so a process's
     resident size would stay at its peak, and creep up as free pages fragment."""

@@ -10,6 +10,7 @@ context is handed over whole to the engine thread, which alone uses it after.
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ def load(config: LoadConfig) -> Loaded:
     # Remote workers' devices count as offload targets beside local GPUs; llama.cpp
     # splits the offloaded layers between all of them by the free memory each reports.
     rpc_free = sum(w.free for w in rpc.add_workers(config.rpc_servers))
+    adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
     est = memory.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
-                          config.num_gpu, config.kv_cache_type, config.n_batch)
+                          config.num_gpu, config.kv_cache_type, config.n_batch,
+                          adapters=adapters)
     rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,

@@ -50,11 +50,14 @@ def compute_bytes(info: GGUFInfo, n_batch: int, n_vocab: int, n_slots: int) -> i
 
 
 def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu: int = -1,
-             kv_type: str = "f16", n_batch: int = DEFAULT_BATCH, n_vocab: int = 32000) -> Estimate:
-    """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit."""
+             kv_type: str = "f16", n_batch: int = DEFAULT_BATCH, n_vocab: int = 32000,
+             adapters: int = 0) -> Estimate:
+    """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit.
+
+    `adapters` is the LoRA adapters' bytes, held beside the weights they change."""
     per_layer = info.layer_bytes()
     layers = info.block_count or len(per_layer)
-    weights = sum(info.tensor_bytes.values())
+    weights = sum(info.tensor_bytes.values()) + adapters
     other = weights - sum(per_layer.values())  # embeddings, output head, norms
     kv_layer = kv_bytes_per_token(info, kv_type) // max(layers, 1) * num_ctx * n_slots
     compute = compute_bytes(info, n_batch, n_vocab, n_slots)

@@ -14,7 +14,7 @@ import threading
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from corral.config import Settings
-from corral.process import limit_malloc_arenas, trim_malloc
+from corral.process import limit_malloc_arenas, pin_mmap_threshold, trim_malloc
 from corral.errors import CorralError
 from registry.store import Store
 from runner.client import RunnerProcess
@@ -177,6 +177,7 @@ class Daemon:
 def run(settings: Settings, preload: str | None = None) -> None:
     """What `corral serve` does: log to stderr, prune, serve until SIGINT or SIGTERM."""
     limit_malloc_arenas()
+    pin_mmap_threshold()
     configure_logging(settings.debug)
     try:
         daemon = Daemon(settings, runner_log=sys.stderr.buffer, preload=preload)

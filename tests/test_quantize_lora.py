@@ -148,6 +148,9 @@ def test_adapter_on_create_and_refusals(daemon: Daemon, files: dict[str, Path]) 
     assert client.create(model="smol-lora", from_=CHAT, adapters={"lora.gguf": lora}).status \
         == "success"
     assert answer(daemon, "smol-lora") != answer(daemon, CHAT)
+    sizes = {m["name"]: m["size"] for m in httpx.get(daemon.url + "/api/ps").json()["models"]}
+    adapter_bytes = files["lora"].stat().st_size
+    assert sizes["smol-lora:latest"] - sizes[CHAT] == adapter_bytes  # the estimate counts it
     shown = client.show("smol-lora")
     assert f"ADAPTER {daemon.store.blob_path(lora)}" in (shown.modelfile or "")
     for key, message in (("lora_wrong_arch", "the adapter is for gemma3, the model is llama"),

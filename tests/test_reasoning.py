@@ -274,3 +274,32 @@ def test_each_familys_call_syntax_through_the_ollama_client(daemon: Daemon, fami
     answer = client.chat(model=name, messages=turn, tools=TOOLS, options={**GREEDY,
                                                                           "num_predict": 4})
     assert answer.done and answer.message.role == "assistant"
+
+
+def test_cli_thinking_on_a_terminal(daemon: Daemon, tmp_path: Any) -> None:
+    import os
+    import sys
+
+    import pexpect
+
+    host, port = daemon.address
+    env = dict(os.environ, CORRAL_HOST=f"{host}:{port}", XDG_STATE_HOME=str(tmp_path))
+    env.pop("NO_COLOR", None)
+    cli = ["-c", "from cli.launch import main; main()", "run", THINKER]
+    once = pexpect.spawn(sys.executable, [*cli, "--think", "Hi"], env=env, encoding="utf-8",
+                         timeout=120, dimensions=(40, 100))
+    once.expect(pexpect.EOF)
+    once.close()
+    assert once.exitstatus == 0
+    assert "\x1b[2mThinking...\n" in once.before.replace("\r\n", "\n")  # dimmed, first
+    repl = pexpect.spawn(sys.executable, cli, env=env, encoding="utf-8", timeout=120,
+                         dimensions=(40, 100))
+    repl.expect(">>> ")
+    repl.sendline("/set think high")
+    repl.expect("Set 'think' mode.")
+    repl.expect(">>> ")
+    repl.sendline("/set nothink")
+    repl.expect("Set 'nothink' mode.")
+    repl.expect(">>> ")
+    repl.sendline("/bye")
+    repl.expect(pexpect.EOF)
