@@ -38,8 +38,6 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     the pages freed into it: a server's resident size creeps up with every new
     thread that allocates. Call before starting threads; a no-op off glibc.
     """
-    import ctypes
-
     try:
         ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
     except (OSError, AttributeError):
@@ -54,8 +52,6 @@ def pin_mmap_threshold(threshold: int = 128 << 10) -> None:
     from the heap instead, and the heap fragments around the ones still alive. A fixed
     threshold sends every large block to its own mapping, which free() unmaps.
     """
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
@@ -67,8 +63,6 @@ def pin_mmap_threshold(threshold: int = 128 << 10) -> None:
 def trim_malloc() -> None:
     """Hand freed heap pages back to the OS; glibc keeps them otherwise, so a process's
     resident size would stay at its peak, and creep up as free pages fragment."""
-    import ctypes
-
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

@@ -22,7 +22,6 @@ from runner.context import EngineConfig
 from runner.engine import Engine
 from server.daemon import Daemon
 from tests.f16_model import write_f16_copy, write_lora
-from tests.support import DaemonFactory
 from tests.test_engine import run
 
 pytestmark = pytest.mark.model
