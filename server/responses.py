@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any, Iterator
 
-from corral.errors import BadRequest
+from corral.errors import BadRequest, CorralError
 from server.http import Handler, Request
 from server.inference import Inference, Outcome, capabilities, grammar_for
 from server.openai import openai_route
@@ -275,8 +275,14 @@ def _stream(handler: Handler, events: Iterator[tuple[str, dict[str, Any]]]) -> N
     from server.openai import SSE
 
     writer = handler.start_stream(SSE)
-    for n, (name, data) in enumerate(events):
-        event = {"type": name, "sequence_number": n, **data}
-        if not writer.write(f"event: {name}\ndata: {json.dumps(event)}\n\n".encode()):
-            return
+    n = 0
+    try:
+        for n, (name, data) in enumerate(events):
+            event = {"type": name, "sequence_number": n, **data}
+            if not writer.write(f"event: {name}\ndata: {json.dumps(event)}\n\n".encode()):
+                return
+    except CorralError as exc:  # after response.created: the stream's own error event
+        error = {"type": "error", "sequence_number": n + 1, "code": None,
+                 "message": exc.message, "param": None}
+        writer.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
     writer.end()

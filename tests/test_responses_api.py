@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -11,7 +13,6 @@ import pytest
 from server.daemon import Daemon
 from tests.test_reasoning import ASK, CALL, THINKER, THOUGHT, daemon  # noqa: F401
 
-pytestmark = pytest.mark.model
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -22,6 +23,7 @@ def client(d: Daemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
 
 
+@pytest.mark.model
 def test_function_call_and_its_output(daemon: Daemon) -> None:  # noqa: F811
     c = client(daemon)
     r = c.responses.create(model=THINKER, input="What is the weather in Paris?", tools=[TOOL],
@@ -44,6 +46,7 @@ def test_function_call_and_its_output(daemon: Daemon) -> None:  # noqa: F811
     assert follow.output_text == "It is sunny." and follow.status == "completed"
 
 
+@pytest.mark.model
 def test_streamed_reasoning_then_message(daemon: Daemon) -> None:  # noqa: F811
     c = client(daemon)
     events = list(c.responses.create(model=THINKER, input=ASK, stream=True, temperature=0,
@@ -62,6 +65,7 @@ def test_streamed_reasoning_then_message(daemon: Daemon) -> None:  # noqa: F811
     assert final.output_text == text and text.endswith(".") and "think>" not in text
 
 
+@pytest.mark.model
 def test_refusals_in_openai_shape(daemon: Daemon) -> None:  # noqa: F811
     r = httpx.post(daemon.url + "/v1/responses", timeout=60, json={
         "model": THINKER, "input": "hi", "previous_response_id": "resp_1"})
@@ -71,3 +75,23 @@ def test_refusals_in_openai_shape(daemon: Daemon) -> None:  # noqa: F811
     assert r.status_code == 400 and "invalid reasoning value" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client(daemon).responses.create(model="nope", input="hi")
+
+
+def test_a_failure_after_the_stream_starts_is_an_error_event(daemon_factory: Any,
+                                                              tmp_path: Path) -> None:
+    from registry.create import CreateRequest, create_model
+    from tests.gguf_files import write_tiny_gguf
+
+    d = daemon_factory(None)
+    with write_tiny_gguf(tmp_path / "tiny.gguf").open("rb") as f:
+        digest = d.store.import_blob(f)[0]
+    create_model(d.store, CreateRequest(model="broken", files={"t.gguf": digest}))
+    events = []
+    with httpx.stream("POST", d.url + "/v1/responses", timeout=120, json={
+            "model": "broken", "input": "hi", "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["message"] and events[-1]["sequence_number"] == 2
