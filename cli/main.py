@@ -206,6 +206,9 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
         body["files"] = dict([_upload(c, mf.from_, file.parent)])
     else:
         body["from"] = mf.from_
+    if mf.projectors:  # a second FROM: the vision projector
+        body["files"] = {**body.get("files", {}),  # type: ignore[dict-item]
+                         **dict(_upload(c, ref, file.parent) for ref in mf.projectors)}
     if mf.adapters:
         body["adapters"] = dict(_upload(c, ref, file.parent) for ref in mf.adapters)
     show_progress(c.stream("/api/create", {k: v for k, v in body.items() if v is not None}))

@@ -59,6 +59,7 @@ class RunOptions:
     history: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
+    vision: bool | None = None  # the model's vision capability, asked once when needed
 
 
 def _request(opts: RunOptions, **body: Any) -> dict[str, Any]:
@@ -74,6 +75,17 @@ def _request(opts: RunOptions, **body: Any) -> dict[str, Any]:
     return out
 
 
+def _attach(client: Client, opts: RunOptions, text: str) -> tuple[str, list[str]]:
+    """Image paths in the text, read and attached, when the model can see."""
+    from cli.images import extract_images, mentions_image
+
+    if not mentions_image(text):
+        return text, []
+    if opts.vision is None:
+        opts.vision = "vision" in (client.show(opts.model).get("capabilities") or [])
+    return extract_images(text) if opts.vision else (text, [])
+
+
 def one_shot(client: Client, opts: RunOptions, prompt: str) -> None:
     """Stream one answer to stdout: plain text, no spinner or colour when piped.
 
@@ -84,7 +96,9 @@ def one_shot(client: Client, opts: RunOptions, prompt: str) -> None:
             pass
         return
     err = Console(stderr=True)
-    stream = client.stream("/api/generate", _request(opts, prompt=prompt))
+    prompt, images = _attach(client, opts, prompt)
+    stream = client.stream("/api/generate", _request(opts, prompt=prompt,
+                                                     **({"images": images} if images else {})))
     tty = sys.stdout.isatty()
     show = not opts.hide_thinking and (tty or bool(opts.think))
     parts = ((obj.get("thinking", ""), obj.get("response", ""), obj) for obj in stream)
@@ -202,7 +216,11 @@ class Session:
         messages = list(self.messages)
         if self.opts.system:
             messages = [{"role": "system", "content": self.opts.system}] + messages
-        messages.append({"role": "user", "content": text})
+        text, images = _attach(self.client, self.opts, text)
+        turn: dict[str, Any] = {"role": "user", "content": text}
+        if images:
+            turn["images"] = images
+        messages.append(turn)
         stream = self.client.stream("/api/chat", _request(self.opts, messages=messages))
         pieces: list[str] = []
 
@@ -219,8 +237,7 @@ class Session:
             print()
             return  # a cancelled answer is not added to the history
         print("\n")
-        self.messages += [{"role": "user", "content": text},
-                          {"role": "assistant", "content": "".join(pieces)}]
+        self.messages += [turn, {"role": "assistant", "content": "".join(pieces)}]
         if self.opts.verbose:
             print(verbose_stats(final), file=sys.stderr)
 

@@ -39,6 +39,16 @@ def _span(seconds: float) -> str:
     return f"{s // (365 * 86400)} years"
 
 
+def human_count(n: Any) -> str:
+    """A parameter count as Ollama prints it: 471.20K, 135M, 8.03B."""
+    if not isinstance(n, int) or n <= 0:
+        return ""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def human_ago(then: float, now: float | None = None) -> str:
     return _span((time.time() if now is None else now) - then) + " ago"
 
@@ -111,6 +121,15 @@ def show_text(info: dict[str, Any]) -> str:
             ("quantization", details.get("quantization_level", ""))]
     out += [f"    {k:<20}{v}" for k, v in rows if v != ""]
     out += ["", "  Capabilities"] + [f"    {c}" for c in info.get("capabilities", [])]
+    projector = info.get("projector_info")
+    if projector:
+        rows = [("architecture", projector.get("general.architecture", "")),
+                ("type", projector.get("clip.projector_type", "")),
+                ("parameters", human_count(projector.get("general.parameter_count", 0))),
+                ("embedding length", projector.get("clip.vision.embedding_length", "")),
+                ("dimensions", projector.get("clip.vision.projection_dim", "")),
+                ("image size", projector.get("clip.vision.image_size", ""))]
+        out += ["", "  Projector"] + [f"    {k:<20}{v}" for k, v in rows if v != ""]
     if info.get("parameters"):
         out += ["", "  Parameters"] + [f"    {line}" for line in info["parameters"].splitlines()]
     if "tensors" in info:  # a verbose show

@@ -290,6 +290,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("MAX_CREATE_FILES", "max_create_files", 64, "64", "most `files` entries in one create",
          _parse_count),
     Spec("MAX_IMAGES", "max_images", 16, "16", "most images in one request", _parse_count),
+    Spec("MAX_IMAGE_BYTES", "max_image_bytes", 20 << 20, "20971520",
+         "largest image, bytes (decoded from base64)", _parse_count),
+    Spec("MAX_IMAGE_PIXELS", "max_image_pixels", 50_000_000, "50000000",
+         "most pixels in one image (width x height), read from its header before decoding",
+         _parse_count),
     Spec("RPC_SERVERS", "rpc_servers", (), "",
          "llama.cpp RPC workers (`corral rpc-server`) to spread layers over: host:port,...",
          _parse_rpc_servers),
@@ -326,6 +331,8 @@ class Settings:
     max_embed_tokens: int
     max_create_files: int
     max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
     rpc_servers: tuple[str, ...]
     max_grammar_bytes: int
     warnings: tuple[str, ...] = field(default=(), compare=False)

@@ -22,6 +22,7 @@ from registry.derive import Quantizer, check_adapter, quantize_layer
 from registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
 from registry.manifest import Layer, Manifest, canonical_digest
 from registry.modelfile import ROLES
+from registry.projector import is_projector, projector_problem
 from registry.names import Name, is_valid_name, parse_name
 from registry.progress import Progress, quiet
 from registry.store import Store
@@ -91,25 +92,49 @@ def _base(store: Store, req: CreateRequest, progress: Progress
         for layer in base.layers_of(mt.PARAMS):
             base_params = json.loads(store.read_blob(layer.digest))
     if req.files:
-        model_layers = []
-        inspected: dict[str, dict[str, Any]] = {}  # each blob is parsed once, however often named
-        for filename, digest in req.files.items():
-            _check_filename(filename)
-            digest = canonical_digest(digest)
-            if digest not in inspected:
-                if not store.has_blob(digest):
-                    raise ModelNotFound(f"blob {digest} not found")
-                progress({"status": "parsing GGUF"})
-                try:
-                    inspected[digest] = _model_config(store.gguf_info(digest))
-                except InvalidModelFile:
-                    raise InvalidModelFile("supplied file was not in GGUF format") from None
-            config = inspected[digest]
-            model_layers.append(Layer(mt.MODEL, digest, store.blob_size(digest)))
-        base_layers = model_layers + [ly for ly in base_layers if ly.media_type != mt.MODEL]
+        base_layers, config = _with_files(store, req.files, base_layers, config, progress)
     if not any(ly.media_type == mt.MODEL for ly in base_layers):
         raise ModelfileError("the model has no weights layer")
     return base_layers, config, base_params
+
+
+def _with_files(store: Store, files: dict[str, str], layers: list[Layer],
+                config: dict[str, Any], progress: Progress
+                ) -> tuple[list[Layer], dict[str, Any]]:
+    """Uploaded GGUFs: weights replace the base's, and a CLIP GGUF is a vision projector
+    (as Ollama treats a second FROM), checked against the weights it will serve."""
+    models: list[Layer] = []
+    projectors: list[Layer] = []
+    for filename, digest in files.items():
+        _check_filename(filename)
+        digest = canonical_digest(digest)
+        if any(ly.digest == digest for ly in models + projectors):
+            continue  # each blob is parsed once, however often it is named
+        if not store.has_blob(digest):
+            raise ModelNotFound(f"blob {digest} not found")
+        progress({"status": "parsing GGUF"})
+        try:
+            info = store.gguf_info(digest)
+        except InvalidModelFile:
+            raise InvalidModelFile("supplied file was not in GGUF format") from None
+        if is_projector(info):
+            projectors.append(Layer(mt.PROJECTOR, digest, store.blob_size(digest)))
+        else:
+            config = _model_config(info)
+            models.append(Layer(mt.MODEL, digest, store.blob_size(digest)))
+    if len(projectors) > 1:
+        raise ModelfileError("a model takes one vision projector")
+    if models:
+        layers = models + [ly for ly in layers if ly.media_type not in (mt.MODEL, mt.PROJECTOR)]
+    if projectors:
+        model = next((ly for ly in layers if ly.media_type == mt.MODEL), None)
+        if model is not None:
+            problem = projector_problem(store.gguf_info(projectors[0].digest),
+                                        store.gguf_info(model.digest))
+            if problem:
+                raise ModelfileError(problem)
+        layers = [ly for ly in layers if ly.media_type != mt.PROJECTOR] + projectors
+    return layers, config
 
 
 def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,

@@ -26,6 +26,7 @@ class Modelfile:
     licenses: list[str] = field(default_factory=list)
     messages: list[dict[str, str]] | None = None
     adapters: list[str] = field(default_factory=list)
+    projectors: list[str] = field(default_factory=list)  # FROM lines after the first
 
 
 def _split_commands(text: str) -> list[tuple[int, str, str]]:
@@ -65,7 +66,8 @@ def parse_modelfile(text: str) -> Modelfile:
     if len(text.encode("utf-8", errors="replace")) > MAX_MODELFILE_BYTES:
         raise ModelfileError("Modelfile is too large")
     text = text.lstrip("\ufeff")
-    pending: dict[str, Any] = {"parameters": {}, "licenses": [], "messages": None, "adapters": []}
+    pending: dict[str, Any] = {"parameters": {}, "licenses": [], "messages": None, "adapters": [],
+                               "extra_from": []}
     scalar: dict[str, str | None] = {"from": None, "template": None, "system": None}
     for number, instruction, value in _split_commands(text):
         if instruction not in INSTRUCTIONS:
@@ -73,7 +75,9 @@ def parse_modelfile(text: str) -> Modelfile:
             raise ModelfileError(
                 f"(line {number}): command must be one of {names}, or \"{INSTRUCTIONS[-1]}\""
             )
-        if instruction in scalar:
+        if instruction == "from" and scalar["from"]:
+            pending["extra_from"].append(value)  # a second FROM: a projector, as Ollama's
+        elif instruction in scalar:
             scalar[instruction] = value
         elif instruction == "parameter":
             _add_parameter(pending["parameters"], value, number)
@@ -101,6 +105,7 @@ def parse_modelfile(text: str) -> Modelfile:
         licenses=pending["licenses"],
         messages=pending["messages"],
         adapters=pending["adapters"],
+        projectors=pending["extra_from"],
     )
 
 
@@ -123,11 +128,13 @@ def _add_parameter(params: dict[str, Any], value: str, number: int) -> None:
         raise ModelfileError(f"(line {number}): {exc.message}") from None
 
 
-def format_modelfile(from_: str, parameters: dict[str, Any], template: str | None,
+def format_modelfile(froms: str | list[str], parameters: dict[str, Any], template: str | None,
                      system: str | None, licenses: list[str],
                      messages: list[dict[str, str]] | None, adapters: tuple[str, ...] = ()) -> str:
-    """Render a Modelfile that recreates a model (used by `show --modelfile`)."""
-    out = [f"FROM {from_}"] + [f"ADAPTER {path}" for path in adapters]
+    """Render a Modelfile that recreates a model (used by `show --modelfile`): one FROM
+    for the weights, and one more for a vision projector."""
+    froms = [froms] if isinstance(froms, str) else froms
+    out = [f"FROM {f}" for f in froms] + [f"ADAPTER {path}" for path in adapters]
     if template:
         out.append(f'TEMPLATE """{template}"""')
     if system:

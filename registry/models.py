@@ -42,7 +42,8 @@ class ModelRecord:
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
     licenses: list[str] = field(default_factory=list)
-    projector: bool = False
+    projector: Path | None = None  # a vision projector GGUF (mmproj)
+    projector_digest: str | None = None
     adapters: list[Path] = field(default_factory=list)  # LoRA GGUFs, applied at scale 1
 
     def details(self, info: GGUFInfo | None = None) -> dict[str, Any]:
@@ -107,7 +108,8 @@ def load_record(store: Store, name: Name | str) -> ModelRecord:
         elif kind == mt.LICENSE:
             record.licenses.append(_text(store, layer.digest))
         elif kind == mt.PROJECTOR:
-            record.projector = True
+            record.projector = store.blob_path(layer.digest)
+            record.projector_digest = layer.digest
         elif kind == mt.ADAPTER:
             record.adapters.append(store.blob_path(layer.digest))
     return record

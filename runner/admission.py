@@ -12,6 +12,9 @@ def fit_prompt(job: Job, generated: list[int], num_ctx: int) -> list[int]:
     prompt = job.prompt + generated
     if len(prompt) < num_ctx:
         return prompt
+    if job.images:  # a cut could fall inside an image, or drop one
+        raise ContextOverflow(f"the input with its images ({len(prompt)} tokens) exceeds the"
+                              f" context length ({num_ctx})")
     if not job.truncate and not generated:
         raise ContextOverflow(
             f"the input length ({len(prompt)} tokens) exceeds the context length ({num_ctx})")

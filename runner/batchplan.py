@@ -43,9 +43,11 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
             plan.decoding.append(slot)
     prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
     for slot in prefilling:
-        take = min(n_batch - len(plan.entries), len(slot.pending))
-        if take <= 0:
+        if len(plan.entries) >= n_batch:
             break
+        take = text_run(slot.pending, n_batch - len(plan.entries))
+        if take == 0:
+            continue  # an image comes next: the engine feeds it through its own batch
         last_chunk = take == len(slot.pending)
         for k in range(take):
             plan.entries.append(Entry(slot.pending[k], slot.n_past + k, slot.seq,
@@ -54,3 +56,13 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
             plan.sample_at[slot.seq] = len(plan.entries) - 1
         plan.prefill.append((slot, take))
     return plan
+
+
+def text_run(pending: list[int], limit: int) -> int:
+    """How many of the pending tokens, at most `limit`, come before the next image
+    (a negative placeholder id, runner.vision)."""
+    n = min(limit, len(pending))
+    for i in range(n):
+        if pending[i] < 0:
+            return i
+    return n

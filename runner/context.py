@@ -95,6 +95,14 @@ class LlamaContext:
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._eog: list[int] | None = None
+
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
+        found on first use rather than by a vocabulary-wide scan at every load."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
+        return self._eog
 
     def _apply_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
         """Load each LoRA against the model and set them all on the context.

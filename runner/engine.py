@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import llama_cpp as L
 
@@ -29,6 +29,8 @@ from runner.admission import fit_prompt, generation_limit
 from runner.batchplan import StepPlan, plan_step
 from runner.context import EngineConfig, LlamaContext
 from runner.embedding import Embedder, EmbedQueue
+from runner import imagefeed
+from runner.imagefeed import ImageFeed
 from runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
 from runner.sampling import Sampler
 from runner.kvpool import KVPool
@@ -70,7 +72,6 @@ class Engine:
         self.n_vocab, self.n_ctx_train, self.n_threads = (llama.n_vocab, llama.n_ctx_train,
                                                           llama.n_threads)
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
-        self._eog_tokens: list[int] | None = None
         self._embedded_at = 0.0
         self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
@@ -79,15 +80,7 @@ class Engine:
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self._progress: dict[int, Progress] = {}  # preempted jobs' progress, by id(job)
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
-
-    @property
-    def eog_tokens(self) -> list[int]:
-        """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
-        found on first use rather than by a vocabulary-wide scan at every load."""
-        if self._eog_tokens is None:
-            self._eog_tokens = [t for t in range(self.n_vocab)
-                                if L.llama_vocab_is_eog(self.vocab, t)]
-        return self._eog_tokens
+        self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -100,8 +93,7 @@ class Engine:
             raise RunnerError("engine is shutting down")
         if not job.prompt:
             raise BadRequest("empty prompt")
-        if any(t < 0 or t >= self.n_vocab for t in job.prompt):
-            raise BadRequest("prompt contains invalid token ids")
+        imagefeed.check_images(job, self.n_vocab, self.n_batch)
         job.submitted = self.clock()
         self._commands.put(Submit(job))
         return job
@@ -238,7 +230,7 @@ class Engine:
         keep, _, slot = max(((common_prefix(s.reusable(), prompt), -s.last_used, s)
                              for s in idle), key=lambda c: (c[0], c[1]))
         # At least one prompt token must be decoded to get logits.
-        keep = min(keep, len(prompt) - 1)
+        keep = imagefeed.align_keep(job.images, min(keep, len(prompt) - 1))
         if keep == 0 or not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             keep = 0
@@ -246,7 +238,7 @@ class Engine:
             slot.resume(job, keep, prompt, progress)
             return
         sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
-                          self.eog_tokens if job.ignore_eos else None, logprobs=job.logprobs)
+                          self.llama.eog_tokens() if job.ignore_eos else None, logprobs=job.logprobs)
         if job.params.penalized():
             sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
         slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
@@ -262,16 +254,38 @@ class Engine:
         plan = plan_step(self.slots, self.n_batch)
         if self.pool is not None:
             plan = self._fit_pool(plan)
-        if not plan.entries:
+        if plan.entries:
+            native.fill_batch(self.batch, plan.entries, self.n_batch)
+            t0 = self.clock()
+            rc = L.llama_decode(self.ctx, self.batch)
+            self.native_time += self.clock() - t0
+            if rc != 0:
+                self._decode_failed(rc, plan.slots)
+            else:
+                self._apply(plan)
+        self._feed_image()
+
+    def _feed_image(self) -> None:
+        """One slice of one waiting image, after the token batch: its own decode."""
+        slot = imagefeed.waiting(self.slots)
+        if slot is None:
             return
-        native.fill_batch(self.batch, plan.entries, self.n_batch)
+        span, offset, count = self.feed.slice(slot)
+        if self.pool is not None and self.pool.shortfall(self.slots, count) > 0:
+            return  # the next token batches free cells or preempt; it waits till then
+        last = count == len(slot.pending)
         t0 = self.clock()
-        rc = L.llama_decode(self.ctx, self.batch)
+        rc = self.feed.decode(slot, span, offset, count, logits_last=last)
         self.native_time += self.clock() - t0
         if rc != 0:
-            self._decode_failed(rc, plan.slots)
+            self._decode_failed(rc, [slot])
             return
-        self._apply(plan)
+        slot.cached.extend(slot.pending[:count])
+        del slot.pending[:count]
+        if last:
+            slot.transition(SlotState.DECODE)
+            slot.t_first = slot.t_first or self.clock()
+            self._sample(slot, count - 1, self.feed.batch)
 
     def _apply(self, plan: StepPlan) -> None:
         """The batch decoded: prompt chunks become cached, and slots with logits sample."""
@@ -287,10 +301,10 @@ class Engine:
                 slot.cached.append(slot.last_token)
                 self._sample(slot, plan.sample_at[slot.seq])
 
-    def _sample(self, slot: Slot, row: int) -> None:
+    def _sample(self, slot: Slot, row: int, batch: Any = None) -> None:
+        batch = self.batch if batch is None else batch  # the batch just decoded
         assert slot.sampler is not None and slot.job is not None
-        assert 0 <= row < self.batch.n_tokens
-        assert self.batch.logits[row]
+        assert 0 <= row < batch.n_tokens and batch.logits[row]
         t0 = self.clock()
         token = slot.sampler.sample(self.ctx, row)
         self.native_time += self.clock() - t0
@@ -337,24 +351,9 @@ class Engine:
 
     def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
         log.error("llama_decode returned %d", rc)
-        if rc == 1 and self._evict_idle_cache():
-            # No KV room: idle slots' cached prefixes were dropped; retry next step.
+        if not kvops.recover(self.mem, rc, slots, self.slots):
             for slot in slots:
-                L.llama_memory_seq_rm(self.mem, slot.seq, slot.n_past, -1)
-            return
-        for slot in slots:
-            L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-            slot.cached = []
-            self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
-
-    def _evict_idle_cache(self) -> bool:
-        evicted = False
-        for slot in self.slots:
-            if slot.state is SlotState.IDLE and slot.cached:
-                L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-                slot.cached = []
-                evicted = True
-        return evicted
+                self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
 
     def _finish(self, slot: Slot, reason: DoneReason, flush: bool = True) -> None:
         job = slot.job
@@ -394,4 +393,5 @@ class Engine:
         if self._thread is not None and self._thread.is_alive():
             return  # still inside native code; the process exit will reclaim it
         self.embedder.free()
+        self.feed.free()
         self.llama.free()

@@ -9,9 +9,12 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from corral.errors import CorralError
+
+if TYPE_CHECKING:
+    from runner.vision import ImageSpan
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Job:
     ignore_eos: bool = False  # benchmarks: always generate num_predict tokens
     logprobs: int = -1  # -1: none; else alternatives per token (0-20)
     special: bool = False  # render control tokens as text (gpt-oss's harmony markers)
+    images: "tuple[ImageSpan, ...]" = ()  # where the prompt's placeholder ids are images
     id: str = ""
     events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

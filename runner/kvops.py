@@ -6,7 +6,7 @@ from typing import Any
 
 import llama_cpp as L
 
-from runner.slot import Slot
+from runner.slot import Slot, SlotState
 
 
 def drop(mem: Any, slot: Slot) -> None:
@@ -34,3 +34,21 @@ def shift_context(mem: Any, slot: Slot, can_shift: bool) -> bool:
     # sequence is what a fresh prefill of its tokens would give.
     slot.tainted = True
     return True
+
+
+def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
+    """After a failed decode: True when dropping idle slots' cached prefixes made room
+    (rc 1: no KV cells) and the failed slots retry next step from where they were.
+    Else their sequences are dropped and the caller fails their jobs."""
+    evicted = False
+    if rc == 1:
+        for slot in slots:
+            if slot.state is SlotState.IDLE and slot.cached:
+                drop(mem, slot)
+                evicted = True
+    for slot in failed:
+        if evicted:
+            L.llama_memory_seq_rm(mem, slot.seq, slot.n_past, -1)
+        else:
+            drop(mem, slot)
+    return evicted

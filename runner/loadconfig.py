@@ -33,6 +33,7 @@ class LoadConfig:
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
     rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port
+    projector: str | None = None  # a vision projector GGUF (mmproj) loaded beside the model
 
     @classmethod
     def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from corral.process import limit_malloc_arenas
 from corral.errors import BadRequest
@@ -21,6 +22,9 @@ from registry.gguf import GGUFInfo, inspect_gguf
 from runner import memory, native, rpc
 from runner.context import EngineConfig, LlamaContext
 from runner.loadconfig import LoadConfig
+
+if TYPE_CHECKING:
+    from runner.vision import Vision
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Loaded:
     llama: LlamaContext
     seconds: float
     rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
+    vision: "Vision | None" = None
 
 
 def load(config: LoadConfig) -> Loaded:
@@ -44,7 +49,11 @@ def load(config: LoadConfig) -> Loaded:
     # Remote workers' devices count as offload targets beside local GPUs; llama.cpp
     # splits the offloaded layers between all of them by the free memory each reports.
     rpc_free = sum(w.free for w in rpc.add_workers(config.rpc_servers))
+    # Adapters and a projector are weights beside the model's (the projector's compute
+    # buffers are small next to its weights for the models this serves).
     adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
+    if config.projector:
+        adapters += os.path.getsize(config.projector)
     est = memory.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
                           config.num_gpu, config.kv_cache_type, config.n_batch,
                           adapters=adapters)
@@ -57,7 +66,17 @@ def load(config: LoadConfig) -> Loaded:
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
-    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes)
+    vision = None
+    if config.projector:
+        from runner.vision import Vision  # numpy: not before the load has started
+
+        try:
+            vision = Vision(config.projector, llama.model, llama.n_threads,
+                            use_gpu=est.gpu_layers > 0)
+        except BaseException:
+            llama.free()
+            raise
+    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes, vision)
 
 
 class Pending:

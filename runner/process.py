@@ -32,7 +32,7 @@ from runner.engine import Engine
 from runner.jobs import Done, Embed, Job, SamplingParams, Token
 from runner.loadconfig import LoadConfig
 from runner.loading import Loaded, Pending, load
-from runner.prompt import PromptBuilder
+from runner.prompt import PromptBuilder, attach_images
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
@@ -42,17 +42,22 @@ PROMPT_TAIL = 64  # characters of the rendered prompt sent ahead of a reply
 class RunnerService:
     """Turns wire requests into engine jobs; shared by all handler threads."""
 
-    def __init__(self, engine: Engine, builder: PromptBuilder, report: dict[str, Any]) -> None:
+    def __init__(self, engine: Engine, builder: PromptBuilder, report: dict[str, Any],
+                 vision: Any = None) -> None:
         self.engine = engine
+        self.vision = vision  # runner.vision.Vision when a projector is loaded
         self.builder = builder
         self.report = report
         self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
-    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str]:
-        """The prompt's tokens, and the end of its text (the daemon's reply parser asks
-        whether the template left a think block open)."""
+    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str, list[Any]]:
+        """The prompt's tokens, the end of its text (the daemon's reply parser asks
+        whether the template left a think block open), and its images' spans."""
+        body, images = attach_images(body)
+        if images and self.vision is None:
+            raise BadRequest("this model does not support images")
         builder = self.builder
         if body.get("template"):
             builder = PromptBuilder(body["template"], None, builder.bos, builder.eos)
@@ -64,14 +69,20 @@ class RunnerService:
             text, add_bos = builder.generate(body.get("prompt") or "", body.get("system"),
                                              body.get("suffix"), body.get("think"))
         context = [int(t) for t in body.get("context") or []]
-        tokens = context + self.engine.tokenize(text, add_special=add_bos and not context)
+        spans: list[Any] = []
+        if images:
+            ids, spans = self.vision.prepare(text, images, add_bos and not context)
+            spans = [span.shifted(len(context)) for span in spans]
+        else:
+            ids = self.engine.tokenize(text, add_special=add_bos and not context)
+        tokens = context + ids
         if not tokens:
             raise BadRequest("empty prompt")
-        return tokens, text[-PROMPT_TAIL:]
+        return tokens, text[-PROMPT_TAIL:], spans
 
     def job(self, body: dict[str, Any]) -> tuple[Job, str]:
         options = coerce_options(body.get("options"))
-        tokens, tail = self.prompt_tokens(body)
+        tokens, tail, spans = self.prompt_tokens(body)
         job = Job(
             prompt=tokens,
             params=SamplingParams.from_options(options),
@@ -85,6 +96,7 @@ class RunnerService:
             logprobs=int(body["logprobs"]) if isinstance(body.get("logprobs"), int) else -1,
             special=body.get("special") is True,
             id=str(body.get("id") or ""),
+            images=tuple(spans),
         )
         self.engine.submit(job)
         if job.id:
@@ -170,7 +182,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
+            vision = self.service.vision
             self._send(200, {"status": "ok", **self.service.engine.status(),
+                             "images_encoded": vision.encoded if vision else 0,
                              "report": self.service.report})
         else:
             self._send(*format_error(NotFound("not found"), Shape.RUNNER))
@@ -258,8 +272,9 @@ def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
         "template_kind": builder.kind, "template": builder.source,
         "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,
         "supports_suffix": builder.supports_suffix(),
+        "vision": loaded.vision is not None,
     }
-    return RunnerService(engine, builder, report)
+    return RunnerService(engine, builder, report, loaded.vision)
 
 
 def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
@@ -297,6 +312,8 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
         server.serve_forever(poll_interval=0.2)
     finally:
         service.engine.stop()
+        if service.vision is not None:
+            service.vision.close()
     return 0
 
 

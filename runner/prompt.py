@@ -6,6 +6,8 @@ A TEMPLATE layer (Go syntax) wins; without one, the GGUF's Jinja
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from registry.models import FALLBACK_TEMPLATE
@@ -13,6 +15,45 @@ from runner.templates.gotemplate import GoTemplate
 from runner.templates.jinja import JinjaTemplate
 
 _SENTINEL = "\x00corral-response\x00"
+MEDIA_MARKER = "<__media__>"  # runner.vision.MARKER, without importing numpy here
+
+
+def _decode(images: Any) -> list[bytes]:
+    if not isinstance(images, list):
+        raise ValueError("images must be a list of base64 strings")
+    try:
+        return [base64.b64decode(i, validate=True) for i in images]
+    except (binascii.Error, TypeError, ValueError):
+        raise ValueError("an image is not valid base64") from None
+
+
+def _mark(content: str, n: int) -> str:
+    """Ollama's rule: each image replaces an "[img]" in the text, else goes in front."""
+    prefix = ""
+    for _ in range(n):
+        if "[img]" in content:
+            content = content.replace("[img]", MEDIA_MARKER, 1)
+        else:
+            prefix += MEDIA_MARKER
+    return prefix + content
+
+
+def attach_images(body: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+    """The request with a media marker where each image goes, and the images' bytes in
+    the order of their markers."""
+    if body.get("messages") is not None:
+        images: list[bytes] = []
+        messages = []
+        for m in body["messages"]:
+            own = _decode(m.get("images") or [])
+            images += own
+            messages.append({**m, "content": _mark(m.get("content") or "", len(own))}
+                            if own else m)
+        return {**body, "messages": messages}, images
+    images = _decode(body.get("images") or [])
+    if not images:
+        return body, []
+    return {**body, "prompt": _mark(body.get("prompt") or "", len(images))}, images
 
 
 def _go_message(m: dict[str, Any]) -> dict[str, Any]:

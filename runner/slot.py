@@ -148,7 +148,8 @@ class Slot:
             "eval_duration": int((now - first) * 1e9),
             "queue_duration": int((self.t_start - job.submitted) * 1e9),
             "prompt_tokens": len(job.prompt),
-            "context": job.prompt + self.generated,
+            # Image placeholders mean nothing outside this runner's vision cache.
+            "context": [t for t in job.prompt if t >= 0] + self.generated,
         }
 
     def release(self, now: float) -> Job | None:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from server.http import Handler, Request
+from server.images import from_data_uri
 from server.inference import Inference, Outcome, capabilities
 from server.openai import shaped_route
 from server.reply import Kind, Piece
@@ -36,12 +37,21 @@ def _text_of(blocks: Any, what: str) -> str:
         raise BadRequest(f"{what} must be a string or a list of content blocks")
     texts = []
     for block in blocks:
-        if not isinstance(block, dict) or block.get("type") not in ("text", "image"):
+        if not isinstance(block, dict) or block.get("type") != "text":
             raise BadRequest(f"{what} may only hold text blocks")
-        if block.get("type") == "image":
-            raise BadRequest("this model does not support images")
         texts.append(str(block.get("text", "")))
     return "".join(texts)
+
+
+def _image_of(source: Any) -> str:
+    """An image block's base64 data; a URL source is refused (nothing is fetched)."""
+    if not isinstance(source, dict):
+        raise BadRequest("image block needs a source")
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return str(source["data"])
+    if source.get("type") == "url":
+        return from_data_uri(source.get("url"))  # only a data URI gets through
+    raise BadRequest("image source must be base64 data")
 
 
 def _blocks(role: str, content: Any) -> list[dict[str, Any]]:
@@ -50,7 +60,7 @@ def _blocks(role: str, content: Any) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise BadRequest("message content must be a string or a list of content blocks")
-    text, thinking, calls, results = [], "", [], []
+    text, thinking, calls, results, images = [], "", [], [], []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
@@ -69,12 +79,14 @@ def _blocks(role: str, content: Any) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
                             "content": _text_of(block.get("content"), "tool_result content")})
         elif kind == "image":
-            raise BadRequest("this model does not support images")
+            images.append(_image_of(block.get("source")))
         else:
             raise BadRequest(f"unsupported content block type {kind!r}")
     out = list(results)
-    if text or calls or thinking:
+    if text or calls or thinking or images:
         message: dict[str, Any] = {"role": role, "content": "".join(text)}
+        if images:
+            message["images"] = images
         if calls:
             message["tool_calls"] = calls
         if thinking:

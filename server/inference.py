@@ -20,7 +20,9 @@ from corral.errors import BadRequest, CorralError, ModelNotFound, RunnerError
 from corral.options import coerce_options
 from registry.models import ModelRecord, load_record
 from registry.names import parse_name
+from registry.projector import projector_problem
 from registry.store import Store
+from server.images import check_images
 from server.metrics import Metrics
 from server.scheduler import Loaded, Scheduler
 
@@ -76,14 +78,26 @@ def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     raise BadRequest("invalid format")
 
 
+def has_vision(store: Store, record: ModelRecord) -> bool:
+    """A projector is present and one the runner can load beside these weights (a GGUF
+    that merely describes a vision tower, without a projector, cannot see)."""
+    if record.projector_digest is None:
+        return False
+    try:
+        return projector_problem(store.gguf_info(record.projector_digest),
+                                 store.gguf_info(record.model_digest)) is None
+    except CorralError:
+        return False
+
+
 def capabilities(store: Store, record: ModelRecord, template: str) -> list[str]:
     caps = []
     try:
         info = store.gguf_info(record.model_digest)
         embedding = f"{info.architecture}.pooling_type" in info.metadata
-        vision = f"{info.architecture}.vision.block_count" in info.metadata or record.projector
     except CorralError:
-        embedding, vision = False, record.projector
+        embedding = False
+    vision = has_vision(store, record)
     caps.append("embedding" if embedding else "completion")
     if ".Tools" in template or "tools" in template or "tool_call" in template:
         caps.append("tools")
@@ -169,21 +183,31 @@ class Inference:
                     watcher.set()
         return result, load
 
+    def images(self, record: ModelRecord, images: Any, seen: int = 0) -> list[str]:
+        """A request's images, checked; a model without a working projector gets
+        Ollama's 400 before anything is decoded."""
+        if not has_vision(self.store, record):
+            raise BadRequest(f"{record.name.full()} does not support vision")
+        return check_images(images, self.settings, seen)
+
     def chat_messages(self, record: ModelRecord, messages: Any) -> list[dict[str, Any]]:
         """Checked request messages after the model's own MESSAGES and SYSTEM."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise BadRequest("messages must be a list of objects")
         out = []
+        seen = 0  # images so far, for the per-request limit
         for m in messages:
             role = str(m.get("role", "")).lower()
             if role not in ("system", "user", "assistant", "tool"):
                 raise BadRequest(f"invalid message role {role!r}")
-            if m.get("images"):
-                raise BadRequest(f"{record.name.full()} does not support vision")
             content = m.get("content") or ""
             if not isinstance(content, str):
                 raise BadRequest("message content must be a string")
-            out.append({**m, "role": role, "content": content})
+            message = {**m, "role": role, "content": content}
+            if m.get("images"):
+                message["images"] = self.images(record, m["images"], seen)
+                seen += len(message["images"])
+            out.append(message)
         full = list(record.messages) + out
         if record.system and not (full and full[0].get("role") == "system"):
             full.insert(0, {"role": "system", "content": record.system})

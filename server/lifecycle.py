@@ -84,6 +84,10 @@ def _create_request(body: dict[str, Any]) -> CreateRequest:
             req.files = {"model.gguf": mf.from_[1:]}
         else:
             req.from_ = mf.from_
+        for i, ref in enumerate(mf.projectors):
+            if not ref.startswith("@"):
+                raise BadRequest("a second FROM must name an uploaded blob (@sha256:...) here")
+            req.files[f"projector{i}.gguf"] = ref[1:]
         for i, ref in enumerate(mf.adapters):
             if not ref.startswith("@"):
                 raise BadRequest("ADAPTER must name an uploaded blob (@sha256:...) here")

@@ -122,8 +122,7 @@ def generate(inf: Inference) -> Any:
         prompt, suffix = body.get("prompt") or "", body.get("suffix") or ""
         if not isinstance(prompt, str) or not isinstance(suffix, str):
             raise BadRequest("prompt must be a string")
-        if body.get("images"):
-            raise BadRequest(f"{record.name.full()} does not support vision")
+        images = inf.images(record, body["images"]) if body.get("images") else []
         if body.get("raw") and (body.get("template") or body.get("system") or body.get("context")):
             raise BadRequest("raw mode does not support template, system, or context")
         template, caps = _model_caps(inf, record)
@@ -137,7 +136,7 @@ def generate(inf: Inference) -> Any:
         outcome, pieces = _start(inf, record, body, req, {
             "prompt": prompt, "raw": bool(body.get("raw")), "suffix": suffix,
             "system": body.get("system") or record.system, "template": body.get("template"),
-            "context": body.get("context"), "think": think})
+            "context": body.get("context"), "think": think, "images": images})
 
         def objects() -> Iterator[dict[str, Any]]:
             for piece in pieces_of(pieces, outcome, template, think, []):

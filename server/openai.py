@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError, ModelNotFound, Shape, format_error
 from server.http import Handler, Request
+from server.images import from_data_uri
 from server.inference import Inference, Outcome, capabilities, grammar_for
 from server.reply import Kind, Piece
 from server.replies import check_think, logprobs_request, pieces_of, raw_grammar
@@ -74,15 +75,20 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise BadRequest("invalid message")
         content = m.get("content")
+        images = []
         if isinstance(content, list):
             texts = []
             for part in content:
                 if isinstance(part, dict) and part.get("type") == "text":
                     texts.append(str(part.get("text", "")))
                 elif isinstance(part, dict) and part.get("type") == "image_url":
-                    raise BadRequest("this model does not support images")
+                    url = part.get("image_url")
+                    images.append(from_data_uri(url.get("url") if isinstance(url, dict)
+                                                else url))
             content = "\n".join(texts)
         msg: dict[str, Any] = {"role": m.get("role"), "content": content or ""}
+        if images:
+            msg["images"] = images
         calls = []
         for call in m.get("tool_calls") or []:
             fn = call.get("function", {}) if isinstance(call, dict) else {}

@@ -18,13 +18,15 @@ from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError
 from server.http import Handler, Request
+from server.images import from_data_uri
 from server.inference import Inference, Outcome, capabilities, grammar_for
 from server.openai import openai_route
 from server.reply import Kind, Piece
 from server.replies import check_think, pieces_of, raw_grammar
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, images: list[str] | None = None) -> str:
+    """A content's text; its input_image parts (data URIs) go to `images` where allowed."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -34,8 +36,10 @@ def _text(content: Any) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             parts.append(str(part.get("text", "")))
-        elif kind == "input_image":
-            raise BadRequest("this model does not support images")
+        elif kind == "input_image" and images is not None:
+            if part.get("file_id"):
+                raise BadRequest("input_image file_id is not supported: send a data URI")
+            images.append(from_data_uri(part.get("image_url")))
         else:
             raise BadRequest(f"unsupported content part type {kind!r}")
     return "".join(parts)
@@ -59,7 +63,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             role = "system" if item.get("role") == "developer" else item.get("role")
             if role not in ("user", "assistant", "system"):
                 raise BadRequest("message role must be user, assistant, system or developer")
-            out.append({"role": role, "content": _text(item.get("content", ""))})
+            images: list[str] = []
+            message = {"role": role, "content": _text(item.get("content", ""), images)}
+            out.append({**message, "images": images} if images else message)
         elif kind == "reasoning":
             thinking = "".join(str(s.get("text", "")) for s in item.get("summary") or []
                                if isinstance(s, dict))

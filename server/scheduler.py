@@ -289,6 +289,7 @@ class Scheduler:
                 kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
                 deterministic=self.settings.deterministic,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
+                projector=str(entry.record.projector) if entry.record.projector else None,
                 rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
             runner = self.runner_factory(config)
             try:

@@ -1,0 +1,57 @@
+"""Vision projectors (mmproj GGUFs): what makes one fit a model, and what `show` says.
+
+A projector is checked from its header when a model is created and whenever a
+capability list is built, so a model reports "vision" only when its projector
+is one the runner can load beside its weights. The runner's load
+(llama.cpp's mtmd) checks the rest and fails the load with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from registry.gguf import GGUFInfo
+
+# Projectors whose image tokens need M-RoPE positions (several per token); the
+# engine gives every token one position, so these are refused rather than run wrong.
+MROPE_TYPES = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "qwen2.5o",
+                         "glm4v", "glm5v", "paddleocr", "youtuvl", "hunyuanvl", "mimovl"})
+
+
+def is_projector(info: GGUFInfo) -> bool:
+    return info.architecture == "clip"
+
+
+def projector_type(info: GGUFInfo) -> str:
+    kind = info.metadata.get("clip.projector_type") or info.metadata.get(
+        "clip.vision.projector_type")
+    return kind if isinstance(kind, str) else ""
+
+
+def projector_problem(projector: GGUFInfo, model: GGUFInfo) -> str | None:
+    """Why this projector cannot serve this model, or None when it fits."""
+    if not is_projector(projector):
+        return "the projector is not a CLIP/mmproj GGUF"
+    if projector.metadata.get("clip.has_vision_encoder") is not True:
+        return "the projector has no vision encoder"
+    kind = projector_type(projector)
+    if not kind:
+        return "the projector does not name its type (clip.projector_type)"
+    if kind in MROPE_TYPES:
+        return f"projectors of type {kind} (M-RoPE positions) are not supported yet"
+    width = projector.metadata.get("clip.vision.projection_dim")
+    if isinstance(width, int) and model.embedding_length and width != model.embedding_length:
+        return (f"the projector's output width ({width}) does not match the model's"
+                f" embedding length ({model.embedding_length})")
+    return None
+
+
+def projector_info(info: GGUFInfo) -> dict[str, Any]:
+    """Ollama's `projector_info`: the projector's metadata, with its parameter count."""
+    out: dict[str, Any] = {"general.architecture": info.architecture,
+                           "general.parameter_count": info.parameter_count}
+    for key, value in info.metadata.items():
+        if key.startswith(("clip.", "general.")) and not (
+                isinstance(value, list) and len(value) > 16):
+            out[key] = value
+    return out

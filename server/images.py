@@ -1,0 +1,126 @@
+"""Images from requests: decoded, sniffed and measured before any reaches the runner.
+
+Every API carries images as base64 (Ollama's `images`, OpenAI's and the Responses
+API's data URIs, Anthropic's base64 sources). Each is checked here from its
+header alone, so a decompression bomb (a few kilobytes claiming 30000 x 30000
+pixels) is refused before anything allocates its pixels, and a truncated or
+foreign file gets a 400 naming the image rather than a failure in native code.
+The runner's decoder (stb_image, inside llama.cpp's mtmd) reads PNG, JPEG, GIF
+and BMP; anything else is refused here by name.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import struct
+from typing import Any
+
+from corral.config import Settings
+from corral.errors import BadRequest
+
+_DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,",
+                       re.ASCII)
+# JPEG start-of-frame markers carry the size; C4, C8 and CC share the range but are not frames.
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def from_data_uri(url: Any) -> str:
+    """The base64 payload of a `data:image/...;base64,` URI. Remote URLs are refused:
+    the daemon fetches nothing on a client's behalf."""
+    if not isinstance(url, str) or not url:
+        raise BadRequest("image_url must be a data URI")
+    if url.startswith(("http://", "https://")):
+        raise BadRequest("remote images are not fetched: send the image inline as a data URI"
+                         " (data:image/png;base64,...)")
+    match = _DATA_URI.match(url)
+    if match is None:
+        raise BadRequest("image_url must be a base64 data URI (data:image/png;base64,...)")
+    return url[match.end():]
+
+
+def check_images(images: Any, settings: Settings, seen: int = 0) -> list[str]:
+    """Validated base64 images; `seen` counts the request's images before these."""
+    if images in (None, []):
+        return []
+    if not isinstance(images, list):
+        raise BadRequest("images must be a list of base64 strings")
+    if seen + len(images) > settings.max_images:
+        raise BadRequest(f"too many images: {seen + len(images)} is over the limit of"
+                         f" {settings.max_images} (CORRAL_MAX_IMAGES)")
+    out = []
+    for i, image in enumerate(images, start=seen):
+        data = _decode(image, i, settings.max_image_bytes)
+        kind, width, height = measure(data, i)
+        if width <= 0 or height <= 0:
+            raise BadRequest(f"image {i} has no pixels ({width}x{height})")
+        if width * height > settings.max_image_pixels:
+            raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
+                             f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
+        out.append(image if isinstance(image, str) else base64.b64encode(data).decode())
+    return out
+
+
+def _decode(image: Any, i: int, limit: int) -> bytes:
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    elif isinstance(image, str):
+        if len(image) > limit * 4 // 3 + 4:
+            raise BadRequest(f"image {i} is over the limit of {limit} bytes"
+                             " (CORRAL_MAX_IMAGE_BYTES)")
+        try:
+            data = base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest(f"image {i} is not valid base64") from None
+    else:
+        raise BadRequest(f"image {i} must be a base64 string")
+    if not data:
+        raise BadRequest(f"image {i} is empty")
+    if len(data) > limit:
+        raise BadRequest(f"image {i} is over the limit of {limit} bytes (CORRAL_MAX_IMAGE_BYTES)")
+    return data
+
+
+def measure(data: bytes, i: int = 0) -> tuple[str, int, int]:
+    """(format, width, height) from the header, or a 400 saying what is wrong."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        if len(data) < 24 or data[12:16] != b"IHDR" or b"IEND" not in data[-32:]:
+            raise BadRequest(f"image {i} is a truncated or corrupt PNG")
+        width, height = struct.unpack(">II", data[16:24])
+        return "png", width, height
+    if data.startswith(b"\xff\xd8\xff"):
+        width, height = _jpeg_size(data, i)
+        return "jpeg", width, height
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        width, height = struct.unpack("<HH", data[6:10])
+        return "gif", width, height
+    if data.startswith(b"BM") and len(data) >= 26:
+        width, height = struct.unpack("<ii", data[18:26])
+        return "bmp", width, abs(height)
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        raise BadRequest(f"image {i} is WebP, which is not supported: send PNG, JPEG, GIF or BMP")
+    head = data[:256].lstrip().lower()
+    if head.startswith((b"<svg", b"<?xml")) or b"<svg" in head:
+        raise BadRequest(f"image {i} is SVG, which is not supported: send PNG, JPEG, GIF or BMP")
+    raise BadRequest(f"image {i} is not a supported image (PNG, JPEG, GIF or BMP)")
+
+
+def _jpeg_size(data: bytes, i: int) -> tuple[int, int]:
+    """Walk the marker segments to the first frame header; the scan must be complete."""
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:
+            pos += 1  # fill byte
+            continue
+        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
+        if marker in _SOF and pos + 9 <= len(data):
+            height, width = struct.unpack(">HH", data[pos + 5:pos + 9])
+            if b"\xff\xd9" not in data[pos:]:  # no end-of-image marker: the file was cut
+                break
+            return width, height
+        pos += 2 + length
+    raise BadRequest(f"image {i} is a truncated or corrupt JPEG")
