@@ -14,8 +14,13 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from corral.errors import CorralError
+
+if TYPE_CHECKING:
+    from api.client import Client
+    from cli.repl import RunOptions
 
 EXTENSIONS = r"(?:png|jpe?g|gif|bmp|webp)"
 _START = r"(?:~|\.{1,2})?/"
@@ -50,3 +55,12 @@ def extract_images(text: str) -> tuple[str, list[str]]:
         last = match.end()
     out.append(text[last:])
     return re.sub(r"[ \t]{2,}", " ", "".join(out)).strip(), images
+
+
+def attach(client: "Client", opts: "RunOptions", text: str) -> tuple[str, list[str]]:
+    """Image paths in the text, read and attached, when the model can see (asked once)."""
+    if not mentions_image(text):
+        return text, []
+    if opts.vision is None:
+        opts.vision = "vision" in (client.show(opts.model).get("capabilities") or [])
+    return extract_images(text) if opts.vision else (text, [])

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 from rich.console import Console
 
 from api.client import Client, ClientError
+from cli.images import attach
 from cli.tables import verbose_stats
 from corral.config import state_dir
 from corral.errors import CorralError, InvalidOption
@@ -75,17 +76,6 @@ def _request(opts: RunOptions, **body: Any) -> dict[str, Any]:
     return out
 
 
-def _attach(client: Client, opts: RunOptions, text: str) -> tuple[str, list[str]]:
-    """Image paths in the text, read and attached, when the model can see."""
-    from cli.images import extract_images, mentions_image
-
-    if not mentions_image(text):
-        return text, []
-    if opts.vision is None:
-        opts.vision = "vision" in (client.show(opts.model).get("capabilities") or [])
-    return extract_images(text) if opts.vision else (text, [])
-
-
 def one_shot(client: Client, opts: RunOptions, prompt: str) -> None:
     """Stream one answer to stdout: plain text, no spinner or colour when piped.
 
@@ -96,7 +86,7 @@ def one_shot(client: Client, opts: RunOptions, prompt: str) -> None:
             pass
         return
     err = Console(stderr=True)
-    prompt, images = _attach(client, opts, prompt)
+    prompt, images = attach(client, opts, prompt)
     stream = client.stream("/api/generate", _request(opts, prompt=prompt,
                                                      **({"images": images} if images else {})))
     tty = sys.stdout.isatty()
@@ -216,7 +206,7 @@ class Session:
         messages = list(self.messages)
         if self.opts.system:
             messages = [{"role": "system", "content": self.opts.system}] + messages
-        text, images = _attach(self.client, self.opts, text)
+        text, images = attach(self.client, self.opts, text)
         turn: dict[str, Any] = {"role": "user", "content": text}
         if images:
             turn["images"] = images

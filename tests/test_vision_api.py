@@ -266,3 +266,30 @@ def test_cli_create_with_a_second_from(daemon: Daemon, pictures: dict[str, Path]
     assert "Error: the projector's output width (640) does not match" in out.stderr
     assert json.loads(httpx.post(daemon.url + "/api/show",
                                  json={"model": "smol-vision-3"}).text)["error"]
+
+
+def test_push_and_pull_carry_the_projector(daemon: Daemon, vision: str,
+                                           pictures: dict[str, Path], tmp_path: Path) -> None:
+    from tests.registry_server import FakeRegistry
+    from tests.support import start_daemon
+
+    reg = FakeRegistry()
+    fresh = start_daemon(None, tmp_path)
+    try:
+        name = f"{reg.host}/alice/vision:v1"
+        client = ollama.Client(host=daemon.url)
+        client.copy(vision, name)
+        assert client.push(name, insecure=True).status == "success"
+        other = ollama.Client(host=fresh.url)
+        assert other.pull(name, insecure=True).status == "success"
+        shown = httpx.post(fresh.url + "/api/show", json={"model": name}).json()
+        assert "vision" in shown["capabilities"] and shown["projector_info"]
+        manifest = json.loads((tmp_path / "models" / "manifests" / reg.host / "alice" / "vision"
+                               / "v1").read_text())
+        assert "application/vnd.ollama.image.projector" in [
+            layer["mediaType"] for layer in manifest["layers"]]
+        want = chat(daemon, vision, [b64(pictures["two.png"])]).json()["message"]["content"]
+        assert chat(fresh, name, [b64(pictures["two.png"])]).json()["message"]["content"] == want
+    finally:
+        fresh.shutdown()
+        reg.close()
