@@ -7,7 +7,8 @@ leave on its own queue as Token events, then Done or Failed.
 Each step is plan -> decode -> apply: runner.batchplan chooses the next token
 of every decoding slot and prompt chunks of prefilling slots within the
 n_batch budget, one llama_decode runs them, and the results advance each
-slot's state machine. Every batch and index is checked before it reaches
+slot's state machine; then one slice of a waiting image goes through its own
+embeddings batch (runner.imagefeed). Every batch and index is checked before it reaches
 native code, because llama.cpp aborts the whole process on misuse instead of
 raising.
 """

@@ -13,6 +13,11 @@ from __future__ import annotations
 import enum
 import re
 
+def uses_harmony(template: str) -> bool:
+    """Whether a model speaks harmony (gpt-oss): its template writes channel markers."""
+    return "<|channel|>" in template
+
+
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
            "<|constrain|>")
 _RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")

@@ -22,6 +22,7 @@ from registry.models import ModelRecord, load_record
 from registry.names import parse_name
 from registry.projector import projector_problem
 from registry.store import Store
+from server.harmony import uses_harmony
 from server.images import check_images
 from server.metrics import Metrics
 from server.scheduler import Loaded, Scheduler
@@ -105,7 +106,7 @@ def capabilities(store: Store, record: ModelRecord, template: str) -> list[str]:
         caps.append("insert")
     if vision:
         caps.append("vision")
-    if "<think>" in template or ".Think" in template or "<|channel|>" in template:
+    if "<think>" in template or ".Think" in template or uses_harmony(template):
         caps.append("thinking")
     return caps
 
@@ -221,7 +222,7 @@ class Inference:
         model = record.name.display()
         gone = [False]
         job_id = uuid.uuid4().hex
-        if "<|channel|>" in self.template_text(record):  # harmony: markers are control tokens
+        if uses_harmony(self.template_text(record)):  # its markers are control tokens
             runner_body = {**runner_body, "special": True}
         held: list[Loaded] = []
 

@@ -26,7 +26,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.harmony import HarmonyParser
+from server.harmony import HarmonyParser, uses_harmony
 
 
 class Kind(enum.Enum):
@@ -62,7 +62,7 @@ def call_id() -> str:
 
 def reply_format(template: str, think: bool, tools: bool) -> Format:
     """What to look for in a reply, from the template that made the prompt."""
-    if "<|channel|>" in template:
+    if uses_harmony(template):
         return Format(tools="harmony" if tools else None, harmony=True)
     think_tags = THINK_TAGS if think and ("<think>" in template or ".Think" in template) \
         else None
