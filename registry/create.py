@@ -13,7 +13,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
@@ -26,6 +26,9 @@ from registry.projector import is_projector, projector_problem
 from registry.names import Name, is_valid_name, parse_name
 from registry.progress import Progress, quiet
 from registry.store import Store
+
+
+ProjectorCheck = Callable[[str], "str | None"]  # a GGUF path -> why it does not load, or None
 
 
 @dataclass
@@ -138,12 +141,20 @@ def _with_files(store: Store, files: dict[str, str], layers: list[Layer],
 
 
 def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
-                 prune: bool = True, quantizer: Quantizer | None = None) -> Name:
-    """Build layers for `req` and write the manifest last."""
+                 prune: bool = True, quantizer: Quantizer | None = None,
+                 load_projector: ProjectorCheck | None = None) -> Name:
+    """Build layers for `req` and write the manifest last. `load_projector` tries a
+    vision projector the way the runner will load it (the daemon's runs a child)."""
     name = parse_name(req.model)
     if not req.from_ and not req.files:
         raise ModelfileError("neither 'from' or 'files' was specified")
     base_layers, config, base_params = _base(store, req, progress)
+    projector = next((ly for ly in base_layers if ly.media_type == mt.PROJECTOR), None)
+    if projector is not None and load_projector is not None and req.files:
+        progress({"status": "loading the projector"})
+        problem = load_projector(str(store.blob_path(projector.digest)))
+        if problem:
+            raise ModelfileError(f"the projector does not load: {problem}")
     if req.quantize:
         model = next(ly for ly in base_layers if ly.media_type == mt.MODEL)
         quantized = quantize_layer(store, model, req.quantize, req.requantize, quantizer,

@@ -8,9 +8,8 @@ Each step is plan -> decode -> apply: runner.batchplan chooses the next token
 of every decoding slot and prompt chunks of prefilling slots within the
 n_batch budget, one llama_decode runs them, and the results advance each
 slot's state machine; then one slice of a waiting image goes through its own
-embeddings batch (runner.imagefeed). Every batch and index is checked before it reaches
-native code, because llama.cpp aborts the whole process on misuse instead of
-raising.
+embeddings batch (runner.imagefeed). Every batch and index is checked before it
+reaches native code: llama.cpp aborts the whole process on misuse.
 """
 
 from __future__ import annotations
@@ -241,7 +240,9 @@ class Engine:
         sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
                           self.llama.eog_tokens() if job.ignore_eos else None, logprobs=job.logprobs)
         if job.params.penalized():
-            sampler.remember(prompt[-max(job.params.repeat_last_n, 0) or None:])
+            # Image placeholders are not tokens: the penalties never see them.
+            sampler.remember([t for t in prompt[-max(job.params.repeat_last_n, 0) or None:]
+                              if t >= 0])
         slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
                    self.clock())
 

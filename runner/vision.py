@@ -24,11 +24,12 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, RunnerError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("corral.vision")
 
@@ -44,7 +45,7 @@ class ImageSpan:
 
     start: int
     key: int  # the placeholder id: negative, from the image's hash
-    embd: np.ndarray  # float32 (n_tokens, n_embd)
+    embd: "np.ndarray"  # float32 (n_tokens, n_embd)
     non_causal: bool  # its tokens attend to each other both ways: decoded in one batch
 
     @property
@@ -207,6 +208,8 @@ class Vision:
         if cached is not None:
             self._cache.move_to_end(digest)
             return cached
+        import numpy as np  # here, so the daemon can import probe_in_child cheaply
+
         M = self._m
         n_tokens = int(M.mtmd_input_chunk_get_n_tokens(chunk))
         if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
@@ -230,3 +233,70 @@ class Vision:
         if self.ctx:
             self._m.mtmd_free(self.ctx)
             self.ctx = None
+
+
+# ---- a projector's trial load, in a child process ------------------------------------------
+
+PROBE_TIMEOUT = 120.0
+_GGML_LOG_ERROR = 4
+
+
+def probe(path: str) -> str | None:
+    """Load the projector as the runner would, without a text model: None when it loads
+    with a vision encoder this engine can feed, else why not. llama.cpp may abort on a
+    malformed file, so the daemon runs this in a child (`probe_in_child`)."""
+    from llama_cpp import llama_cpp as L
+    from llama_cpp import mtmd_cpp as M
+
+    errors: list[str] = []
+
+    def hook(level: int, text: bytes, _user: Any) -> None:
+        if level == _GGML_LOG_ERROR and text:
+            errors.append(text.decode("utf-8", "replace").strip())
+
+    global _log_hook
+    _log_hook = L.llama_log_callback(hook)
+    M.mtmd_helper_log_set(_log_hook, ctypes.c_void_p(0))
+    L.llama_log_set(_log_hook, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    params = M.mtmd_context_params_default()
+    params.use_gpu, params.warmup, params.print_timings = False, False, False
+    ctx = M.mtmd_init_from_file(path.encode(), None, params)
+    if not ctx:
+        return errors[-1] if errors else "llama.cpp could not load the projector"
+    try:
+        if not M.mtmd_support_vision(ctx):
+            return "the projector has no vision encoder"
+        if M.mtmd_decode_use_mrope(ctx):
+            return "projectors with M-RoPE positions (Qwen2-VL and later) are not supported yet"
+        return None
+    finally:
+        M.mtmd_free(ctx)
+
+
+def probe_in_child(path: str) -> str | None:
+    """`probe` in a fresh process: a crash there is an answer, not a dead daemon."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]  # `-m runner.vision` finds us from here
+    try:
+        proc = subprocess.run([sys.executable, "-m", "runner.vision", path], cwd=root,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return "loading the projector timed out"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return lines[-1] if lines else f"loading the projector crashed (exit {proc.returncode})"
+
+
+if __name__ == "__main__":
+    import sys
+
+    problem = probe(sys.argv[1])
+    if problem:
+        print(problem, flush=True)
+    sys.exit(1 if problem else 0)

@@ -20,6 +20,7 @@ from registry.names import parse_name
 from registry.pull import Puller
 from registry.push import Pusher
 from runner.quantize import quantize_in_child
+from runner.vision import probe_in_child
 from server.http import Handler, Request, StreamWriter
 from server.inference import Inference, require_model
 
@@ -138,5 +139,6 @@ def create(inf: Inference) -> Any:
             from runner.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
         stream_progress(body, handler, lambda progress, cancelled: create_model(
-            inf.store, request, progress, quantizer=_quantizer(cancelled)))
+            inf.store, request, progress, quantizer=_quantizer(cancelled),
+            load_projector=probe_in_child))
     return route

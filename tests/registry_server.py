@@ -98,7 +98,7 @@ class FakeRegistry:
         cdigest, csize = self.add_blob(json.dumps({"model_format": "gguf",
                                                    "model_family": "gemma3"}).encode())
         self.repo_blobs.setdefault((ns, model), set()).update(
-            [cdigest, *(e["digest"] for e in entries)])
+            [cdigest, *(str(e["digest"]) for e in entries)])
         doc = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE,
                "config": {"mediaType": mt.CONFIG_MEDIA_TYPE, "digest": cdigest, "size": csize},
                "layers": entries}

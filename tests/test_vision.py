@@ -170,3 +170,12 @@ def test_bad_images_fail_the_request_not_the_runner(llava: RunnerService) -> Non
     with pytest.raises(CorralError, match="image markers"):
         run(llava, {"prompt": "<__media__> <__media__>", "raw": True, "images": [IMG1]})
     assert run(llava, chat([IMG1]))[0]  # and it still answers
+
+
+def test_penalties_and_grammar_beside_an_image(llava: RunnerService) -> None:
+    # The penalty history takes the prompt's tokens: never an image's placeholder ids.
+    text, stats = run(llava, chat([IMG1]), repeat_penalty=1.3, repeat_last_n=64,
+                      presence_penalty=0.5)
+    assert stats["eval_count"] > 0 and text
+    job, _ = llava.job({**chat([IMG2]), "options": GREEDY, "grammar": 'root ::= "yes" | "no"'})
+    assert collect(job)[0] in ("yes", "no")

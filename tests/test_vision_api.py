@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +21,7 @@ import pytest
 
 from registry.store import Store
 from server.daemon import Daemon
+from tests.test_cli import CORRAL, corral, env_for
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes, write_projector
 
 pytestmark = pytest.mark.model
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.model
 CHAT = "smollm2:135m"
 VISION = "smol-vision"
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 8}
-CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
 
 
 @pytest.fixture(scope="module")
@@ -202,16 +200,6 @@ def test_too_many_images_then_a_good_request(daemon: Daemon, vision: str,
     assert r.status_code == 200 and r.json()["message"]["content"]
 
 
-def corral(d: Daemon, *args: str, stdin: str | None = None, **env: str
-           ) -> subprocess.CompletedProcess[str]:
-    import os
-
-    host, port = d.address
-    full = dict(os.environ, CORRAL_HOST=f"{host}:{port}", **env)
-    return subprocess.run([*CORRAL, *args], capture_output=True, text=True, input=stdin,
-                          env=full, timeout=180)
-
-
 def test_cli_attaches_image_paths_and_shows_the_projector(daemon: Daemon, vision: str,
                                                           pictures: dict[str, Path]) -> None:
     home = pictures["one.png"].parent
@@ -224,14 +212,10 @@ def test_cli_attaches_image_paths_and_shows_the_projector(daemon: Daemon, vision
         assert out.stdout.strip()
     shown = corral(daemon, "show", vision)
     assert "Projector" in shown.stdout and "mlp" in shown.stdout
-    import os
-
     import pexpect
 
-    host, port = daemon.address
     child = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "run", vision], encoding="utf-8",
-                          timeout=120, dimensions=(40, 100),
-                          env=dict(os.environ, CORRAL_HOST=f"{host}:{port}", HOME=str(home)))
+                          timeout=120, dimensions=(40, 100), env=env_for(daemon, HOME=str(home)))
     child.expect(">>> ")
     child.sendline("/show info")
     child.expect("Projector")
@@ -293,3 +277,17 @@ def test_push_and_pull_carry_the_projector(daemon: Daemon, vision: str,
     finally:
         fresh.shutdown()
         reg.close()
+
+
+def test_a_projector_that_does_not_load_is_refused_at_create(daemon: Daemon,
+                                                             tmp_path: Path) -> None:
+    client = ollama.Client(host=daemon.url)
+    broken = write_projector(tmp_path / "broken.gguf", "mlp", 576,
+                             leave_out=("v.blk.1.attn_out.weight",))
+    digest = client.create_blob(broken)
+    with pytest.raises(ollama.ResponseError) as info:
+        client.create(model="smol-broken", from_=CHAT, files={"mmproj.gguf": digest})
+    assert "the projector does not load: " in str(info.value)
+    assert "attn_out" in str(info.value)  # llama.cpp's own reason, from the child's log
+    assert "smol-broken:latest" not in [m.model for m in client.list().models]
+    assert client.show(CHAT).capabilities  # the daemon is still here

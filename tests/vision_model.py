@@ -29,8 +29,9 @@ N_EMBD, N_FF, N_HEAD, N_LAYER = 64, 96, 4, 3
 
 
 def write_projector(path: Path, kind: str = "mlp", text_embd: int = 576, seed: int = 0,
-                    image_size: int = IMAGE_SIZE) -> Path:
-    """A loadable projector of `kind` ("mlp" or "gemma3") whose output is `text_embd` wide."""
+                    image_size: int = IMAGE_SIZE, leave_out: tuple[str, ...] = ()) -> Path:
+    """A loadable projector of `kind` ("mlp" or "gemma3") whose output is `text_embd` wide;
+    `leave_out` names tensors to omit, for one that must fail to load."""
     rng = np.random.default_rng(seed)
     patch = PATCH if kind == "mlp" else GEMMA_PATCH
     n_pos = (image_size // patch) ** 2
@@ -39,6 +40,9 @@ def write_projector(path: Path, kind: str = "mlp", text_embd: int = 576, seed: i
         return rng.normal(0.0, std, shape).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), "clip")
+    add_tensor = w.add_tensor
+    w.add_tensor = lambda name, data, **kw: None if name in leave_out else (  # type: ignore
+        add_tensor(name, data, **kw))
     w.add_string("general.name", f"corral test projector ({kind})")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_string("clip.projector_type", kind)
