@@ -262,8 +262,9 @@ def probe(path: str) -> str | None:
     params = M.mtmd_context_params_default()
     params.use_gpu, params.warmup, params.print_timings = False, False, False
     ctx = M.mtmd_init_from_file(path.encode(), None, params)
-    if not ctx:
-        return errors[-1] if errors else "llama.cpp could not load the projector"
+    if not ctx:  # the first error is the cause; no server path goes back to a client
+        return errors[0].replace(path, "<projector>") if errors else \
+            "llama.cpp could not load the projector"
     try:
         if not M.mtmd_support_vision(ctx):
             return "the projector has no vision encoder"

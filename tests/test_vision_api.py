@@ -279,15 +279,19 @@ def test_push_and_pull_carry_the_projector(daemon: Daemon, vision: str,
         reg.close()
 
 
-def test_a_projector_that_does_not_load_is_refused_at_create(daemon: Daemon,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("leave_out,words", [
+    (("v.blk.1.attn_out.weight",), "unable to find tensor v.blk.1.attn_out.weight"),
+    (("mm.2.weight", "mm.2.bias"), "crashed"),  # llama.cpp dereferences the missing tensor
+])
+def test_a_projector_that_does_not_load_is_refused_at_create(
+        daemon: Daemon, tmp_path: Path, leave_out: tuple[str, ...], words: str) -> None:
     client = ollama.Client(host=daemon.url)
-    broken = write_projector(tmp_path / "broken.gguf", "mlp", 576,
-                             leave_out=("v.blk.1.attn_out.weight",))
+    broken = write_projector(tmp_path / "broken.gguf", "mlp", 576, leave_out=leave_out)
     digest = client.create_blob(broken)
     with pytest.raises(ollama.ResponseError) as info:
         client.create(model="smol-broken", from_=CHAT, files={"mmproj.gguf": digest})
     assert "the projector does not load: " in str(info.value)
-    assert "attn_out" in str(info.value)  # llama.cpp's own reason, from the child's log
+    assert words in str(info.value)  # llama.cpp's own reason, from the child's log
+    assert "/blobs/" not in str(info.value)  # no server path goes back
     assert "smol-broken:latest" not in [m.model for m in client.list().models]
     assert client.show(CHAT).capabilities  # the daemon is still here
