@@ -177,10 +177,7 @@ class Daemon:
 def run(settings: Settings, preload: str | None = None) -> None:
     """What `corral serve` does: log to stderr, prune, serve until SIGINT or SIGTERM."""
     limit_malloc_arenas()
-    # The daemon's live malloc'd memory stays flat under load (heaptrack, RESULTS.md); what
-    # grows is the heap around it. Blocks of 32 KiB and up (embedding replies, bodies) get
-    # their own mappings, so they never leave holes in it.
-    pin_mmap_threshold(32 << 10)
+    pin_mmap_threshold()
     configure_logging(settings.debug)
     try:
         daemon = Daemon(settings, runner_log=sys.stderr.buffer, preload=preload)
