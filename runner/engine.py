@@ -237,12 +237,12 @@ class Engine:
         if progress is not None:
             slot.resume(job, keep, prompt, progress)
             return
-        sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar,
-                          self.llama.eog_tokens() if job.ignore_eos else None, logprobs=job.logprobs)
+        eog = self.llama.eog_tokens() if job.ignore_eos else None
+        sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar, eog,
+                          logprobs=job.logprobs)
         if job.params.penalized():
-            # Image placeholders are not tokens: the penalties never see them.
-            sampler.remember([t for t in prompt[-max(job.params.repeat_last_n, 0) or None:]
-                              if t >= 0])
+            history = prompt[-max(job.params.repeat_last_n, 0) or None:]
+            sampler.remember([t for t in history if t >= 0])  # image placeholders: no tokens
         slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
                    self.clock())
 

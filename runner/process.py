@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.options import coerce_options
@@ -33,6 +33,9 @@ from runner.jobs import Done, Embed, Job, SamplingParams, Token
 from runner.loadconfig import LoadConfig
 from runner.loading import Loaded, Pending, load
 from runner.prompt import PromptBuilder, attach_images
+
+if TYPE_CHECKING:
+    from runner.vision import ImageSpan, Vision
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
@@ -43,16 +46,16 @@ class RunnerService:
     """Turns wire requests into engine jobs; shared by all handler threads."""
 
     def __init__(self, engine: Engine, builder: PromptBuilder, report: dict[str, Any],
-                 vision: Any = None) -> None:
+                 vision: "Vision | None" = None) -> None:
         self.engine = engine
-        self.vision = vision  # runner.vision.Vision when a projector is loaded
+        self.vision = vision  # when a projector is loaded
         self.builder = builder
         self.report = report
         self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
-    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str, list[Any]]:
+    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str, list["ImageSpan"]]:
         """The prompt's tokens, the end of its text (the daemon's reply parser asks
         whether the template left a think block open), and its images' spans."""
         body, images = attach_images(body)
@@ -69,8 +72,9 @@ class RunnerService:
             text, add_bos = builder.generate(body.get("prompt") or "", body.get("system"),
                                              body.get("suffix"), body.get("think"))
         context = [int(t) for t in body.get("context") or []]
-        spans: list[Any] = []
+        spans: list[ImageSpan] = []
         if images:
+            assert self.vision is not None
             ids, spans = self.vision.prepare(text, images, add_bos and not context)
             spans = [span.shifted(len(context)) for span in spans]
         else:

@@ -44,7 +44,8 @@ def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> It
 def pictures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pictures")
     out = {"projector": write_projector(root / "mmproj.gguf", "mlp", 576)}
-    for name, data in (("one.png", png_bytes(40, 30, seed=1)), ("two.png", png_bytes(40, 30, seed=2)),
+    for name, data in (("one.png", png_bytes(40, 30, seed=1)),
+                       ("two.png", png_bytes(40, 30, seed=2)),
                        ("three.bmp", bmp_bytes(20, 20, seed=3))):
         out[name] = root / name
         out[name].write_bytes(data)
