@@ -11,11 +11,11 @@ import binascii
 from typing import Any
 
 from registry.models import FALLBACK_TEMPLATE
+from runner.vision import MARKER as MEDIA_MARKER
 from runner.templates.gotemplate import GoTemplate
 from runner.templates.jinja import JinjaTemplate
 
 _SENTINEL = "\x00corral-response\x00"
-MEDIA_MARKER = "<__media__>"  # runner.vision.MARKER, without importing numpy here
 
 
 def _decode(images: Any) -> list[bytes]:

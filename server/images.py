@@ -58,23 +58,20 @@ def check_images(images: Any, settings: Settings, seen: int = 0) -> list[str]:
         if width * height > settings.max_image_pixels:
             raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
                              f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
-        out.append(image if isinstance(image, str) else base64.b64encode(data).decode())
+        out.append(image)
     return out
 
 
 def _decode(image: Any, i: int, limit: int) -> bytes:
-    if isinstance(image, (bytes, bytearray)):
-        data = bytes(image)
-    elif isinstance(image, str):
-        if len(image) > limit * 4 // 3 + 4:
-            raise BadRequest(f"image {i} is over the limit of {limit} bytes"
-                             " (CORRAL_MAX_IMAGE_BYTES)")
-        try:
-            data = base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest(f"image {i} is not valid base64") from None
-    else:
+    if not isinstance(image, str):  # JSON carries images as base64 strings only
         raise BadRequest(f"image {i} must be a base64 string")
+    if len(image) > limit * 4 // 3 + 4:
+        raise BadRequest(f"image {i} is over the limit of {limit} bytes"
+                         " (CORRAL_MAX_IMAGE_BYTES)")
+    try:
+        data = base64.b64decode(image, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"image {i} is not valid base64") from None
     if not data:
         raise BadRequest(f"image {i} is empty")
     if len(data) > limit:
