@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,3 +115,46 @@ def load_record(store: Store, name: Name | str) -> ModelRecord:
         elif kind == mt.ADAPTER:
             record.adapters.append(store.blob_path(layer.digest))
     return record
+
+
+RECORDS_CACHED = 64
+
+
+class Records:
+    """Model records by stored name, built again only when the manifest's bytes change.
+
+    Every inference request needs its model's record; building it read the config
+    and text layers each time and, through pathlib, interned a set of path strings
+    that died with the request: the interpreter's table of interned strings filled
+    with their tombstones until it doubled (by a megabyte) mid-soak. A record is a
+    function of the manifest's bytes alone (blobs never change in place), so one
+    small read tells whether the cached record still holds. A cached record is
+    shared between requests: nothing may modify it.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._cached: OrderedDict[str, tuple[Path, bytes, ModelRecord]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: Name) -> ModelRecord:
+        """The record of a stored name (as `Store.resolve` spells it)."""
+        path = self.store.manifest_file(name)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return load_record(self.store, name)  # says what is missing
+        key = name.display()
+        with self._lock:
+            hit = self._cached.get(key)
+            if hit is not None and hit[1] == data:
+                self._cached.move_to_end(key)
+                return hit[2]
+        # Replaced between the two reads? Then the next request sees other bytes.
+        record = load_record(self.store, name)
+        with self._lock:
+            # The path is kept too: its interned parts then stay alive between requests.
+            self._cached[key] = (path, data, record)
+            while len(self._cached) > RECORDS_CACHED:
+                self._cached.popitem(last=False)
+        return record

@@ -187,7 +187,8 @@ class Store:
 
     # ---- manifests -----------------------------------------------------------
 
-    def _manifest_file(self, name: Name) -> Path:
+    def manifest_file(self, name: Name) -> Path:
+        """Where `name`'s manifest lives (it may not exist)."""
         # A parsed Name has only safe characters, so the join cannot escape.
         return self.manifests.joinpath(*name.parts())
 
@@ -195,7 +196,7 @@ class Store:
         """The stored spelling of `name`, matched case-insensitively, or None."""
         if isinstance(name, str):
             name = parse_name(name)
-        exact = self._manifest_file(name)
+        exact = self.manifest_file(name)
         if exact.is_file():
             return name
         for entry in self._manifest_names():
@@ -212,7 +213,7 @@ class Store:
 
     def read_manifest(self, name: Name | str) -> tuple[bytes, Manifest]:
         stored = self.require(name)
-        data = self._manifest_file(stored).read_bytes()
+        data = self.manifest_file(stored).read_bytes()
         return data, parse_manifest(data)
 
     def write_manifest(self, name: Name, data: bytes) -> None:
@@ -224,8 +225,8 @@ class Store:
                     raise ModelNotFound(f"blob {digest} is missing")
             existing = self.resolve(name)
             if existing is not None and existing != name:
-                self._manifest_file(existing).unlink(missing_ok=True)
-            path = self._manifest_file(name)
+                self.manifest_file(existing).unlink(missing_ok=True)
+            path = self.manifest_file(name)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
             try:
@@ -254,7 +255,7 @@ class Store:
             yield name
 
     def _entry(self, name: Name) -> ModelEntry:
-        path = self._manifest_file(name)
+        path = self.manifest_file(name)
         data = path.read_bytes()
         manifest = parse_manifest(data)
         digest = hashlib.sha256(data).hexdigest()
@@ -286,7 +287,7 @@ class Store:
         with self.lock:
             stored = self.require(name)
             _, manifest = self.read_manifest(stored)
-            path = self._manifest_file(stored)
+            path = self.manifest_file(stored)
             path.unlink()
             self._remove_empty_dirs(path.parent)
             still_used = self.referenced_digests()
@@ -297,7 +298,7 @@ class Store:
         used: set[str] = set()
         for name in self._manifest_names():
             try:
-                used |= parse_manifest(self._manifest_file(name).read_bytes()).digests()
+                used |= parse_manifest(self.manifest_file(name).read_bytes()).digests()
             except (OSError, CorralError):
                 continue
         return used

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 from corral.config import parse_duration
 from corral.errors import BadRequest, CorralError, ModelNotFound, RunnerError
 from corral.options import coerce_options
-from registry.models import ModelRecord, load_record
+from registry.models import ModelRecord, Records
 from registry.names import parse_name
 from registry.projector import projector_problem
 from registry.store import Store
@@ -117,12 +117,13 @@ class Inference:
         self.scheduler = scheduler
         self.metrics = metrics
         self.settings = scheduler.settings
+        self.records = Records(store)
 
     def record(self, name: Any, not_found: str = "model '{}' not found") -> ModelRecord:
-        parsed = parse_name(require_model(name))
-        if self.store.resolve(parsed) is None:
+        stored = self.store.resolve(parse_name(require_model(name)))
+        if stored is None:
             raise ModelNotFound(not_found.format(name))
-        return load_record(self.store, parsed)
+        return self.records.get(stored)
 
     def options(self, record: ModelRecord, requested: Any) -> dict[str, Any]:
         """Built-in defaults < the model's PARAMETERs < the request's options."""

@@ -21,7 +21,8 @@ from registry.create import (
     looks_like_path,
 )
 from registry.modelfile import Modelfile, format_modelfile, parse_modelfile
-from registry.names import Name
+from registry.models import Records
+from registry.names import Name, parse_name
 from registry.progress import Progress, quiet
 from registry.store import Store
 from tests.gguf_files import write_tiny_gguf
@@ -129,6 +130,24 @@ def test_create_from_existing_model_inherits_and_overrides(store: Store, tmp_pat
     assert store.read_blob(manifest.layers_of(mt.SYSTEM)[0].digest) == b"Be verbose."
     params = json.loads(store.read_blob(manifest.layers_of(mt.PARAMS)[0].digest))
     assert params["temperature"] == 0.9 and params["num_ctx"] == 2048
+
+
+def test_records_are_built_again_only_when_the_manifest_changes(store: Store,
+                                                                 tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    name = create_from_modelfile(store, "mine", parse_modelfile(MODELFILE), tmp_path)
+    records = Records(store)
+    first = records.get(name)
+    assert first.system == "You are terse." and records.get(name) is first
+    store.copy("mine", parse_name("other"))  # another name's manifest changes nothing here
+    assert records.get(name) is first
+    changed = parse_modelfile(MODELFILE.replace("You are terse.", "Be brief."))
+    create_from_modelfile(store, "mine", changed, tmp_path)
+    second = records.get(name)
+    assert second is not first and second.system == "Be brief."
+    store.delete(name)
+    with pytest.raises(ModelNotFound):
+        records.get(name)
 
 
 def test_json_form_with_uploaded_blob(store: Store, tmp_path: Path) -> None:
