@@ -7,6 +7,7 @@ applied once, early, in the process it is meant for (daemon, runner, worker).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 
@@ -38,10 +39,9 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     the pages freed into it: a server's resident size creeps up with every new
     thread that allocates. Call before starting threads; a no-op off glibc.
     """
-    try:
-        ctypes.CDLL(None).mallopt(-8, arenas)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-8, arenas)  # M_ARENA_MAX
 
 
 def pin_mmap_threshold(threshold: int = 128 << 10) -> None:
@@ -52,18 +52,27 @@ def pin_mmap_threshold(threshold: int = 128 << 10) -> None:
     from the heap instead, and the heap fragments around the ones still alive. A fixed
     threshold sends every large block to its own mapping, which free() unmaps.
     """
-    try:
-        libc = ctypes.CDLL(None)
+    libc = _libc()
+    if libc is not None:
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, threshold)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def trim_malloc() -> None:
     """Hand freed heap pages back to the OS; glibc keeps them otherwise, so a process's
     resident size would stay at its peak, and creep up as free pages fragment."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once: each CDLL builds classes in reference cycles, garbage that
+    a housekeeping loop calling this every few seconds would leave behind."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    # Off glibc (musl, macOS) these are absent and every knob here is a no-op.
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
