@@ -242,12 +242,16 @@ class Store:
                 tmp.unlink(missing_ok=True)
 
     def _manifest_names(self) -> Iterator[Name]:
-        if not self.manifests.is_dir():
-            return
-        for path in sorted(self.manifests.glob("*/*/*/*")):
-            if not path.is_file() or path.name.startswith("."):
-                continue
-            host, ns, model, tag = path.relative_to(self.manifests).parts
+        # os.walk, not pathlib's glob: a delete on another thread removes directories
+        # it emptied while this walks them, and glob raises when one vanishes.
+        root = str(self.manifests)
+        found: list[tuple[str, ...]] = []
+        for top, dirs, files in os.walk(root):
+            parts = os.path.relpath(top, root).split(os.sep)
+            if len(parts) == 3:  # host/namespace/model: the files are its tags
+                found += [(*parts, tag) for tag in files if not tag.startswith(".")]
+                dirs.clear()
+        for host, ns, model, tag in sorted(found):
             try:
                 name = parse_name(f"{host}/{ns}/{model}:{tag}")
             except CorralError:
