@@ -41,7 +41,7 @@ def log_path() -> Path:
 
 
 def spawn(preload: str | None = None) -> subprocess.Popen[bytes]:
-    """Start `python -m server` in the background once per process; returns the process."""
+    """Start `python -m corral.server` in the background once per process; returns the process."""
     global _spawned
     if _spawned is not None:
         return _spawned
@@ -49,9 +49,9 @@ def spawn(preload: str | None = None) -> subprocess.Popen[bytes]:
     log_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--preload", preload] if preload else []
     with open(log_dir / "server.log", "ab") as log:
-        # `python -m server` is `corral serve` without the CLI toolkit's import time.
+        # `python -m corral.server` is `corral serve` without the CLI toolkit's import time.
         # It runs in our own state directory, where no stray module can shadow ours.
-        _spawned = subprocess.Popen([sys.executable, "-m", "server", *extra], stdout=log,
+        _spawned = subprocess.Popen([sys.executable, "-m", "corral.server", *extra], stdout=log,
                                     stderr=log, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=str(log_dir))
     (log_dir / "server.pid").write_text(str(_spawned.pid))

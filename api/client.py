@@ -15,7 +15,7 @@ from typing import Any, Generator
 
 import httpx
 
-from api import autostart
+from corral.api import autostart
 from corral.config import Settings
 from corral.errors import CorralError, NotFound
 

@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from corral.config import load_settings  # noqa: E402
-from registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
-from registry.store import Store  # noqa: E402
-from runner.native import physical_cores  # noqa: E402
+from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
+from corral.registry.store import Store  # noqa: E402
+from corral.runner.native import physical_cores  # noqa: E402
 
 LEVELS = "1,2,4,8,16"
 
@@ -65,7 +65,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
 
 def bench(url: str, out: Path, args: argparse.Namespace, dataset: str = "random",
           levels: str = LEVELS) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-c", "from cli.main import main; main()", "bench", STARTER_NAME,
+    cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench", STARTER_NAME,
            "--api", "openai", "--base-url", url, "--concurrency", levels,
            "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--dataset", dataset, "--seed", "1", "--json", str(out)]
@@ -83,7 +83,7 @@ def start_corral(slots: int, num_ctx: int, threads: int, **extra: str
     env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_NUM_PARALLEL=str(slots),
                CORRAL_CONTEXT_LENGTH=str(num_ctx), CORRAL_KEEP_ALIVE="-1", CORRAL_NOPRUNE="1",
                **{f"CORRAL_{k}": v for k, v in extra.items()})
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
+    proc = subprocess.Popen([sys.executable, "-c", "from corral.cli.main import main; main()", "serve"],
                             cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)

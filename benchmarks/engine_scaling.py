@@ -18,11 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from corral.config import load_settings  # noqa: E402
-from registry.starter import starter_model_path  # noqa: E402
-from registry.store import Store  # noqa: E402
-from runner.context import EngineConfig  # noqa: E402
-from runner.engine import Engine  # noqa: E402
-from runner.jobs import Done, Failed, Job, SamplingParams  # noqa: E402
+from corral.registry.starter import starter_model_path  # noqa: E402
+from corral.registry.store import Store  # noqa: E402
+from corral.runner.context import EngineConfig  # noqa: E402
+from corral.runner.engine import Engine  # noqa: E402
+from corral.runner.jobs import Done, Failed, Job, SamplingParams  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "A recipe for bread starts with",
            "The main causes of the French Revolution were", "In a distant galaxy,",

@@ -25,8 +25,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from registry.create import CreateRequest, create_model  # noqa: E402
-from registry.store import Store  # noqa: E402
+from corral.registry.create import CreateRequest, create_model  # noqa: E402
+from corral.registry.store import Store  # noqa: E402
 
 PROMPT = "The capital of France is"
 LEVELS = "1,4,16,64"
@@ -49,7 +49,7 @@ def start(models: Path, work: Path, **env: str) -> tuple[str, subprocess.Popen[b
     full = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(models),
                 CORRAL_NOPRUNE="1", CORRAL_KEEP_ALIVE="-1", XDG_STATE_HOME=str(work),
                 **{f"CORRAL_{k}": v for k, v in env.items()})
-    proc = subprocess.Popen([sys.executable, "-m", "server"], env=full, cwd=work,
+    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], env=full, cwd=work,
                             stderr=open(work / f"daemon-{port}.log", "wb"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -105,7 +105,7 @@ def slot_count(url: str, model: str) -> int:
 
 
 def bench(url: str, model: str, out: Path, levels: str = LEVELS) -> list[dict[str, Any]]:
-    subprocess.run([sys.executable, "-c", "from cli.launch import main; main()", "bench", model,
+    subprocess.run([sys.executable, "-c", "from corral.cli.launch import main; main()", "bench", model,
                     "--api", "openai", "--base-url", url, "--concurrency", levels,
                     "--max-tokens", "64", "--prompt-tokens", "32", "--seed", "1",
                     "--json", str(out)], check=True, timeout=1800)

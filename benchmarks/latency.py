@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from corral.config import load_settings  # noqa: E402
-from registry.starter import CHAT_NAME, STARTER_NAME  # noqa: E402
+from corral.registry.starter import CHAT_NAME, STARTER_NAME  # noqa: E402
 
-CLI = [sys.executable, "-c", "from cli.launch import main; main()"]
+CLI = [sys.executable, "-c", "from corral.cli.launch import main; main()"]
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency import Daemon, record, store_view  # noqa: E402
-from registry.starter import CHAT_NAME  # noqa: E402
+from corral.registry.starter import CHAT_NAME  # noqa: E402
 
 
 def stream(url: str, i: int, tokens: int, out: list[dict[str, Any]]) -> None:

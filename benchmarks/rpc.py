@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency import CLI, Daemon, free_port, record, store_view  # noqa: E402
-from registry.starter import STARTER_NAME  # noqa: E402
+from corral.registry.starter import STARTER_NAME  # noqa: E402
 
 
 def worker(threads: int) -> tuple[str, subprocess.Popen[bytes]]:

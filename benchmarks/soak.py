@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.latency import Daemon, record, rss, runner_pids, store_view  # noqa: E402
-from registry.starter import STARTER_NAME  # noqa: E402
+from corral.registry.starter import STARTER_NAME  # noqa: E402
 
 MODEL = STARTER_NAME
 

@@ -1,5 +1,5 @@
-"""`python -m cli` is `corral`."""
+"""`python -m corral.cli` is `corral`."""
 
-from cli.launch import main
+from corral.cli.launch import main
 
 main()

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import httpx
 
-from cli.benchmetrics import RequestResult, Summary, calculate
+from corral.cli.benchmetrics import RequestResult, Summary, calculate
 from corral.errors import CorralError
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "

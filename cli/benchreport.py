@@ -14,8 +14,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cli.bench import BenchConfig, run_level, total_requests, warm_up
-from cli.benchmetrics import Summary
+from corral.cli.bench import BenchConfig, run_level, total_requests, warm_up
+from corral.cli.benchmetrics import Summary
 
 
 def _ms(value: float) -> str:

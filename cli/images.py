@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from corral.errors import CorralError
 
 if TYPE_CHECKING:
-    from api.client import Client
-    from cli.repl import RunOptions
+    from corral.api.client import Client
+    from corral.cli.repl import RunOptions
 
 EXTENSIONS = r"(?:png|jpe?g|gif|bmp|webp)"
 _START = r"(?:~|\.{1,2})?/"

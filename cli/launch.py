@@ -13,7 +13,7 @@ import sys
 def main() -> None:
     argv = sys.argv[1:]
     if len(argv) >= 2 and argv[0] == "run" and not argv[1].startswith("-"):
-        from api.autostart import spawn_early
+        from corral.api.autostart import spawn_early
         from corral.config import load_settings
 
         spawn_early(load_settings(warn=False), argv[1])  # the CLI warns once, later
@@ -21,6 +21,6 @@ def main() -> None:
         # `--think` alone means true, `--think=high` a level, as in Ollama's CLI; the
         # option parser would take the next word (the prompt) as the value instead.
         sys.argv[1:] = ["--think=true" if a == "--think" else a for a in argv]
-    from cli.main import main as cli_main
+    from corral.cli.main import main as cli_main
 
     cli_main()

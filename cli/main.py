@@ -8,9 +8,10 @@ from typing import List, Optional
 
 import typer
 
-from api.client import Client
-from cli import tables
-from cli.progress import show_progress
+from corral.process import package_parent
+from corral.api.client import Client
+from corral.cli import tables
+from corral.cli.progress import show_progress
 from corral.config import Settings, describe_settings, load_settings, parse_duration
 from corral.errors import CorralError
 from corral.version import corral_version
@@ -66,7 +67,7 @@ def _root(show_version: bool = typer.Option(False, "--version", "-v", callback=_
 @app.command(epilog=describe_settings())
 def serve() -> None:
     """Start the daemon (Ollama-compatible API on CORRAL_HOST)."""
-    from server.daemon import run
+    from corral.server.daemon import run
 
     run(settings())
 
@@ -104,11 +105,11 @@ def rpc_server(host: str = typer.Option("127.0.0.1", help="Address to listen on;
     """Serve this machine's best device to other hosts' models (llama.cpp RPC)."""
     import os
 
-    argv = [sys.executable, "-m", "runner.rpc", "--host", host, "--port", str(port),
+    argv = [sys.executable, "-m", "corral.runner.rpc", "--host", host, "--port", str(port),
             "--threads", str(threads)]
     if cache is not None:
         argv += ["--cache", str(cache.resolve())]
-    os.chdir(Path(__file__).resolve().parents[1])  # where `-m runner.rpc` is found
+    os.chdir(package_parent())
     sys.stdout.flush()
     os.execv(sys.executable, argv)  # the worker is the process: signals reach it directly
 
@@ -167,8 +168,8 @@ def stop(model: str) -> None:
 
 def _upload(c: Client, ref: str, base: Path) -> tuple[str, str]:
     """A Modelfile's local GGUF (FROM or ADAPTER) sent as a blob: (file name, digest)."""
-    from registry.create import local_model_file
-    from registry.store import file_sha256
+    from corral.registry.create import local_model_file
+    from corral.registry.store import file_sha256
 
     path = local_model_file(ref, base)  # refuse a bad file before uploading it
     digest = file_sha256(path)
@@ -187,9 +188,9 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
                False, "--requantize", help="Allow quantizing a model that is already "
                "quantized (quality drops).")) -> None:
     """Create a model from a Modelfile."""
-    from registry.create import looks_like_path
-    from registry.derive import file_type
-    from registry.modelfile import parse_modelfile
+    from corral.registry.create import looks_like_path
+    from corral.registry.derive import file_type
+    from corral.registry.modelfile import parse_modelfile
 
     if quantize is not None:
         file_type(quantize)  # a bad type fails before any upload
@@ -228,7 +229,7 @@ def run(model: str,
         nowordwrap: bool = typer.Option(False, "--nowordwrap", help="Do not wrap words."),
         insecure: bool = typer.Option(False, "--insecure", help="Pull over plain HTTP.")) -> None:
     """Run a model: one answer with a PROMPT or piped input, else an interactive chat."""
-    from cli import repl
+    from corral.cli import repl
 
     c = client(preload=model)
     if not c.exists(model):
@@ -284,8 +285,8 @@ def bench(model: str,
           plot_dir: Optional[Path] = typer.Option(None, "--plot-dir",
                                                   help="Where charts go (plot extra).")) -> None:
     """Benchmark a server: TTFT, TPOT, ITL and throughput across concurrency levels."""
-    from cli import bench as b
-    from cli.benchreport import print_report
+    from corral.cli import bench as b
+    from corral.cli.benchreport import print_report
 
     if api not in ("native", "openai") or dataset not in ("random", "chat"):
         raise CorralError("--api must be native or openai, --dataset random or chat")

@@ -9,9 +9,9 @@ from typing import Any, Iterator
 
 from rich.console import Console
 
-from api.client import Client, ClientError
-from cli.images import attach
-from cli.tables import verbose_stats
+from corral.api.client import Client, ClientError
+from corral.cli.images import attach
+from corral.cli.tables import verbose_stats
 from corral.config import state_dir
 from corral.errors import CorralError, InvalidOption
 from corral.options import coerce_option
@@ -307,7 +307,7 @@ class Session:
             print(SET_HELP)
 
     def _show(self, what: str) -> None:
-        from cli.tables import show_text
+        from corral.cli.tables import show_text
 
         info = self.client.show(self.opts.model)
         empty = {"license": "No license was specified for this model.",

@@ -76,3 +76,12 @@ def _libc() -> ctypes.CDLL | None:
         return None
     # Off glibc (musl, macOS) these are absent and every knob here is a no-op.
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def package_parent() -> str:
+    """The folder that holds the `corral` package: a child started with `python -m
+    corral.X` runs there, so whatever folder the daemon was started in (one holding some
+    other `corral`, say) cannot shadow ours."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[1])

@@ -17,15 +17,15 @@ from typing import Any, Callable
 
 from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
-from registry import manifest as mt
-from registry.derive import Quantizer, check_adapter, quantize_layer
-from registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
-from registry.manifest import Layer, Manifest, canonical_digest
-from registry.modelfile import ROLES
-from registry.projector import is_projector, projector_problem
-from registry.names import Name, is_valid_name, parse_name
-from registry.progress import Progress, quiet
-from registry.store import Store
+from corral.registry import manifest as mt
+from corral.registry.derive import Quantizer, check_adapter, quantize_layer
+from corral.registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
+from corral.registry.manifest import Layer, Manifest, canonical_digest
+from corral.registry.modelfile import ROLES
+from corral.registry.projector import is_projector, projector_problem
+from corral.registry.names import Name, is_valid_name, parse_name
+from corral.registry.progress import Progress, quiet
+from corral.registry.store import Store
 
 
 ProjectorCheck = Callable[[str], "str | None"]  # a GGUF path -> why it does not load, or None

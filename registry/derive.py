@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from corral.errors import BadRequest, CorralError, InvalidModelFile, ModelfileError, NoSpace
-from registry import manifest as mt
-from registry.gguf import GGUFInfo, inspect_gguf
-from registry.manifest import Layer
-from registry.progress import Progress
-from registry.store import Store
+from corral.registry import manifest as mt
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.registry.manifest import Layer
+from corral.registry.progress import Progress
+from corral.registry.store import Store
 
 # What `create --quantize` accepts (case-insensitive), as llama_ftype values.
 TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q3_k_s": 11, "q3_k_m": 12,

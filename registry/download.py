@@ -20,8 +20,8 @@ from typing import Callable
 import httpx
 
 from corral.errors import CorralError, DigestMismatch, NoSpace
-from registry.manifest import digest_hex
-from registry.store import Store, file_sha256
+from corral.registry.manifest import digest_hex
+from corral.registry.store import Store, file_sha256
 
 log = logging.getLogger("corral.download")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from corral.errors import InvalidModelFile
-from registry.ggufio import (
+from corral.registry.ggufio import (
     ARRAY,
     F32,
     I32,

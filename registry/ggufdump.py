@@ -13,8 +13,8 @@ import struct
 from typing import Any
 
 from corral.errors import InvalidModelFile
-from registry.gguf import MAGIC, MAX_ARRAY, MAX_DIMS, SUPPORTED_VERSIONS, _read_value, gguf
-from registry.ggufio import ARRAY, SCALAR, STRING, Reader, open_regular
+from corral.registry.gguf import MAGIC, MAX_ARRAY, MAX_DIMS, SUPPORTED_VERSIONS, _read_value, gguf
+from corral.registry.ggufio import ARRAY, SCALAR, STRING, Reader, open_regular
 
 
 def dump_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

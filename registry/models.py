@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from corral.errors import CorralError
-from registry import manifest as mt
-from registry.gguf import GGUFInfo
-from registry.names import Name
-from registry.store import ModelEntry, Store
+from corral.registry import manifest as mt
+from corral.registry.gguf import GGUFInfo
+from corral.registry.names import Name
+from corral.registry.store import ModelEntry, Store
 
 # The plain completion-style template of a model that has neither a TEMPLATE
 # layer nor a chat template in its GGUF.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from registry.gguf import GGUFInfo
+from corral.registry.gguf import GGUFInfo
 
 # Projectors whose image tokens need M-RoPE positions (several per token); the
 # engine gives every token one position, so these are refused rather than run wrong.

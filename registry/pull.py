@@ -18,11 +18,11 @@ from urllib.parse import urlencode, urljoin, urlsplit
 import httpx
 
 from corral.errors import BadRequest, CorralError, Unauthorized
-from registry.download import Download, Downloader, wait
-from registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES, parse_manifest
-from registry.names import Name, parse_name
-from registry.progress import Progress
-from registry.store import Store
+from corral.registry.download import Download, Downloader, wait
+from corral.registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES, parse_manifest
+from corral.registry.names import Name, parse_name
+from corral.registry.progress import Progress
+from corral.registry.store import Store
 
 log = logging.getLogger("corral.pull")
 

@@ -21,11 +21,11 @@ from urllib.parse import urlencode, urljoin, urlsplit
 import httpx
 
 from corral.errors import BadRequest, Cancelled, CorralError, Unauthorized
-from registry.manifest import MANIFEST_MEDIA_TYPE, Layer, parse_manifest
-from registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, Name, parse_name
-from registry.progress import Progress
-from registry.pull import Body, Registry
-from registry.store import Store
+from corral.registry.manifest import MANIFEST_MEDIA_TYPE, Layer, parse_manifest
+from corral.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, Name, parse_name
+from corral.registry.progress import Progress
+from corral.registry.pull import Body, Registry
+from corral.registry.store import Store
 
 log = logging.getLogger("corral.push")
 

@@ -22,10 +22,10 @@ from typing import Any, Iterator
 
 from corral.config import load_settings
 from corral.errors import CorralError
-from registry.create import CreateRequest, create_model
-from registry.models import FALLBACK_TEMPLATE
-from registry.names import Name, parse_name
-from registry.store import CHUNK, Store
+from corral.registry.create import CreateRequest, create_model
+from corral.registry.models import FALLBACK_TEMPLATE
+from corral.registry.names import Name, parse_name
+from corral.registry.store import CHUNK, Store
 
 
 @dataclass(frozen=True)

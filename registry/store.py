@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
 from corral.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
-from registry.gguf import GGUFInfo, inspect_gguf
-from registry.manifest import Manifest, canonical_digest, digest_hex, parse_manifest
-from registry.names import Name, parse_name
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.registry.manifest import Manifest, canonical_digest, digest_hex, parse_manifest
+from corral.registry.names import Name, parse_name
 
 CHUNK = 1 << 20
 FACTS_CACHED = 64  # GGUF headers kept in memory; each is a few KB plus its tensor table

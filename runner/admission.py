@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from corral.errors import ContextOverflow
-from runner.jobs import Job
+from corral.runner.jobs import Job
 
 
 def fit_prompt(job: Job, generated: list[int], num_ctx: int) -> list[int]:

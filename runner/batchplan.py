@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState
 
 
 class Entry(NamedTuple):

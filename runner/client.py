@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, Iterator
 
+from corral.process import package_parent
 from corral.errors import RunnerError, from_wire
-from runner.loadconfig import LoadConfig
+from corral.runner.loadconfig import LoadConfig
 
 if TYPE_CHECKING:
     import httpx
@@ -43,8 +43,8 @@ class RunnerProcess:
 
     def start(self, timeout: float) -> dict[str, Any]:
         """Start the process and wait for its ready line; returns the load report."""
-        cmd = [self.python, "-m", "runner", "--config", self.config.to_json()]
-        root = str(Path(__file__).resolve().parents[1])
+        cmd = [self.python, "-m", "corral.runner", "--config", self.config.to_json()]
+        root = package_parent()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log_file or subprocess.DEVNULL,
             stdin=subprocess.DEVNULL, cwd=root, start_new_session=True)

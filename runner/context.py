@@ -13,8 +13,8 @@ from typing import Any
 import llama_cpp as L
 
 from corral.errors import RunnerError
-from runner import native
-from runner.loadconfig import DEFAULT_BATCH
+from corral.runner import native
+from corral.runner.loadconfig import DEFAULT_BATCH
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 

@@ -13,8 +13,8 @@ from typing import Any
 import llama_cpp as L
 
 from corral.errors import BadRequest, Cancelled, ContextOverflow, CorralError, RunnerError
-from runner import native
-from runner.jobs import Embed, Failed
+from corral.runner import native
+from corral.runner.jobs import Embed, Failed
 
 
 MIN_CAPACITY = 512

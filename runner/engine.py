@@ -24,18 +24,18 @@ from typing import Any, Callable
 import llama_cpp as L
 
 from corral.errors import BadRequest, CorralError, RunnerError
-from runner import kvops, native
-from runner.admission import fit_prompt, generation_limit
-from runner.batchplan import StepPlan, plan_step
-from runner.context import EngineConfig, LlamaContext
-from runner.embedding import Embedder, EmbedQueue
-from runner import imagefeed
-from runner.imagefeed import ImageFeed
-from runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
-from runner.sampling import Sampler
-from runner.kvpool import KVPool
-from runner.slot import DoneReason, Progress, Slot, SlotState, common_prefix
-from runner.textstream import Utf8Stream
+from corral.runner import kvops, native
+from corral.runner.admission import fit_prompt, generation_limit
+from corral.runner.batchplan import StepPlan, plan_step
+from corral.runner.context import EngineConfig, LlamaContext
+from corral.runner.embedding import Embedder, EmbedQueue
+from corral.runner import imagefeed
+from corral.runner.imagefeed import ImageFeed
+from corral.runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
+from corral.runner.sampling import Sampler
+from corral.runner.kvpool import KVPool
+from corral.runner.slot import DoneReason, Progress, Slot, SlotState, common_prefix
+from corral.runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 import llama_cpp as L
 
 from corral.errors import BadRequest
-from runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState
 
 if TYPE_CHECKING:
-    from runner.jobs import Job
-    from runner.vision import ImageSpan
+    from corral.runner.jobs import Job
+    from corral.runner.vision import ImageSpan
 
 # Image tokens decoded per step, when the projector allows splitting. It bounds what a
 # step adds for the streams beside the image; measured here with batch-invariant kernels,

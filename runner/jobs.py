@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Union
 from corral.errors import CorralError
 
 if TYPE_CHECKING:
-    from runner.vision import ImageSpan
+    from corral.runner.vision import ImageSpan
 
 
 @dataclass(frozen=True)

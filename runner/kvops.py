@@ -6,7 +6,7 @@ from typing import Any
 
 import llama_cpp as L
 
-from runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState
 
 
 def drop(mem: Any, slot: Slot) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState
 
 RESERVE = 32  # cells a new request must find beyond its prompt, so it can start generating
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 from corral.process import limit_malloc_arenas
 from corral.errors import BadRequest
-from registry.gguf import GGUFInfo, inspect_gguf
-from runner import memory, native, rpc
-from runner.context import EngineConfig, LlamaContext
-from runner.loadconfig import LoadConfig
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.runner import memory, native, rpc
+from corral.runner.context import EngineConfig, LlamaContext
+from corral.runner.loadconfig import LoadConfig
 
 if TYPE_CHECKING:
-    from runner.vision import Vision
+    from corral.runner.vision import Vision
 
 
 @dataclass
@@ -68,7 +68,7 @@ def load(config: LoadConfig) -> Loaded:
     llama = LlamaContext(config.model, cfg)
     vision = None
     if config.projector:
-        from runner.vision import Vision  # numpy: not before the load has started
+        from corral.runner.vision import Vision  # numpy: not before the load has started
 
         try:
             vision = Vision(config.projector, llama.model, llama.n_threads,
@@ -83,7 +83,7 @@ class Pending:
     """A load running on its helper thread; `result()` waits for it."""
 
     def __init__(self, argv: list[str]) -> None:
-        parser = argparse.ArgumentParser(prog="python -m runner")
+        parser = argparse.ArgumentParser(prog="python -m corral.runner")
         parser.add_argument("--config", required=True, help="JSON load configuration")
         parser.add_argument("--verbose", action="store_true")
         self.args = parser.parse_args(argv)

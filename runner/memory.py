@@ -11,8 +11,8 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from registry.gguf import GGUFInfo
-from runner.loadconfig import DEFAULT_BATCH
+from corral.registry.gguf import GGUFInfo
+from corral.runner.loadconfig import DEFAULT_BATCH
 
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 COMPUTE_FIXED = 64 << 20  # graph scratch beyond the logits buffer

@@ -5,7 +5,9 @@ only this process. It prints one JSON line on stdout when it is ready (its
 port and load report), then serves:
 
     GET  /health                  engine status
-    POST /completion              NDJSON: {"content"} lines, then a final {"done": true, ...}
+    POST /completion              {"prompt": text rendered by the daemon, "add_bos", "images",
+                                  "context", ...} -> NDJSON: {"content"} lines, then a final
+                                  {"done": true, ...}
     POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
     POST /tokenize, /detokenize
     POST /cancel                  {"id"}
@@ -14,6 +16,8 @@ port and load report), then serves:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import math
@@ -28,49 +32,40 @@ from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.options import coerce_options
-from runner.engine import Engine
-from runner.jobs import Done, Embed, Job, SamplingParams, Token
-from runner.loadconfig import LoadConfig
-from runner.loading import Loaded, Pending, load
-from runner.prompt import PromptBuilder, attach_images
+from corral.runner.engine import Engine
+from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
+from corral.runner.loadconfig import LoadConfig
+from corral.runner.loading import Loaded, Pending, load
 
 if TYPE_CHECKING:
-    from runner.vision import ImageSpan, Vision
+    from corral.runner.vision import ImageSpan, Vision
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
-PROMPT_TAIL = 64  # characters of the rendered prompt sent ahead of a reply
 
 
 class RunnerService:
     """Turns wire requests into engine jobs; shared by all handler threads."""
 
-    def __init__(self, engine: Engine, builder: PromptBuilder, report: dict[str, Any],
+    def __init__(self, engine: Engine, report: dict[str, Any],
                  vision: "Vision | None" = None) -> None:
         self.engine = engine
         self.vision = vision  # when a projector is loaded
-        self.builder = builder
         self.report = report
         self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
-    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], str, list["ImageSpan"]]:
-        """The prompt's tokens, the end of its text (the daemon's reply parser asks
-        whether the template left a think block open), and its images' spans."""
-        body, images = attach_images(body)
+    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], list["ImageSpan"]]:
+        """The prompt's tokens and its images' spans. The daemon rendered the text; each
+        image sits at a media marker in it, in the order of `images`."""
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise BadRequest("prompt must be a string")
+        images = _decode(body.get("images") or [])
         if images and self.vision is None:
             raise BadRequest("this model does not support images")
-        builder = self.builder
-        if body.get("template"):
-            builder = PromptBuilder(body["template"], None, builder.bos, builder.eos)
-        if body.get("messages") is not None:
-            text, add_bos = builder.chat(body["messages"], body.get("tools"), body.get("think"))
-        elif body.get("raw"):
-            text, add_bos = body.get("prompt") or "", True
-        else:
-            text, add_bos = builder.generate(body.get("prompt") or "", body.get("system"),
-                                             body.get("suffix"), body.get("think"))
+        add_bos = body.get("add_bos", True) is not False
         context = [int(t) for t in body.get("context") or []]
         spans: list[ImageSpan] = []
         if images:
@@ -82,11 +77,11 @@ class RunnerService:
         tokens = context + ids
         if not tokens:
             raise BadRequest("empty prompt")
-        return tokens, text[-PROMPT_TAIL:], spans
+        return tokens, spans
 
-    def job(self, body: dict[str, Any]) -> tuple[Job, str]:
+    def job(self, body: dict[str, Any]) -> Job:
         options = coerce_options(body.get("options"))
-        tokens, tail, spans = self.prompt_tokens(body)
+        tokens, spans = self.prompt_tokens(body)
         job = Job(
             prompt=tokens,
             params=SamplingParams.from_options(options),
@@ -106,7 +101,7 @@ class RunnerService:
         if job.id:
             with self.lock:
                 self.jobs[job.id] = job
-        return job, tail
+        return job
 
     def forget(self, job: Job | Embed) -> None:
         with self.lock:
@@ -145,6 +140,15 @@ class RunnerService:
         if body.get("normalize", True):
             vectors = [_normalize(v) for v in vectors]
         return {"embeddings": vectors, "prompt_eval_count": sum(len(t) for t in tokens)}
+
+
+def _decode(images: Any) -> list[bytes]:
+    if not isinstance(images, list):
+        raise BadRequest("images must be a list of base64 strings")
+    try:
+        return [base64.b64decode(i, validate=True) for i in images]
+    except (binascii.Error, TypeError, ValueError):
+        raise BadRequest("an image is not valid base64") from None
 
 
 def _normalize(vector: list[float]) -> list[float]:
@@ -221,12 +225,11 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*format_error(BadRequest(str(exc)), Shape.RUNNER))
 
     def _completion(self, body: dict[str, Any]) -> None:
-        job, tail = self.service.job(body)
+        job = self.service.job(body)
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.end_headers()
         try:
-            self.wfile.write(json.dumps({"prompt_tail": tail}).encode() + b"\n")
             while True:
                 event = job.events.get()
                 if isinstance(event, Token):
@@ -254,18 +257,17 @@ def _shutdown(service: RunnerService) -> None:
 
 def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
     loaded = loaded or load(config)
-    info, est = loaded.info, loaded.estimate
+    est = loaded.estimate
     engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,
                     load_seconds=loaded.seconds)
     import llama_cpp as L
 
-    from runner import native
+    from corral.runner import native
 
     bos = native.token_bytes(engine.vocab, L.llama_vocab_bos(engine.vocab), True).decode(
         "utf-8", "replace")
     eos = native.token_bytes(engine.vocab, L.llama_vocab_eos(engine.vocab), True).decode(
         "utf-8", "replace")
-    builder = PromptBuilder(config.template, info.chat_template, bos, eos)
     report = {
         "weights": est.weights, "kv": est.kv, "compute": est.compute,
         "gpu_layers": est.gpu_layers, "layers": est.layers,
@@ -273,12 +275,11 @@ def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
         "size_rpc": loaded.rpc_bytes, "rpc_servers": list(config.rpc_servers),
         "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": config.n_slots,
         "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
-        "template_kind": builder.kind, "template": builder.source,
+        "bos": bos, "eos": eos,  # for the daemon's templates
         "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,
-        "supports_suffix": builder.supports_suffix(),
         "vision": loaded.vision is not None,
     }
-    return RunnerService(engine, builder, report, loaded.vision)
+    return RunnerService(engine, report, loaded.vision)
 
 
 def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:

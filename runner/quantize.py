@@ -6,7 +6,7 @@ path and deletes it on any failure. llama.cpp logs one line per tensor,
 `[  12/ 272] blk.0.attn_k.weight ...`, on stderr; the parent turns those into
 progress events.
 
-    python -m runner.quantize SRC DST TYPE [--requantize]
+    python -m corral.runner.quantize SRC DST TYPE [--requantize]
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from corral.process import package_parent
 from corral.errors import Cancelled, CorralError
-from registry.derive import file_type
+from corral.registry.derive import file_type
 
 _TENSOR_LINE = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
 
@@ -31,10 +32,10 @@ def quantize_in_child(src: Path, dst: Path, type_name: str, requantize: bool,
                       cancelled: Callable[[], bool] = lambda: False) -> None:
     """Run the child to completion; raise CorralError with its last words if it fails."""
     file_type(type_name)
-    cmd = [sys.executable, "-m", "runner.quantize", str(src), str(dst), type_name]
+    cmd = [sys.executable, "-m", "corral.runner.quantize", str(src), str(dst), type_name]
     if requantize:
         cmd.append("--requantize")
-    root = Path(__file__).resolve().parents[1]  # `-m runner.quantize` finds us from here
+    root = package_parent()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, cwd=root, start_new_session=True)
     tail: list[bytes] = []
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("type")
     parser.add_argument("--requantize", action="store_true")
     args = parser.parse_args()
-    from runner import capi
+    from corral.runner import capi
 
     llama = capi.install()
     llama.llama_backend_init()

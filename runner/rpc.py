@@ -8,7 +8,7 @@ bindings for both live here, since llama-cpp-python binds neither.
 
 The protocol has no authentication: a worker must only listen on a trusted network.
 
-    python -m runner.rpc [--host 127.0.0.1] [--port 50052] [--threads N] [--cache DIR]
+    python -m corral.runner.rpc [--host 127.0.0.1] [--port 50052] [--threads N] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _libs() -> tuple[Any, Any]:
     The wheel ships `libggml.so`, `.so.0` and `.so.0.x` as three copies, not links:
     opening one by another name would load a second ggml, with its own device
     registry that the model loader never sees."""
-    from runner import capi
+    from corral.runner import capi
 
     llama = capi.install()
     ggml = rpc = llama.llama_cpp._lib

@@ -16,7 +16,7 @@ import llama_cpp as L
 import numpy as np
 
 from corral.errors import InvalidOption
-from runner.jobs import SamplingParams
+from corral.runner.jobs import SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -114,7 +114,7 @@ class Sampler:
     def _logprob_entry(self, ctx: Any, index: int, token: int) -> dict[str, Any]:
         """The chosen token's log-probability under the model, with the most likely
         alternatives: from the same logits row the sampler just read."""
-        from runner.native import token_bytes
+        from corral.runner.native import token_bytes
 
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, index),
                                        shape=(self.n_vocab,)).astype(np.float64)

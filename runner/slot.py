@@ -18,11 +18,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.jobs import Job
-from runner.textstream import StopMatcher, Utf8Stream
+from corral.runner.jobs import Job
+from corral.runner.textstream import StopMatcher, Utf8Stream
 
 if TYPE_CHECKING:
-    from runner.sampling import Sampler
+    from corral.runner.sampling import Sampler
 
 
 class SlotState(enum.Enum):

@@ -3,7 +3,7 @@
 Run in a child process by install.sh, so a crash inside llama.cpp (an illegal
 instruction from wrong build flags, say) shows up as an exit signal there.
 
-    python -m runner.smoke [MODEL.gguf]
+    python -m corral.runner.smoke [MODEL.gguf]
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import time
 from pathlib import Path
 
 from corral.config import load_settings
-from registry.starter import starter_model_path
-from registry.store import Store
+from corral.registry.starter import starter_model_path
+from corral.registry.store import Store
 
 
 def decode_tokens(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, float]:
     """Greedy-decode `n_tokens` after `prompt`; returns (text, tokens per second)."""
     import llama_cpp as L
 
-    from runner.native import init_backend, physical_cores, token_bytes, tokenize
+    from corral.runner.native import init_backend, physical_cores, token_bytes, tokenize
 
     init_backend()
     mparams = L.llama_model_default_params()
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     if path is None:
         import llama_cpp as L
 
-        from runner.native import init_backend
+        from corral.runner.native import init_backend
 
         init_backend()
         print(f"llama.cpp loaded ({L.llama_print_system_info().decode().strip()}); "

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from corral.process import package_parent
 from corral.errors import BadRequest, CorralError, RunnerError
 
 if TYPE_CHECKING:
@@ -279,11 +280,10 @@ def probe_in_child(path: str) -> str | None:
     """`probe` in a fresh process: a crash there is an answer, not a dead daemon."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]  # `-m runner.vision` finds us from here
+    root = package_parent()
     try:
-        proc = subprocess.run([sys.executable, "-m", "runner.vision", path], cwd=root,
+        proc = subprocess.run([sys.executable, "-m", "corral.runner.vision", path], cwd=root,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT)
     except subprocess.TimeoutExpired:

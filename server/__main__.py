@@ -1,4 +1,4 @@
-"""`python -m server [--preload MODEL]`: the daemon without the CLI around it.
+"""`python -m corral.server [--preload MODEL]`: the daemon without the CLI around it.
 
 The CLI starts the daemon this way when none is running: it skips loading the
 command-line toolkit, and `--preload` lets the runner for the model that
@@ -11,7 +11,7 @@ import sys
 
 from corral.config import load_settings
 from corral.errors import CorralError
-from server.daemon import run
+from corral.server.daemon import run
 
 
 def main(argv: list[str]) -> int:

@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from corral.config import Settings
 from corral.errors import (BadRequest, CorralError, Forbidden, MethodNotAllowed, NotFound, Shape,
                            Unauthorized)
-from server.http import (Handler, Request, Route, error_response, host_allowed,
+from corral.server.http import (Handler, Request, Route, error_response, host_allowed,
                          origin_pattern, too_large)
 
 log = logging.getLogger("corral.http")

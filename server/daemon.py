@@ -17,18 +17,18 @@ from typing import IO, TYPE_CHECKING, Any, Callable
 from corral.config import Settings
 from corral.process import limit_malloc_arenas, pin_mmap_threshold, trim_malloc
 from corral.errors import CorralError
-from registry.store import Store
-from runner.client import RunnerProcess
-from runner.loadconfig import LoadConfig
-from server.inference import Inference
-from server.metrics import Metrics
-from server.scheduler import Runner, Scheduler
+from corral.registry.store import Store
+from corral.runner.client import RunnerProcess
+from corral.runner.loadconfig import LoadConfig
+from corral.server.inference import Inference
+from corral.server.metrics import Metrics
+from corral.server.scheduler import Runner, Scheduler
 
 if TYPE_CHECKING:
-    from registry.download import DownloadOptions
-    from registry.pull import Puller
-    from registry.push import Pusher, PushOptions
-    from server.http import Route
+    from corral.registry.download import DownloadOptions
+    from corral.registry.pull import Puller
+    from corral.registry.push import Pusher, PushOptions
+    from corral.server.http import Route
 
 log = logging.getLogger("corral")
 HOUSEKEEPING_SECONDS = 10.0
@@ -41,7 +41,8 @@ PRELOAD_SLOTS = 4
 
 def routes(inf: Inference, puller: Puller, pusher: Pusher
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
-    from server import anthropic, lifecycle, manage, native, openai, responses
+    from corral.server import lifecycle, manage
+    from corral.server.dialects import anthropic, native, openai, openai_misc, responses
 
     table: dict[tuple[str, str], Route] = {
         ("GET", "/"): manage.root(inf),
@@ -61,14 +62,14 @@ def routes(inf: Inference, puller: Puller, pusher: Pusher
         ("GET", "/metrics"): manage.metrics(inf),
         ("POST", "/v1/chat/completions"): openai.chat_completions(inf),
         ("POST", "/v1/completions"): openai.completions(inf),
-        ("POST", "/v1/embeddings"): openai.embeddings(inf),
-        ("GET", "/v1/models"): openai.models(inf),
+        ("POST", "/v1/embeddings"): openai_misc.embeddings(inf),
+        ("GET", "/v1/models"): openai_misc.models(inf),
         ("POST", "/v1/messages"): anthropic.messages(inf),
         ("POST", "/v1/responses"): responses.responses(inf),
     }
     blobs = manage.blobs(inf)
     prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),
-                ("GET", "/v1/models/", openai.model(inf))]
+                ("GET", "/v1/models/", openai_misc.model(inf))]
     return table, prefixes
 
 
@@ -89,10 +90,10 @@ class Daemon:
         # Imported here, after the preload started: uvicorn, Starlette and httpx take
         # a few tenths of a second to import, which a cold `corral run` would otherwise
         # wait for before its model even starts loading.
-        from registry.download import Downloader, DownloadOptions
-        from registry.pull import Puller
-        from registry.push import Pusher, PushOptions
-        from server.asgi import HttpServer, build_app
+        from corral.registry.download import Downloader, DownloadOptions
+        from corral.registry.pull import Puller
+        from corral.registry.push import Pusher, PushOptions
+        from corral.server.asgi import HttpServer, build_app
 
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)

@@ -18,7 +18,7 @@ import socket
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from api.types import JSON_CONTENT_TYPE
+from corral.api.types import JSON_CONTENT_TYPE
 from corral.errors import BadRequest, CorralError, PayloadTooLarge, Shape, format_error
 
 log = logging.getLogger("corral.http")

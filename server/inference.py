@@ -1,44 +1,39 @@
-"""What the native and OpenAI routes share: model lookup, options, and one generation.
+"""What every route shares: model lookup, capabilities, options, grammars, templates,
+holding a model, embeddings, and the entry to the one generation path (`run`).
 
-A generation counts itself in with the scheduler, holds its model for the
-duration, cancels its runner job when the client goes away, and always
-releases the model, whatever happens.
+A request counts itself in with the scheduler, holds its model for the duration,
+cancels its runner job when the client goes away, and always releases the model,
+whatever happens.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.config import parse_duration
-from corral.errors import BadRequest, CorralError, ModelNotFound, RunnerError
+from corral.errors import BadRequest, CorralError, ModelNotFound
 from corral.options import coerce_options
-from registry.models import ModelRecord, Records
-from registry.names import parse_name
-from registry.projector import projector_problem
-from registry.store import Store
-from server.harmony import uses_harmony
-from server.images import check_images
-from server.metrics import Metrics
-from server.scheduler import Loaded, Scheduler
+from corral.registry.models import ModelRecord, Records
+from corral.registry.names import parse_name
+from corral.registry.projector import projector_problem
+from corral.registry.store import Store
+from corral.server.harmony import uses_harmony
+from corral.server.images import check_images
+from corral.server.metrics import Metrics
+from corral.server.scheduler import Loaded, Scheduler
+
+if TYPE_CHECKING:
+    from corral.server.prompt import PromptBuilder
+    from corral.server.pipeline.request import Event, Request
+    from corral.server.pipeline.run import OnDisconnect
 
 log = logging.getLogger("corral.inference")
-
-
-@dataclass
-class Outcome:
-    """Collected while a generation streams; read by the route for its final object."""
-
-    stats: dict[str, Any] = field(default_factory=dict)
-    load_duration: float = 0.0
-    prompt_tail: str = ""  # the end of the rendered prompt, known before the first piece
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # of the piece just yielded
-    started: float = field(default_factory=time.perf_counter)
 
 
 def require_model(name: Any) -> str:
@@ -50,20 +45,21 @@ def require_model(name: Any) -> str:
     return name
 
 
-def keep_alive_of(body: dict[str, Any]) -> float | None:
-    if body.get("keep_alive") is None:
+def keep_alive_of(value: Any) -> float | None:
+    """Ollama's keep_alive: a duration ("5m", "1h30m"), seconds, or negative for ever."""
+    if value is None:
         return None
     try:
-        return parse_duration(body["keep_alive"])
+        return parse_duration(value)
     except ValueError:
-        raise BadRequest(f"invalid keep_alive duration: {body['keep_alive']!r}") from None
+        raise BadRequest(f"invalid keep_alive duration: {value!r}") from None
 
 
 def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     """Ollama's `format`: "json", a JSON schema object, or nothing."""
     if fmt in (None, "", "null"):
         return None
-    from runner.capi import pure_module
+    from corral.runner.capi import pure_module
 
     grammars = pure_module("llama_grammar")  # not `import llama_cpp`: see pure_module
     if fmt == "json":
@@ -159,8 +155,9 @@ class Inference:
             pass
         return time.perf_counter() - start
 
-    def embed(self, record: ModelRecord, body: dict[str, Any], inputs: list[str],
-              normalize: bool, dimensions: int = 0,
+    def embed(self, record: ModelRecord, inputs: list[str], options: Any,
+              keep_alive: float | None, truncate: bool = True, normalize: bool = True,
+              dimensions: int = 0,
               on_disconnect: Callable[[Callable[[], None]], Any] | None = None,
               ) -> tuple[dict[str, Any], float]:
         """The runner's embeddings and the seconds spent getting the model ready."""
@@ -169,17 +166,17 @@ class Inference:
             raise BadRequest(f"too many inputs: {len(inputs)} is over the limit of {limit}"
                              " (CORRAL_MAX_EMBED_INPUTS)")
         start = time.perf_counter()
-        options = self.options(record, body.get("options"))
+        merged = self.options(record, options)
         job_id = uuid.uuid4().hex
-        with self.hold(record, options, keep_alive_of(body)) as entry:
+        with self.hold(record, merged, keep_alive) as entry:
             load = time.perf_counter() - start
             runner = entry.runner
             assert runner is not None
             # A client that leaves stops the batch at the runner's next slice.
             watcher = on_disconnect(lambda: runner.cancel(job_id)) if on_disconnect else None
             try:
-                result = runner.embed(inputs, bool(body.get("truncate", True)), normalize,
-                                      dimensions, self.settings.max_embed_tokens, job_id)
+                result = runner.embed(inputs, truncate, normalize, dimensions,
+                                      self.settings.max_embed_tokens, job_id)
             finally:
                 if watcher is not None:
                     watcher.set()
@@ -215,60 +212,46 @@ class Inference:
             full.insert(0, {"role": "system", "content": record.system})
         return full
 
-    def generate(self, record: ModelRecord, runner_body: dict[str, Any], options: dict[str, Any],
-                 keep_alive: float | None, outcome: Outcome,
-                 on_disconnect: Callable[[Callable[[], None]], Any] | None = None,
-                 ) -> Iterator[str]:
-        """Yield text pieces; fills `outcome` with the runner's final statistics."""
-        model = record.name.display()
-        gone = [False]
-        job_id = uuid.uuid4().hex
-        if uses_harmony(self.template_text(record)):  # its markers are control tokens
-            runner_body = {**runner_body, "special": True}
-        held: list[Loaded] = []
+    def capabilities(self, record: ModelRecord, template: str) -> list[str]:
+        return capabilities(self.store, record, template)
 
-        def cancel() -> None:
-            gone[0] = True
-            if held and held[0].runner is not None:
-                held[0].runner.cancel(job_id)
+    def grammar(self, raw: str | None, fmt: Any) -> str | None:
+        """A raw GBNF `grammar` (Corral extension) or the grammar of a `format`; not both.
+        A raw grammar parses when its job starts (a 400 if it does not)."""
+        limit = self.settings.max_grammar_bytes
+        if raw in (None, ""):
+            return grammar_for(fmt, limit)
+        if fmt not in (None, "", "null"):
+            raise BadRequest("give either a format or a grammar, not both")
+        if len(str(raw).encode()) > limit:
+            raise BadRequest(f"grammar is over the limit of {limit} bytes "
+                             "(CORRAL_MAX_GRAMMAR_BYTES)")
+        return str(raw)
 
-        watcher = on_disconnect(cancel) if on_disconnect is not None else None
-        try:
-            t0 = time.perf_counter()
-            with self.hold(record, options, keep_alive) as entry:
-                held.append(entry)
-                outcome.load_duration = time.perf_counter() - t0
-                if gone[0]:
-                    self.metrics.request(model, "cancelled")
-                    return
-                yield from self._stream(entry, model, {**runner_body, "options": options,
-                                                       "id": job_id}, outcome)
-                stats = outcome.stats
-                self.metrics.tokens(model, stats.get("prompt_eval_count", 0),
-                                    stats.get("eval_count", 0), stats.get("eval_duration", 0))
-                self.metrics.request(model, "cancelled" if gone[0] else "ok")
-        finally:
-            if watcher is not None:
-                watcher.set()
+    def prompt_builder(self, record: ModelRecord, bos: str, eos: str,
+                       override: str | None = None) -> PromptBuilder:
+        """The model's template (a TEMPLATE layer, else the GGUF's Jinja, else a plain
+        fallback), compiled once per template and BOS/EOS pair."""
+        if override:
+            return _builder(override, None, bos, eos)
+        jinja = None
+        if not record.template:
+            try:
+                jinja = self.store.gguf_info(record.model_digest).chat_template or None
+            except CorralError:
+                jinja = None
+        return _builder(record.template or None, jinja, bos, eos)
 
-    def _stream(self, entry: Loaded, model: str, body: dict[str, Any],
-                outcome: Outcome) -> Iterator[str]:
-        runner = entry.runner
-        assert runner is not None
-        first = True
-        try:
-            for line in runner.completion(body):
-                if "prompt_tail" in line:
-                    outcome.prompt_tail = str(line["prompt_tail"])
-                elif "content" in line:
-                    if first:
-                        first = False
-                        self.metrics.ttft(model, time.perf_counter() - outcome.started)
-                    outcome.logprobs = list(line.get("logprobs") or [])
-                    yield line["content"]
-                if line.get("done"):
-                    outcome.stats = line
-        except RunnerError:
-            self.scheduler.runner_failed(entry)
-            self.metrics.request(model, "error")
-            raise
+    def run(self, request: Request, on_disconnect: OnDisconnect | None = None
+            ) -> Iterator[Event]:
+        """The one generation path (server.pipeline.run): checked now, then events."""
+        from corral.server.pipeline.run import run
+
+        return run(self, request, on_disconnect)
+
+
+@functools.lru_cache(maxsize=32)
+def _builder(go: str | None, jinja: str | None, bos: str, eos: str) -> PromptBuilder:
+    from corral.server.prompt import PromptBuilder  # jinja2 waits for the first chat
+
+    return PromptBuilder(go, jinja, bos, eos)

@@ -11,18 +11,18 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from api.types import STREAM_CONTENT_TYPE
+from corral.api.types import STREAM_CONTENT_TYPE
 from corral.errors import BadRequest, CorralError, format_error
-from registry.create import CreateRequest, create_model
-from registry.derive import Quantizer, file_type
-from registry.modelfile import parse_modelfile
-from registry.names import parse_name
-from registry.pull import Puller
-from registry.push import Pusher
-from runner.quantize import quantize_in_child
-from runner.vision import probe_in_child
-from server.http import Handler, Request, StreamWriter
-from server.inference import Inference, require_model
+from corral.registry.create import CreateRequest, create_model
+from corral.registry.derive import Quantizer, file_type
+from corral.registry.modelfile import parse_modelfile
+from corral.registry.names import parse_name
+from corral.registry.pull import Puller
+from corral.registry.push import Pusher
+from corral.runner.quantize import quantize_in_child
+from corral.runner.vision import probe_in_child
+from corral.server.http import Handler, Request, StreamWriter
+from corral.server.inference import Inference, require_model
 
 Work = Callable[[Callable[[dict[str, Any]], None], Callable[[], bool]], Any]
 
@@ -136,7 +136,7 @@ def create(inf: Inference) -> Any:
             raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
                              " (CORRAL_MAX_CREATE_FILES)")
         if request.template is not None:
-            from runner.templates.gotemplate import GoTemplate
+            from corral.server.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
         stream_progress(body, handler, lambda progress, cancelled: create_model(
             inf.store, request, progress, quantizer=_quantizer(cancelled),

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Iterator
 
-from api.types import rfc3339
+from corral.api.types import rfc3339
 from corral.config import FOREVER
 from corral.errors import (
     BadRequest,
@@ -15,15 +15,15 @@ from corral.errors import (
     NotFound,
 )
 from corral.version import corral_version
-from registry.gguf import GGUFInfo
-from registry.modelfile import format_modelfile
-from registry.ggufdump import dump_gguf
-from registry.models import ModelRecord, details, load_record, read_config
-from registry.store import ModelEntry
-from registry.names import Name, parse_name
-from registry.projector import projector_info
-from server.http import Handler, Request
-from server.inference import Inference, capabilities, require_model
+from corral.registry.gguf import GGUFInfo
+from corral.registry.modelfile import format_modelfile
+from corral.registry.ggufdump import dump_gguf
+from corral.registry.models import ModelRecord, details, load_record, read_config
+from corral.registry.store import ModelEntry
+from corral.registry.names import Name, parse_name
+from corral.registry.projector import projector_info
+from corral.server.http import Handler, Request
+from corral.server.inference import Inference, capabilities, require_model
 
 API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400

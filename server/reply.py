@@ -26,7 +26,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.harmony import HarmonyParser, uses_harmony
+from corral.server.harmony import HarmonyParser, uses_harmony
 
 
 class Kind(enum.Enum):
@@ -41,6 +41,7 @@ class Piece:
     text: str = ""
     call: dict[str, Any] | None = None  # Ollama's shape: {id, function: {index, name, arguments}}
     logprobs: tuple[dict[str, Any], ...] = ()  # the tokens that brought this piece
+    index: int = 0  # the choice it belongs to, when a request asked for n > 1
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator, Protocol
 from corral.config import FOREVER, Settings
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import LOAD_OPTIONS
-from registry.gguf import GGUFInfo, inspect_gguf
-from registry.models import ModelRecord
-from runner import memory
-from runner.loadconfig import LoadConfig
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.registry.models import ModelRecord
+from corral.runner import memory
+from corral.runner.loadconfig import LoadConfig
 
 log = logging.getLogger("corral.scheduler")
 

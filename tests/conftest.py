@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 
-from registry.store import Store
+from corral.registry.store import Store
 
 if TYPE_CHECKING:
-    from server.daemon import Daemon
+    from corral.server.daemon import Daemon
 
 # Engines created in this process share one ggml, which may read this once: set it
 # before any of them, so the tests that ask for batch-invariant kernels
@@ -44,7 +44,7 @@ def store(tmp_path: Path) -> Store:
 @pytest.fixture(scope="session")
 def starter_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     """A store holding both starter models, registered once per session."""
-    from registry.starter import install_starters
+    from corral.registry.starter import install_starters
 
     root = tmp_path_factory.mktemp("starter") / "models"
     s = Store(root)
@@ -56,7 +56,7 @@ def starter_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
 @pytest.fixture(scope="session")
 def starter_gguf(starter_store: Store) -> Path:
     """The completion starter's GGUF (gemma3:270m-base)."""
-    from registry.starter import starter_model_path
+    from corral.registry.starter import starter_model_path
 
     path = starter_model_path(starter_store)
     assert path is not None
@@ -66,7 +66,7 @@ def starter_gguf(starter_store: Store) -> Path:
 @pytest.fixture(scope="session")
 def chat_gguf(starter_store: Store) -> Path:
     """The chat starter's GGUF (smollm2:135m), with a ChatML template in its metadata."""
-    from registry.starter import CHAT_NAME, starter_model_path
+    from corral.registry.starter import CHAT_NAME, starter_model_path
 
     path = starter_model_path(starter_store, CHAT_NAME)
     assert path is not None

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from registry import manifest as mt
+from corral.registry import manifest as mt
 from tests import registry_upload as upload
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from corral.config import load_settings
-from registry.store import Store
-from server.daemon import Daemon
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
 
 
 def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:

@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from server.daemon import Daemon
+from corral.server.daemon import Daemon
 from tests.support import DaemonFactory
 from tests.test_reasoning import ASK, CALL, THINKER, THOUGHT, daemon  # noqa: F401
 

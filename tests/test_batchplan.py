@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from runner.batchplan import Entry, plan_step
-from runner.jobs import Job
-from runner.slot import Slot, SlotState
+from corral.runner.batchplan import Entry, plan_step
+from corral.runner.jobs import Job
+from corral.runner.slot import Slot, SlotState
 
 
 class NoSampler:

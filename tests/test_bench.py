@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from cli.benchmetrics import (
+from corral.cli.benchmetrics import (
     RequestResult,
     Summary,
     calculate,
     peak_concurrency,
     percentile,
 )
-from registry.store import Store
+from corral.registry.store import Store
 from tests.support import DaemonFactory
 
 
@@ -77,7 +77,7 @@ def test_real_short_run(starter_store: Store, daemon_factory: DaemonFactory,
     out_json = tmp_path / "bench.json"
     env = dict(os.environ, CORRAL_HOST="127.0.0.1:1")
     run = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "bench",
+        [sys.executable, "-c", "from corral.cli.main import main; main()", "bench",
          "gemma3:270m-base", "--base-url", d.url, "--concurrency", "1,2", "--requests", "2",
          "--max-tokens", "6", "--prompt-tokens", "8", "--json", str(out_json)],
         capture_output=True, text=True, env=env, timeout=300)

@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 
-from registry.gguf import inspect_gguf
-from runner.prompt import PromptBuilder
-from server.daemon import Daemon
+from corral.registry.gguf import inspect_gguf
+from corral.server.prompt import PromptBuilder
+from corral.server.daemon import Daemon
 
 CHAT = "smollm2:135m"
 GREEDY = {"temperature": 0, "seed": 1}

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pexpect
 
-from registry.store import Store
-from server.daemon import Daemon
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
 
 MODEL = "gemma3:270m-base"  # completion
 CHAT = "smollm2:135m"  # the chat starter
-CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
+CORRAL = [sys.executable, "-c", "from corral.cli.launch import main; main()"]
 
 
 def env_for(daemon: Daemon | None, **extra: str) -> dict[str, str]:
@@ -161,7 +161,7 @@ def test_run_starts_the_daemon_and_preloads_the_model(starter_store: Store,
         assert "loaded gemma3:270m-base" in log
         [loaded] = httpx.get(f"http://127.0.0.1:{port}/api/ps").json()["models"]
         assert loaded["name"] == MODEL
-        # The daemon ran as `python -m server` in the state directory, not the CLI's cwd.
+        # The daemon ran as `python -m corral.server` in the state directory, not the CLI's cwd.
         assert Path(f"/proc/{pid_file.read_text().strip()}/cwd").resolve() == state / "corral"
     finally:
         if pid_file.exists():
@@ -170,7 +170,7 @@ def test_run_starts_the_daemon_and_preloads_the_model(starter_store: Store,
 
 
 def test_pull_progress(daemon: Daemon, starter_gguf: Path) -> None:
-    from registry import manifest as mt
+    from corral.registry import manifest as mt
     from tests.registry_server import FakeRegistry
 
     reg = FakeRegistry()
@@ -260,7 +260,7 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
 
 
 def test_pull_ctrl_c_then_resume(daemon: Daemon, starter_gguf: Path) -> None:
-    from registry import manifest as mt
+    from corral.registry import manifest as mt
     from tests.registry_server import FakeRegistry
 
     reg = FakeRegistry()

@@ -9,7 +9,7 @@ import sys
 
 def corral(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", "from cli.launch import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from corral.cli.launch import main; main()", *args],
                           capture_output=True, text=True, env=env, timeout=60)
 
 

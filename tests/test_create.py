@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 
 from corral.errors import CorralError, InvalidModelFile, ModelfileError, ModelNotFound, NoSpace
-from registry import manifest as mt
-from registry.create import (
+from corral.registry import manifest as mt
+from corral.registry.create import (
     CreateRequest,
     create_model,
     local_model_file,
     looks_like_path,
 )
-from registry.modelfile import Modelfile, format_modelfile, parse_modelfile
-from registry.models import Records
-from registry.names import Name, parse_name
-from registry.progress import Progress, quiet
-from registry.store import Store
+from corral.registry.modelfile import Modelfile, format_modelfile, parse_modelfile
+from corral.registry.models import Records
+from corral.registry.names import Name, parse_name
+from corral.registry.progress import Progress, quiet
+from corral.registry.store import Store
 from tests.gguf_files import write_tiny_gguf
 
 
@@ -272,8 +272,8 @@ def test_quantize_checks_space_first(tmp_path: Path) -> None:
 @pytest.mark.parametrize("source_type,allowed", [(0, True), (1, True), (32, True), (15, False)])
 def test_only_float_sources_quantize_without_the_flag(store: Store, tmp_path: Path,
                                                       source_type: int, allowed: bool) -> None:
-    from registry.derive import FLOAT_SOURCES
-    from registry.gguf import _quant_name
+    from corral.registry.derive import FLOAT_SOURCES
+    from corral.registry.gguf import _quant_name
 
     assert (_quant_name(source_type) in FLOAT_SOURCES) is allowed
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from registry.store import Store
-from server.daemon import Daemon
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
 from tests.support import DaemonFactory, wait_for
 
 MODEL = "gemma3:270m-base"

@@ -10,7 +10,7 @@ import ollama
 import openai
 import pytest
 
-from server.daemon import Daemon
+from corral.server.daemon import Daemon
 from tests.gguf_files import write_tiny_gguf
 
 MODEL = "gemma3:270m-base"  # completion
@@ -71,7 +71,7 @@ def test_list_show_ps(client: ollama.Client) -> None:
 def test_verbose_show_and_tags_details(daemon: Daemon, starter_gguf: Path) -> None:
     import httpx
 
-    from registry.gguf import inspect_gguf
+    from corral.registry.gguf import inspect_gguf
 
     info = inspect_gguf(starter_gguf)
     plain = httpx.post(daemon.url + "/api/show", json={"model": MODEL}, timeout=30).json()

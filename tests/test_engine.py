@@ -9,10 +9,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from runner.context import EngineConfig
+from corral.runner.context import EngineConfig
 from corral.errors import ContextOverflow
-from runner.engine import Engine
-from runner.jobs import Done, Failed, Job, SamplingParams, Token
+from corral.runner.engine import Engine
+from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 
 pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 

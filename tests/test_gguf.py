@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from corral.errors import InvalidModelFile
-from registry.gguf import inspect_gguf, read_gguf
+from corral.registry.gguf import inspect_gguf, read_gguf
 from tests.gguf_files import (
     ARRAY,
     F32,

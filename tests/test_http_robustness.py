@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.daemon import Daemon
+from corral.server.daemon import Daemon
 from tests.gguf_files import write_tiny_gguf
 from tests.support import DaemonFactory, wait_for
 
@@ -140,7 +140,7 @@ def test_unknown_routes_and_methods(bare: Daemon, method: str, path: str, status
 
 @pytest.mark.parametrize("path,body,status,message", [
     ("/api/pull", {"model": "bad name!"}, 400, "invalid model name"),
-    ("/api/generate", {"model": 5}, 400, "model must be a string"),
+    ("/api/generate", {"model": 5}, 400, "model: Input should be a valid string"),
     ("/api/show", {"model": "\ud800"}, 400, "invalid model name"),
     ("/api/show", {"model": "h" * 300 + "/ns/m:t"}, 400, "invalid model name"),
     ("/api/create", {"model": "h" * 300 + "/ns/m:t", "from": "x"}, 400, "invalid model name"),

@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.images import extract_images, mentions_image
+from corral.cli.images import extract_images, mentions_image
 from corral.config import load_settings
 from corral.errors import BadRequest
-from runner.batchplan import plan_step, text_run
-from runner.imagefeed import align_keep, check_images as check_spans
-from runner.jobs import Job
-from runner.prompt import MEDIA_MARKER, attach_images
-from runner.slot import Slot, SlotState
-from runner.vision import ImageSpan
-from server.images import check_images, from_data_uri, measure
+from corral.runner.batchplan import plan_step, text_run
+from corral.runner.imagefeed import align_keep, check_images as check_spans
+from corral.runner.jobs import Job
+from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
+from corral.runner.slot import Slot, SlotState
+from corral.runner.vision import ImageSpan
+from corral.server.images import check_images, from_data_uri, measure
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes
 
 SETTINGS = load_settings({})
@@ -95,16 +95,14 @@ def test_cli_finds_paths_with_quotes_spaces_and_home(tmp_path: Path,
 
 def test_prompt_markers_follow_ollama() -> None:
     img = enc(b"x")
-    body, images = attach_images({"messages": [
+    messages, images = mark_messages([
         {"role": "user", "content": "first", "images": [img]},
-        {"role": "user", "content": "compare [img] with this", "images": [img, img]}]})
-    assert [m["content"] for m in body["messages"]] == [
+        {"role": "user", "content": "compare [img] with this", "images": [img, img]}])
+    assert [m["content"] for m in messages] == [
         MEDIA_MARKER + "first", MEDIA_MARKER + f"compare {MEDIA_MARKER} with this"]
-    assert images == [b"x"] * 3
-    body, images = attach_images({"prompt": "hi", "images": [img]})
-    assert body["prompt"] == MEDIA_MARKER + "hi" and images == [b"x"]
-    with pytest.raises(ValueError, match="not valid base64"):
-        attach_images({"prompt": "hi", "images": ["%%"]})
+    assert images == [img] * 3  # still base64: the runner decodes, in marker order
+    assert mark_prompt("hi", [img]) == MEDIA_MARKER + "hi"
+    assert mark_prompt("hi", []) == "hi"
 
 
 def span(start: int, n: int, key: int = -7, non_causal: bool = False) -> ImageSpan:

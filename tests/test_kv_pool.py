@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from runner.jobs import Done, Job, SamplingParams, Token
-from runner.kvpool import KVPool
-from runner.slot import Slot, SlotState
+from corral.runner.jobs import Done, Job, SamplingParams, Token
+from corral.runner.kvpool import KVPool
+from corral.runner.slot import Slot, SlotState
 
 
 def slot(seq: int, state: SlotState, n_past: int, pending: int = 0, t: float = 0.0) -> Slot:
@@ -52,8 +52,8 @@ def test_shortfall_victim_and_eviction_order() -> None:
 
 @pytest.fixture(scope="module")
 def pooled(chat_gguf: Path) -> Iterator[Any]:
-    from runner.context import EngineConfig
-    from runner.engine import Engine
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
 
     # Three sequences of about 10 + 100 tokens need 330 cells; the pool has 256.
     eng = Engine(str(chat_gguf), EngineConfig(n_slots=3, num_ctx=192, kv_pool=256))
@@ -113,7 +113,7 @@ def test_pool_serves_one_request_alone_like_any_engine(pooled: Any) -> None:
 def test_daemon_in_pool_mode_counts_preemptions(daemon_factory: Any, starter_store: Any) -> None:
     import httpx
 
-    from registry.starter import CHAT_NAME
+    from corral.registry.starter import CHAT_NAME
 
     d = daemon_factory(starter_store, NUM_PARALLEL="0", KV_POOL="1", KV_POOL_TOKENS="256",
                        MAX_SLOTS="3", CONTEXT_LENGTH="192")
@@ -158,7 +158,7 @@ def test_sixteen_clients_all_run_at_once_with_defaults(daemon_factory: Any,
     """Default mode sizes slots by memory (16 here), so c=16 meets no queue and no 503."""
     import httpx
 
-    from registry.starter import STARTER_NAME
+    from corral.registry.starter import STARTER_NAME
 
     d = daemon_factory(starter_store, NUM_PARALLEL="0")  # auto, as shipped
     statuses: list[int] = []

@@ -1,7 +1,10 @@
 """Dependencies run one way: corral <- registry <- runner <- server <- cli, and cli -> api -> corral.
 
 Every import of every module is read with `ast`, including imports inside
-functions, so a lazy import cannot hide an arrow pointing the wrong way.
+functions, so a lazy import cannot hide an arrow pointing the wrong way. Each layer
+folder installs as `corral.<folder>` (the foundation is `corral` itself), so an
+import names its layer by its second part; a bare `server` or `runner` import would
+only work from a checkout, and is a violation too.
 """
 
 from __future__ import annotations
@@ -27,8 +30,20 @@ ALLOWED: dict[str, frozenset[str]] = {
 CLI_SERVER_USERS = {("cli/main.py", "serve")}
 
 
+LAYERS = frozenset({"registry", "runner", "server", "api", "cli"})
+
+
+def layer_of(module: str) -> str:
+    """`corral.server.http` is the server layer, `corral.config` the foundation; a bare
+    `server.http` comes back as "bare server", which no layer may import."""
+    parts = module.split(".")
+    if parts[0] == "corral":
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "corral"
+    return f"bare {parts[0]}" if parts[0] in LAYERS else parts[0]
+
+
 def imports_of(path: Path) -> list[tuple[str, int, str]]:
-    """(imported top-level package, line, enclosing function or '') for every import."""
+    """(imported layer, line, enclosing function or '') for every import."""
     tree = ast.parse(path.read_text(), str(path))
     found: list[tuple[str, int, str]] = []
 
@@ -38,9 +53,13 @@ def imports_of(path: Path) -> list[tuple[str, int, str]]:
                 visit(child, func or child.name)
                 continue
             if isinstance(child, ast.Import):
-                found.extend((a.name.split(".")[0], child.lineno, func) for a in child.names)
+                found.extend((layer_of(a.name), child.lineno, func) for a in child.names)
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                found.append((child.module.split(".")[0], child.lineno, func))
+                if child.module == "corral":  # `from corral import runner` names the layer
+                    found.extend((layer_of(f"corral.{a.name}"), child.lineno, func)
+                                 for a in child.names)
+                else:
+                    found.append((layer_of(child.module), child.lineno, func))
             visit(child, func)
 
     visit(tree, "")
@@ -53,6 +72,9 @@ def violations(root: Path) -> list[str]:
         for path in sorted((root / package).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             for target, line, func in imports_of(path):
+                if target.startswith("bare "):
+                    bad.append(f"{rel}:{line} imports {target[5:]} outside the corral namespace")
+                    continue
                 if target not in ALLOWED or target == package:
                     continue
                 if target not in allowed:
@@ -72,11 +94,13 @@ def test_every_package_is_in_the_table() -> None:
 
 
 @pytest.mark.parametrize("package,line", [
-    ("corral", "from registry.store import Store"),
-    ("registry", "def f():\n    from runner.engine import Engine\n"),
-    ("runner", "import server.daemon"),
-    ("api", "from server.http import Handler"),
-    ("cli", "def run():\n    from server.daemon import Daemon\n"),
+    ("corral", "from corral.registry.store import Store"),
+    ("registry", "def f():\n    from corral.runner.engine import Engine\n"),
+    ("runner", "import corral.server.daemon"),
+    ("runner", "from corral import server"),
+    ("api", "from corral.server.http import Handler"),
+    ("cli", "def run():\n    from corral.server.daemon import Daemon\n"),
+    ("server", "from runner.engine import Engine"),  # bare: works only from a checkout
 ])
 def test_a_forbidden_import_is_caught(tmp_path: Path, package: str, line: str) -> None:
     for name in ALLOWED:
@@ -88,5 +112,6 @@ def test_a_forbidden_import_is_caught(tmp_path: Path, package: str, line: str) -
 def test_serve_may_import_the_server(tmp_path: Path) -> None:
     for name in ALLOWED:
         (tmp_path / name).mkdir()
-    (tmp_path / "cli" / "main.py").write_text("def serve():\n    from server.daemon import Daemon\n")
+    (tmp_path / "cli" / "main.py").write_text(
+        "def serve():\n    from corral.server.daemon import Daemon\n")
     assert violations(tmp_path) == []

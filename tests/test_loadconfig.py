@@ -6,7 +6,7 @@ import pytest
 
 from corral.errors import BadRequest
 from corral.options import LOAD_OPTIONS
-from runner.loadconfig import DEFAULT_BATCH, LoadConfig
+from corral.runner.loadconfig import DEFAULT_BATCH, LoadConfig
 
 
 def test_from_options_maps_ollama_names() -> None:

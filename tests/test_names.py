@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral.errors import InvalidName
-from registry.names import parse_name
+from corral.registry.names import parse_name
 
 
 @pytest.mark.parametrize("text,full,short", [

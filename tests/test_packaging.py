@@ -29,7 +29,9 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
                     "-w", str(tmp_path), str(src)], check=True, timeout=300)
     [wheel] = list(tmp_path.glob("corral-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {str(p.relative_to(root)) for pkg in PACKAGES
-                for p in (root / pkg).rglob("*.py")}
+    # Every layer folder lands under the one `corral` namespace.
+    expected = {("corral/" if pkg != "corral" else "") + str(p.relative_to(root))
+                for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
     assert expected <= names, sorted(expected - names)
-    assert not any(n.startswith("tests/") for n in names)
+    top = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
+    assert top == {"corral"}, top  # no bare `api`, `server`, `runner`... in site-packages

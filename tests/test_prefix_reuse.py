@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from corral.errors import ContextOverflow
-from runner.context import EngineConfig
-from runner.engine import Engine
-from runner.jobs import Done, Failed, Job, SamplingParams, Token
+from corral.runner.context import EngineConfig
+from corral.runner.engine import Engine
+from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 
 pytestmark = pytest.mark.model
 

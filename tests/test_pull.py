@@ -15,10 +15,10 @@ import ollama
 import pytest
 
 from corral.errors import BadRequest, CorralError, DigestMismatch, NoSpace, Unauthorized
-from registry import manifest as mt
-from registry.download import Downloader, DownloadOptions
-from registry.pull import Puller
-from registry.store import Store
+from corral.registry import manifest as mt
+from corral.registry.download import Downloader, DownloadOptions
+from corral.registry.pull import Puller
+from corral.registry.store import Store
 from tests.registry_server import FakeRegistry
 from tests.support import DaemonFactory
 

@@ -15,18 +15,18 @@ import ollama
 import pytest
 
 from corral.errors import Unauthorized
-from registry import manifest as mt
-from registry.download import Downloader, DownloadOptions
-from registry.manifest import Layer, Manifest
-from registry.names import parse_name
-from registry.pull import Puller
-from registry.push import NOT_YOURS, Pusher, PushOptions
-from registry.store import Store
+from corral.registry import manifest as mt
+from corral.registry.download import Downloader, DownloadOptions
+from corral.registry.manifest import Layer, Manifest
+from corral.registry.names import parse_name
+from corral.registry.pull import Puller
+from corral.registry.push import NOT_YOURS, Pusher, PushOptions
+from corral.registry.store import Store
 from tests.registry_server import FakeRegistry
 from tests.support import DaemonFactory
 
 SMALL = PushOptions(chunk_size=100_000, piece=16_384, retries=2, backoff=0.01)
-CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
+CORRAL = [sys.executable, "-c", "from corral.cli.launch import main; main()"]
 
 
 @pytest.fixture

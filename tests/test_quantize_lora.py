@@ -17,10 +17,10 @@ import httpx
 import ollama
 import pytest
 
-from registry.store import Store, file_sha256
-from runner.context import EngineConfig
-from runner.engine import Engine
-from server.daemon import Daemon
+from corral.registry.store import Store, file_sha256
+from corral.runner.context import EngineConfig
+from corral.runner.engine import Engine
+from corral.server.daemon import Daemon
 from tests.f16_model import write_f16_copy, write_lora
 from tests.test_engine import run
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.model
 CHAT = "smollm2:135m"
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 24}
-CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
+CORRAL = [sys.executable, "-c", "from corral.cli.launch import main; main()"]
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import ollama
 import openai
 import pytest
 
-from registry.store import Store
-from server.daemon import Daemon
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
 from tests.family_templates import CALLS, GPT_OSS
 
 pytestmark = pytest.mark.model
@@ -225,7 +225,7 @@ def test_cli_thinking_piped(daemon: Daemon) -> None:
 
     host, port = daemon.address
     env = dict(os.environ, CORRAL_HOST=f"{host}:{port}")
-    cli = [sys.executable, "-c", "from cli.launch import main; main()", "run", THINKER]
+    cli = [sys.executable, "-c", "from corral.cli.launch import main; main()", "run", THINKER]
 
     def run(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*cli, *flags, "Hi"], capture_output=True, text=True, env=env,
@@ -285,7 +285,7 @@ def test_cli_thinking_on_a_terminal(daemon: Daemon, tmp_path: Any) -> None:
     host, port = daemon.address
     env = dict(os.environ, CORRAL_HOST=f"{host}:{port}", XDG_STATE_HOME=str(tmp_path))
     env.pop("NO_COLOR", None)
-    cli = ["-c", "from cli.launch import main; main()", "run", THINKER]
+    cli = ["-c", "from corral.cli.launch import main; main()", "run", THINKER]
     once = pexpect.spawn(sys.executable, [*cli, "--think", "Hi"], env=env, encoding="utf-8",
                          timeout=120, dimensions=(40, 100))
     once.expect(pexpect.EOF)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from server.daemon import Daemon
+from corral.server.daemon import Daemon
 from tests.test_reasoning import ASK, CALL, THINKER, THOUGHT, daemon  # noqa: F401
 
 
@@ -75,23 +73,3 @@ def test_refusals_in_openai_shape(daemon: Daemon) -> None:  # noqa: F811
     assert r.status_code == 400 and "invalid reasoning value" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client(daemon).responses.create(model="nope", input="hi")
-
-
-def test_a_failure_after_the_stream_starts_is_an_error_event(daemon_factory: Any,
-                                                              tmp_path: Path) -> None:
-    from registry.create import CreateRequest, create_model
-    from tests.gguf_files import write_tiny_gguf
-
-    d = daemon_factory(None)
-    with write_tiny_gguf(tmp_path / "tiny.gguf").open("rb") as f:
-        digest = d.store.import_blob(f)[0]
-    create_model(d.store, CreateRequest(model="broken", files={"t.gguf": digest}))
-    events = []
-    with httpx.stream("POST", d.url + "/v1/responses", timeout=120, json={
-            "model": "broken", "input": "hi", "stream": True}) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
-    assert events[-1]["message"] and events[-1]["sequence_number"] == 2

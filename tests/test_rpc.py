@@ -12,13 +12,13 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from registry.store import Store
+from corral.registry.store import Store
 from tests.support import DaemonFactory, free_port, wait_port
 
 pytestmark = pytest.mark.model
 
 MODEL = "gemma3:270m-base"
-CORRAL = [sys.executable, "-c", "from cli.launch import main; main()"]
+CORRAL = [sys.executable, "-c", "from corral.cli.launch import main; main()"]
 GREEDY = {"temperature": 0, "seed": 1, "num_predict": 8}
 SPLIT = {**GREEDY, "num_gpu": 10}  # 10 of 18 layers on the workers, the rest here
 

@@ -12,10 +12,10 @@ from typing import Iterator
 import pytest
 
 from corral.errors import RunnerError
-from registry.gguf import inspect_gguf
-from runner import memory
-from runner.client import RunnerProcess
-from runner.loadconfig import LoadConfig
+from corral.registry.gguf import inspect_gguf
+from corral.runner import memory
+from corral.runner.client import RunnerProcess
+from corral.runner.loadconfig import LoadConfig
 
 pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 

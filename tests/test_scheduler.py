@@ -11,10 +11,10 @@ import pytest
 
 from corral.config import FOREVER, load_settings
 from corral.errors import RunnerError, ServerBusy
-from registry.models import ModelRecord
-from registry.names import parse_name
-from runner.loadconfig import LoadConfig
-from server.scheduler import ModelState, Scheduler
+from corral.registry.models import ModelRecord
+from corral.registry.names import parse_name
+from corral.runner.loadconfig import LoadConfig
+from corral.server.scheduler import ModelState, Scheduler
 from tests.gguf_files import write_tiny_gguf
 from tests.support import wait_for
 

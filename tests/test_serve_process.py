@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from registry.store import Store
+from corral.registry.store import Store
 from tests.support import wait_for
 
 
@@ -25,7 +25,7 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
     port = free_port()
     env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(starter_store.root),
                CORRAL_NOPRUNE="1")
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
+    proc = subprocess.Popen([sys.executable, "-c", "from corral.cli.main import main; main()", "serve"],
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -60,7 +60,7 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
 def test_serve_warns_when_not_loopback(starter_store: Store) -> None:
     env = dict(os.environ, CORRAL_HOST=f"0.0.0.0:{free_port()}",
                CORRAL_MODELS=str(starter_store.root), CORRAL_NOPRUNE="1")
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve"],
+    proc = subprocess.Popen([sys.executable, "-c", "from corral.cli.main import main; main()", "serve"],
                             env=env, stderr=subprocess.PIPE, text=True)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
@@ -72,7 +72,7 @@ def test_runners_do_not_outlive_a_killed_daemon(starter_store: Store) -> None:
     port = free_port()
     env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(starter_store.root),
                CORRAL_NOPRUNE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "server"], env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], env=env, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(url), timeout=30)

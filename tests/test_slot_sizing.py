@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from corral.config import load_settings
-from registry.gguf import GGUFInfo
-from registry.models import ModelRecord
-from registry.names import parse_name
-from runner import memory
-from server.scheduler import Scheduler
+from corral.registry.gguf import GGUFInfo
+from corral.registry.models import ModelRecord
+from corral.registry.names import parse_name
+from corral.runner import memory
+from corral.server.scheduler import Scheduler
 from tests.test_scheduler import FakeRunner
 
 MB = 1 << 20

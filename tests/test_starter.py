@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from registry import manifest as mt
-from registry.gguf import inspect_gguf
-from registry.models import FALLBACK_TEMPLATE
-from registry.starter import (BASE, CHAT, CHAT_NAME, STARTER_NAME, expected_digest,
+from corral.registry import manifest as mt
+from corral.registry.gguf import inspect_gguf
+from corral.registry.models import FALLBACK_TEMPLATE
+from corral.registry.starter import (BASE, CHAT, CHAT_NAME, STARTER_NAME, expected_digest,
                               install_starter, starter_model_path)
-from registry.store import Store, file_sha256
+from corral.registry.store import Store, file_sha256
 
 
 def test_both_starters_are_listed_with_their_packages_sha256(starter_store: Store) -> None:

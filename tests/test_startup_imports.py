@@ -22,21 +22,22 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_daemon_spawns_its_first_runner_before_the_http_stack_is_imported() -> None:
-    mods = imported_after("import server.daemon")
+    mods = imported_after("import corral.server.daemon")
     assert not {"httpx", "uvicorn", "starlette", "anyio", "llama_cpp", "numpy",
-                "rich", "registry.download", "server.asgi"} & mods
+                "rich", "corral.registry.download", "corral.server.asgi", "pydantic"} & mods
 
 
 @pytest.mark.model
 def test_runner_entry_loads_only_the_c_bindings() -> None:
-    mods = imported_after("from runner import capi\ncapi.install()\nimport runner.process")
+    mods = imported_after("from corral.runner import capi\ncapi.install()\n"
+                          "import corral.runner.process")
     assert "llama_cpp.llama_cpp" in mods
     assert "llama_cpp.llama" not in mods and "llama_cpp.llama_chat_format" not in mods
 
 
 @pytest.mark.model
 def test_bare_package_has_the_bindings_and_its_submodules() -> None:
-    code = ("from runner import capi\nL = capi.install()\n"
+    code = ("from corral.runner import capi\nL = capi.install()\n"
             "assert L.llama_decode is L.llama_cpp.llama_decode\n"
             "import llama_cpp.llama_grammar\nassert capi.install() is L")
     subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
@@ -45,7 +46,7 @@ def test_bare_package_has_the_bindings_and_its_submodules() -> None:
 def test_json_schema_grammar_leaves_llama_cpp_out_of_the_daemon() -> None:
     # `import llama_cpp.llama_grammar` would run the package's __init__: libllama,
     # numpy and jinja2 resident in the daemon for good after one JSON-schema request.
-    mods = imported_after("from server.inference import grammar_for\n"
+    mods = imported_after("from corral.server.inference import grammar_for\n"
                           "assert 'root' in grammar_for({'type': 'object'}, 1 << 16)\n"
                           "assert 'root' in grammar_for('json', 1 << 16)")
     assert not {"llama_cpp", "numpy", "jinja2"} & mods
@@ -56,8 +57,8 @@ def test_concurrent_first_grammar_conversions_wait_for_one_load() -> None:
     # saw the module while its body was still running ("has no attribute").
     code = """
 import threading
-from runner.capi import pure_module
-from server.inference import grammar_for
+from corral.runner.capi import pure_module
+from corral.server.inference import grammar_for
 errors = []
 start = threading.Barrier(8)
 def convert():

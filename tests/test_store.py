@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from corral.errors import DigestMismatch, InvalidDigest, ModelNotFound
-from registry import manifest as mt
-from registry.manifest import Layer, Manifest, parse_manifest
-from registry.names import parse_name
-from registry.store import Store
+from corral.registry import manifest as mt
+from corral.registry.manifest import Layer, Manifest, parse_manifest
+from corral.registry.names import parse_name
+from corral.registry.store import Store
 
 TRAVERSAL = [
     "sha256:../../etc/passwd", "sha256-../x", "sha256:" + "a" * 63, "sha256:" + "a" * 65,

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from registry.models import FALLBACK_TEMPLATE
-from runner.prompt import PromptBuilder
-from runner.templates.gotemplate import GoTemplate, TemplateError
-from runner.templates.jinja import JinjaTemplate
+from corral.registry.models import FALLBACK_TEMPLATE
+from corral.server.prompt import PromptBuilder
+from corral.server.templates.gotemplate import GoTemplate, TemplateError
+from corral.server.templates.jinja import JinjaTemplate
 
 MSGS = [{"Role": "user", "Content": "hi"}, {"Role": "assistant", "Content": "yo"},
         {"Role": "user", "Content": "more"}]

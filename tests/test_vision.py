@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import pytest
 
 from corral.errors import CorralError
-from runner.jobs import Done, Failed, Token
-from runner.loadconfig import LoadConfig
-from runner.process import RunnerService, build
+from corral.runner.jobs import Done, Failed, Token
+from corral.runner.loadconfig import LoadConfig
+from corral.runner.process import RunnerService, build
 from tests.vision_model import png_bytes, write_projector
 
 pytestmark = pytest.mark.model

@@ -19,8 +19,8 @@ import ollama
 import openai
 import pytest
 
-from registry.store import Store
-from server.daemon import Daemon
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
 from tests.test_cli import CORRAL, corral, env_for
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes, write_projector
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (/v1/responses), stateless as Ollama's is.
+"""OpenAI's Responses API (/v1/responses) as pipeline requests, stateless as Ollama's is.
 
 `input` (a string, or message, function_call, function_call_output and reasoning
 items) becomes chat messages; `instructions` a system message. The reply is a list
@@ -14,15 +14,20 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from corral.errors import BadRequest, CorralError
-from server.http import Handler, Request
-from server.images import from_data_uri
-from server.inference import Inference, Outcome, capabilities, grammar_for
-from server.openai import openai_route
-from server.reply import Kind, Piece
-from server.replies import check_think, pieces_of, raw_grammar
+from corral.api.wire import parse
+from corral.api.wire.responses import FunctionChoice, ResponsesRequest
+from corral.errors import BadRequest, CorralError, Shape
+from corral.server.dialects.openai import think_of_effort
+from corral.server.http import Handler, Request
+from corral.server.images import from_data_uri
+from corral.server.inference import Inference, require_model
+from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, ToolChoice
+from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.reply import Kind, Piece
+
+openai_route = shaped(Shape.OPENAI)
 
 
 def _text(content: Any, images: list[str] | None = None) -> str:
@@ -45,15 +50,13 @@ def _text(content: Any, images: list[str] | None = None) -> str:
     return "".join(parts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(wire: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    if isinstance(body.get("instructions"), str) and body["instructions"]:
-        out.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
+    if wire.instructions:
+        out.append({"role": "system", "content": wire.instructions})
+    items = wire.input
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise BadRequest("input must be a string or a non-empty list of items")
     thinking = ""
     for item in items:
         if not isinstance(item, dict):
@@ -100,87 +103,67 @@ def _name(earlier: list[dict[str, Any]], call_id: str) -> str:
     return ""
 
 
-def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bool | str | None, list[Any]]:
-    if body.get("previous_response_id"):
+def _format(wire: ResponsesRequest) -> Any:
+    fmt = wire.text.format if wire.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return "json"
+    if fmt.schema_ is None:
+        raise BadRequest("text.format json_schema needs a schema")
+    return fmt.schema_
+
+
+def parse_responses(wire: ResponsesRequest) -> ChatRequest:
+    if wire.previous_response_id:
         raise BadRequest("previous_response_id is not supported: responses are not stored "
                          "(send the whole conversation in input)")
-    options: dict[str, Any] = {"temperature": body.get("temperature", 1.0)}
-    if body.get("top_p") is not None:
-        options["top_p"] = body["top_p"]
-    if body.get("max_output_tokens") is not None:
-        options["num_predict"] = body["max_output_tokens"]
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(
-        body.get("reasoning"), dict) else None
-    if effort not in (None, "", "none", "low", "medium", "high"):
-        raise BadRequest(f'invalid reasoning value: "{effort}" (must be "high", "medium", '
-                         '"low", or "none")')
-    think: bool | str | None = None if not effort else False if effort == "none" else effort
-    tools = []
-    for tool in body.get("tools") or []:
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
-            raise BadRequest("only function tools with a name are supported")
-        tools.append({"type": "function", "function": {
-            "name": tool["name"], "description": tool.get("description") or "",
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}})
-    return options, think, tools
-
-
-def _format(body: dict[str, Any]) -> Any:
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        return fmt.get("schema")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        return "json"
-    return None
-
-
-def responses(inf: Inference) -> Any:
-    @openai_route
-    def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        record = inf.record(body.get("model"))
-        messages = _messages(body)
-        options, think, tools = _settings(body)
-        template = inf.template_text(record)
-        check_think(think, capabilities(inf.store, record, template), body["model"])
-        limit = inf.settings.max_grammar_bytes
-        outcome = Outcome()
-        text = inf.generate(record, {
-            "messages": inf.chat_messages(record, messages), "tools": tools or None,
-            "think": think, "grammar": raw_grammar(body, limit, _format(body)) or
-            grammar_for(_format(body), limit)}, inf.options(record, options), None, outcome,
-            req.on_disconnect)
-        items = Items(body["model"], outcome)
-        pieces = pieces_of(text, outcome, template, think, tools)
-        if body.get("stream"):
-            _stream(handler, items.events(pieces))
-        else:
-            for piece in pieces:
-                items.add(piece)
-            handler.send_json(200, items.response("completed"))
-    return route
+    options: dict[str, Any] = {"temperature": 1.0 if wire.temperature is None
+                               else wire.temperature}
+    if wire.top_p is not None:
+        options["top_p"] = wire.top_p
+    if wire.max_output_tokens is not None:
+        options["num_predict"] = wire.max_output_tokens
+    choice = wire.tool_choice
+    forced = ToolChoice(ChoiceMode.NAMED, choice.name) if isinstance(choice, FunctionChoice) \
+        else ToolChoice(ChoiceMode(choice or "auto"))
+    tools = [{"type": "function", "function": {
+        "name": t.name, "description": t.description or "",
+        "parameters": t.parameters or {"type": "object", "properties": {}}}}
+        for t in wire.tools or []]
+    return ChatRequest(model=require_model(wire.model), messages=_messages(wire),
+                       options=options, format=_format(wire), grammar=wire.grammar or None,
+                       think=think_of_effort(wire.reasoning.effort if wire.reasoning else None),
+                       tools=tools, tool_choice=forced)
 
 
 class Items:
     """Output items built from pieces; also the event sequence that streams them."""
 
-    def __init__(self, model: str, outcome: Outcome) -> None:
-        self.model, self.outcome = model, outcome
+    content_type = SSE
+
+    def __init__(self, model: str, tool_choice: Any, tools: list[dict[str, Any]]) -> None:
+        self.model, self.tool_choice, self.tools = model, tool_choice, tools
         self.id, self.created = "resp_" + secrets.token_hex(12), int(time.time())
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item growing
+        self.final = Final()
+        self.sent = 0  # events streamed, for sequence_number
 
     def response(self, status: str) -> dict[str, Any]:
-        s = self.outcome.stats
-        usage = {"input_tokens": int(s.get("prompt_eval_count", 0)),
-                 "output_tokens": int(s.get("eval_count", 0))}
-        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        f = self.final
+        usage = {"input_tokens": f.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                 "output_tokens": f.eval_count,
+                 "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": f.prompt_tokens + f.eval_count}
         text = "".join(p["text"] for i in self.output if i["type"] == "message"
                        for p in i["content"])
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status, "model": self.model, "output": self.output,
                 "output_text": text, "error": None, "incomplete_details": None,
-                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                "parallel_tool_calls": True, "tool_choice": self.tool_choice or "auto",
+                "tools": self.tools,
                 "usage": usage if status == "completed" else None}
 
     def add(self, piece: Piece) -> list[tuple[str, dict[str, Any]]]:
@@ -267,28 +250,47 @@ class Items:
                                                 "content_index": 0, "part": part}),
                 ("response.output_item.done", {"output_index": index, "item": item})]
 
-    def events(self, pieces: Iterator[Piece]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def events(self, events: Iterator[Event]) -> Iterator[tuple[str, dict[str, Any]]]:
         yield "response.created", {"response": self.response("in_progress")}
         yield "response.in_progress", {"response": self.response("in_progress")}
-        for piece in pieces:
-            yield from self.add(piece)
+        for event in events:
+            if isinstance(event, Final):
+                self.final = event
+            else:
+                yield from self.add(event)
         if self.open is not None:
             yield from self._close()
         yield "response.completed", {"response": self.response("completed")}
 
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        for name, data in self.events(events):
+            event = {"type": name, "sequence_number": self.sent, **data}
+            self.sent += 1
+            yield f"event: {name}\ndata: {json.dumps(event)}\n\n".encode()
 
-def _stream(handler: Handler, events: Iterator[tuple[str, dict[str, Any]]]) -> None:
-    from server.openai import SSE
-
-    writer = handler.start_stream(SSE)
-    n = 0
-    try:
-        for n, (name, data) in enumerate(events):
-            event = {"type": name, "sequence_number": n, **data}
-            if not writer.write(f"event: {name}\ndata: {json.dumps(event)}\n\n".encode()):
-                return
-    except CorralError as exc:  # after response.created: the stream's own error event
-        error = {"type": "error", "sequence_number": n + 1, "code": None,
+    def error_frame(self, exc: CorralError) -> bytes:
+        """After response.created: the stream's own error event."""
+        error = {"type": "error", "sequence_number": self.sent, "code": None,
                  "message": exc.message, "param": None}
-        writer.write(f"event: error\ndata: {json.dumps(error)}\n\n".encode())
-    writer.end()
+        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+
+    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+        for event in events:
+            if isinstance(event, Final):
+                self.final = event
+            else:
+                self.add(event)
+        return self.response("completed")
+
+
+def responses(inf: Inference) -> Callable[[Request, Handler], None]:
+    @openai_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(ResponsesRequest, req.json())
+        request = parse_responses(wire)
+        choice = wire.tool_choice.model_dump() if isinstance(wire.tool_choice, FunctionChoice) \
+            else wire.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in wire.tools or []]
+        respond(handler, inf.run(request, req.on_disconnect), Items(request.model, choice, tools),
+                wire.stream)
+    return route

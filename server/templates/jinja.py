@@ -19,7 +19,7 @@ from typing import Any, Callable
 from jinja2 import TemplateError as JinjaError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from runner.templates.gotemplate import TemplateError
+from corral.server.templates.gotemplate import TemplateError
 
 MAX_OUTPUT = 1 << 20
 MAX_SEQUENCE = 1 << 20

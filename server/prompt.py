@@ -1,4 +1,9 @@
-"""Chat messages to prompt text, through the model's template.
+"""Chat messages to prompt text, through the model's template, in the daemon.
+
+As in Ollama's server/prompt.go, the daemon renders: it knows the request, the
+template and the capabilities, and reads the rendered text itself (does it end in
+an open think block?). The runner receives text, whether to add BOS, and the
+images for the text's media markers; it only tokenizes.
 
 A TEMPLATE layer (Go syntax) wins; without one, the GGUF's Jinja
 `tokenizer.chat_template`; without either, a plain completion-style template.
@@ -6,25 +11,14 @@ A TEMPLATE layer (Go syntax) wins; without one, the GGUF's Jinja
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
-from registry.models import FALLBACK_TEMPLATE
-from runner.vision import MARKER as MEDIA_MARKER
-from runner.templates.gotemplate import GoTemplate
-from runner.templates.jinja import JinjaTemplate
+from corral.registry.models import FALLBACK_TEMPLATE
+from corral.runner.vision import MARKER as MEDIA_MARKER
+from corral.server.templates.gotemplate import GoTemplate
+from corral.server.templates.jinja import JinjaTemplate
 
 _SENTINEL = "\x00corral-response\x00"
-
-
-def _decode(images: Any) -> list[bytes]:
-    if not isinstance(images, list):
-        raise ValueError("images must be a list of base64 strings")
-    try:
-        return [base64.b64decode(i, validate=True) for i in images]
-    except (binascii.Error, TypeError, ValueError):
-        raise ValueError("an image is not valid base64") from None
 
 
 def _mark(content: str, n: int) -> str:
@@ -38,22 +32,20 @@ def _mark(content: str, n: int) -> str:
     return prefix + content
 
 
-def attach_images(body: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-    """The request with a media marker where each image goes, and the images' bytes in
-    the order of their markers."""
-    if body.get("messages") is not None:
-        images: list[bytes] = []
-        messages = []
-        for m in body["messages"]:
-            own = _decode(m.get("images") or [])
-            images += own
-            messages.append({**m, "content": _mark(m.get("content") or "", len(own))}
-                            if own else m)
-        return {**body, "messages": messages}, images
-    images = _decode(body.get("images") or [])
-    if not images:
-        return body, []
-    return {**body, "prompt": _mark(body.get("prompt") or "", len(images))}, images
+def mark_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Messages with a media marker where each image goes, and the images (base64, as
+    checked at the edge) in the order of their markers."""
+    images: list[str] = []
+    out = []
+    for m in messages:
+        own = list(m.get("images") or [])
+        images += own
+        out.append({**m, "content": _mark(m.get("content") or "", len(own))} if own else m)
+    return out, images
+
+
+def mark_prompt(prompt: str, images: list[str]) -> str:
+    return _mark(prompt, len(images)) if images else prompt
 
 
 def _go_message(m: dict[str, Any]) -> dict[str, Any]:

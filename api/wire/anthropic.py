@@ -1,0 +1,80 @@
+"""Anthropic's Messages API request record (/v1/messages)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from corral.api.wire import Wire
+
+Unit = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TextBlock(Wire):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Wire):
+    role: Literal["user", "assistant"]
+    # Blocks stay objects here: the dialect reads each kind (text, image, tool_use,
+    # tool_result, thinking) and refuses the kinds Corral cannot take, by name.
+    content: Union[str, list[dict[str, Any]]]
+
+
+class Tool(Wire):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object",
+                                                                  "properties": {}})
+
+
+class AutoChoice(Wire):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class AnyChoice(Wire):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoice(Wire):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class NoneChoice(Wire):
+    type: Literal["none"]
+
+
+Choice = Annotated[Union[AutoChoice, AnyChoice, ToolChoice, NoneChoice],
+                   Field(discriminator="type")]
+
+
+class Thinking(Wire):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = Field(default=None, ge=0)
+
+
+class OutputConfig(Wire):
+    effort: Optional[Literal["low", "medium", "high", "max", "xhigh"]] = None
+
+
+class MessagesRequest(Wire):
+    model: Optional[str] = None
+    max_tokens: Annotated[int, Field(ge=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: Union[str, list[TextBlock], None] = None
+    temperature: Optional[Unit] = None
+    top_p: Optional[Unit] = None
+    top_k: Optional[Annotated[int, Field(ge=0)]] = None
+    stop_sequences: Optional[list[str]] = None
+    stream: bool = False
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Choice] = None
+    thinking: Optional[Thinking] = None
+    output_config: Optional[OutputConfig] = None
+    grammar: Optional[str] = None  # a Corral extension: GBNF

@@ -1,0 +1,60 @@
+"""Field types more than one API shares."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BeforeValidator, Field
+
+from corral.api.wire import Wire
+
+THINK_LEVELS = ("low", "medium", "high")
+MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # `n`: sequences that share one prompt, decoded side by side
+
+
+def _think(raw: Any) -> bool | str | None:
+    """Ollama's `think`: true, false, or a level ("true"/"false" as strings too)."""
+    if raw is None or isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.lower() in THINK_LEVELS:
+        return raw.lower()
+    if raw in ("true", "false"):
+        return raw == "true"
+    raise ValueError(f"invalid think value: {raw!r} (must be true, false, \"low\", "
+                     "\"medium\" or \"high\")")
+
+
+Think = Annotated[Union[bool, str, None], BeforeValidator(_think)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
+KeepAlive = Union[str, int, float, None]
+Options = Union[dict[str, Any], None]
+
+
+class FunctionSpec(Wire):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object",
+                                                                "properties": {}})
+
+
+class FunctionTool(Wire):
+    """A tool as Ollama and OpenAI chat name it: {"type": "function", "function": {...}}."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(Wire):
+    name: str
+
+
+class FunctionChoice(Wire):
+    """OpenAI chat's forced call: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ChatToolChoice = Union[Literal["auto", "none", "required"], FunctionChoice, None]

@@ -1,0 +1,2 @@
+"""The four API dialects, each a thin layer over the one pipeline (server.pipeline):
+parse a wire record into a request, render the events into its own bytes."""

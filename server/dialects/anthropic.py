@@ -1,0 +1,264 @@
+"""Anthropic's Messages API (/v1/messages) as pipeline requests.
+
+Requests become Ollama-style chat messages: `system` (a string or text blocks) a system
+message, `tool_use` blocks the assistant's tool calls (their ids kept), `tool_result`
+blocks tool messages that name the call they answer, `thinking` blocks the assistant's
+thinking. `tool_choice` maps onto the pipeline's: `any` is a required call, `tool` a
+named one. Replies are content blocks in the order the model wrote them; streamed, they
+are Anthropic's server-sent events: message_start, content_block_start/delta/stop per
+block, message_delta with the stop reason and usage, message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Callable, Iterator
+
+from corral.api.wire import parse
+from corral.api.wire.anthropic import AnyChoice, Choice, MessagesRequest, NoneChoice, ToolChoice
+from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.server.http import Handler, Request
+from corral.server.images import from_data_uri
+from corral.server.inference import Inference, require_model
+from corral.server.pipeline.request import (ChatRequest, ChoiceMode, Event, Final,
+                                            ToolChoice as Forced)
+from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.reply import Kind, Piece
+
+anthropic_route = shaped(Shape.ANTHROPIC)
+
+
+def _text_of(blocks: Any, what: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if blocks is None:
+        return ""
+    if not isinstance(blocks, list):
+        raise BadRequest(f"{what} must be a string or a list of content blocks")
+    texts = []
+    for block in blocks:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise BadRequest(f"{what} may only hold text blocks")
+        texts.append(str(block.get("text", "")))
+    return "".join(texts)
+
+
+def _image_of(source: Any) -> str:
+    """An image block's base64 data; a URL source is refused (nothing is fetched)."""
+    if not isinstance(source, dict):
+        raise BadRequest("image block needs a source")
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return str(source["data"])
+    if source.get("type") == "url":
+        return from_data_uri(source.get("url"))  # only a data URI gets through
+    raise BadRequest("image source must be base64 data")
+
+
+def _blocks(role: str, content: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results first, as Ollama orders them."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise BadRequest("message content must be a string or a list of content blocks")
+    text, thinking, calls, results, images = [], "", [], [], []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "thinking":
+            thinking = str(block.get("thinking", ""))
+        elif kind == "tool_use":
+            if not block.get("id") or not block.get("name"):
+                raise BadRequest("tool_use block missing required 'id' or 'name' field")
+            args = block.get("input") or {}
+            if not isinstance(args, dict):
+                raise BadRequest("tool_use input must be an object")
+            calls.append({"id": str(block["id"]),
+                          "function": {"name": str(block["name"]), "arguments": args}})
+        elif kind == "tool_result":
+            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                            "content": _text_of(block.get("content"), "tool_result content")})
+        elif kind == "image":
+            images.append(_image_of(block.get("source")))
+        else:
+            raise BadRequest(f"unsupported content block type {kind!r}")
+    out = list(results)
+    if text or calls or thinking or images:
+        message: dict[str, Any] = {"role": role, "content": "".join(text)}
+        if images:
+            message["images"] = images
+        if calls:
+            message["tool_calls"] = calls
+        if thinking:
+            message["thinking"] = thinking
+        out.append(message)
+    return out
+
+
+def _named(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool results get the name of the call they answer, for templates that print it."""
+    names: dict[str, str] = {}
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            names[call["id"]] = call["function"]["name"]
+        if m["role"] == "tool":
+            m["tool_name"] = names.get(m.get("tool_call_id", ""), "")
+    return messages
+
+
+def _tool_choice(choice: Choice | None) -> Forced:
+    if isinstance(choice, AnyChoice):
+        return Forced(ChoiceMode.REQUIRED)
+    if isinstance(choice, ToolChoice):
+        return Forced(ChoiceMode.NAMED, choice.name)
+    if isinstance(choice, NoneChoice):
+        return Forced(ChoiceMode.NONE)
+    return Forced()
+
+
+def _think(wire: MessagesRequest) -> bool | str | None:
+    if wire.thinking is not None and wire.thinking.type != "adaptive":
+        return wire.thinking.type == "enabled"
+    effort = wire.output_config.effort if wire.output_config is not None else None
+    if effort is None:
+        return None  # adaptive, or nothing said: the model's own default
+    return "high" if effort in ("max", "xhigh") else effort
+
+
+def parse_messages(wire: MessagesRequest) -> ChatRequest:
+    messages: list[dict[str, Any]] = []
+    system = _text_of([b.model_dump() for b in wire.system] if isinstance(wire.system, list)
+                      else wire.system, "system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for m in wire.messages:
+        messages += _blocks(m.role, m.content)
+    options: dict[str, Any] = {"num_predict": wire.max_tokens}
+    for option, value in (("temperature", wire.temperature), ("top_p", wire.top_p),
+                          ("top_k", wire.top_k), ("stop", wire.stop_sequences)):
+        if value is not None:
+            options[option] = value
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.input_schema}}
+             for t in wire.tools or []]
+    return ChatRequest(model=require_model(wire.model), messages=_named(messages),
+                       options=options, think=_think(wire), grammar=wire.grammar or None,
+                       tools=tools, tool_choice=_tool_choice(wire.tool_choice))
+
+
+def _stop_reason(final: Final) -> str:
+    if final.called:
+        return "tool_use"
+    return "max_tokens" if final.done_reason == "length" else "end_turn"
+
+
+def _usage(final: Final) -> dict[str, int]:
+    """Anthropic counts cache reads apart: input_tokens are the ones evaluated."""
+    return {"input_tokens": final.prompt_tokens - final.cached_tokens,
+            "cache_read_input_tokens": final.cached_tokens, "cache_creation_input_tokens": 0,
+            "output_tokens": final.eval_count}
+
+
+class Blocks:
+    """A reply's pieces as content blocks: thinking and text blocks grow while their
+    kind of piece keeps coming; each call is a whole tool_use block."""
+
+    content_type = SSE
+
+    def __init__(self, model: str) -> None:
+        self.message = {"id": "msg_" + secrets.token_hex(12), "type": "message",
+                        "role": "assistant", "model": model}
+
+    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        final = Final()
+        for event in events:
+            if isinstance(event, Final):
+                final = event
+            elif event.kind is Kind.CALL:
+                content.append(_tool_use(event))
+            elif content and content[-1]["type"] == _block_type(event):
+                content[-1][_field(event)] += event.text
+            else:
+                content.append(_opened(event) | {_field(event): event.text})
+        return {**self.message, "content": content, "stop_reason": _stop_reason(final),
+                "stop_sequence": None, "usage": _usage(final)}
+
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        for name, data in self.events(events):
+            yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+    def error_frame(self, exc: CorralError) -> bytes:
+        error = format_error(exc, Shape.ANTHROPIC)[1]
+        return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+
+    def events(self, events: Iterator[Event]) -> Iterator[tuple[str, dict[str, Any]]]:
+        yield "message_start", {"type": "message_start", "message": {
+            **self.message, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0}}}
+        index, open_type, final = -1, None, Final()
+        for event in events:
+            if isinstance(event, Final):
+                final = event
+                continue
+            kind = _block_type(event)
+            if open_type is not None and (kind != open_type or event.kind is Kind.CALL):
+                yield "content_block_stop", {"type": "content_block_stop", "index": index}
+                open_type = None
+            index += 1 if open_type is None else 0
+            if event.kind is Kind.CALL:
+                yield from _tool_use_events(event, index)
+                continue
+            if open_type is None:
+                open_type = kind
+                yield "content_block_start", {"type": "content_block_start", "index": index,
+                                              "content_block": _opened(event)}
+            yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": f"{_field(event)}_delta",
+                                                    _field(event): event.text}}
+        if open_type is not None:
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+        yield "message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": _stop_reason(final), "stop_sequence": None}, "usage": _usage(final)}
+        yield "message_stop", {"type": "message_stop"}
+
+
+def _tool_use_events(piece: Piece, index: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    block = _tool_use(piece)
+    yield "content_block_start", {"type": "content_block_start", "index": index,
+                                  "content_block": {**block, "input": {}}}
+    yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                  "delta": {"type": "input_json_delta",
+                                            "partial_json": json.dumps(block["input"])}}
+    yield "content_block_stop", {"type": "content_block_stop", "index": index}
+
+
+def _block_type(piece: Piece) -> str:
+    return {Kind.THINKING: "thinking", Kind.CONTENT: "text", Kind.CALL: "tool_use"}[piece.kind]
+
+
+def _field(piece: Piece) -> str:
+    return "thinking" if piece.kind is Kind.THINKING else "text"
+
+
+def _opened(piece: Piece) -> dict[str, Any]:
+    if piece.kind is Kind.THINKING:
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+def _tool_use(piece: Piece) -> dict[str, Any]:
+    assert piece.call is not None
+    fn = piece.call["function"]
+    return {"type": "tool_use", "id": "toolu_" + piece.call["id"].removeprefix("call_"),
+            "name": fn["name"], "input": fn["arguments"]}
+
+
+def messages(inf: Inference) -> Callable[[Request, Handler], None]:
+    @anthropic_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(MessagesRequest, req.json())
+        request = parse_messages(wire)
+        respond(handler, inf.run(request, req.on_disconnect), Blocks(request.model), wire.stream)
+    return route

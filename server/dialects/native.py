@@ -1,0 +1,210 @@
+"""Ollama's native API: /api/generate, /api/chat, /api/embed, /api/embeddings.
+
+Parse: the wire record (api.wire.native) into a pipeline request. Render: events
+into NDJSON lines, or one object when `stream` is false.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Iterator
+
+from corral.api.types import nanoseconds, rfc3339
+from corral.api.wire import parse
+from corral.api.wire.native import (ChatRequest as WireChat, EmbeddingsRequest, EmbedRequest,
+                                    GenerateRequest, Generation)
+from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.server.http import Handler, Request
+from corral.server.inference import Inference, keep_alive_of, require_model
+from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event, Final
+from corral.server.pipeline.stream import NDJSON, respond, shaped
+from corral.server.reply import Kind, Piece
+
+native_route = shaped(Shape.OLLAMA)
+
+
+def _common(wire: Generation) -> dict[str, Any]:
+    logprobs = None
+    if wire.logprobs or wire.top_logprobs:
+        logprobs = int(wire.top_logprobs or 0)
+    return {"model": require_model(wire.model), "options": wire.options or {},
+            "keep_alive": keep_alive_of(wire.keep_alive), "think": wire.think,
+            "format": wire.format or None, "grammar": wire.grammar or _option_grammar(wire),
+            "logprobs": logprobs, "truncate": wire.truncate, "shift": wire.shift}
+
+
+def _option_grammar(wire: Generation) -> str | None:
+    """Clients that send only known fields can put `grammar` among the options."""
+    grammar = (wire.options or {}).get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise BadRequest("grammar must be a string")
+    return grammar or None
+
+
+def parse_generate(wire: GenerateRequest) -> CompletionRequest:
+    if wire.raw and (wire.template or wire.system or wire.context):
+        raise BadRequest("raw mode does not support template, system, or context")
+    return CompletionRequest(**_common(wire), prompt=wire.prompt or "", suffix=wire.suffix or "",
+                             raw=wire.raw, system=wire.system, template=wire.template,
+                             context=list(wire.context or []), images=list(wire.images or []))
+
+
+def parse_chat(wire: WireChat) -> ChatRequest:
+    messages = [m.model_dump(exclude_none=True) for m in wire.messages or []]
+    tools = [t.model_dump() for t in wire.tools or []]
+    return ChatRequest(**_common(wire), messages=messages, tools=tools)
+
+
+class Lines:
+    """NDJSON for /api/generate (`chat` false) and /api/chat (`chat` true)."""
+
+    content_type = NDJSON
+
+    def __init__(self, model: str, chat: bool, raw: bool = False) -> None:
+        self.model, self.chat, self.raw = model, chat, raw
+
+    def _head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": rfc3339(time.time())}
+
+    def objects(self, events: Iterator[Event]) -> Iterator[dict[str, Any]]:
+        for event in events:
+            if isinstance(event, Final):
+                yield self._final(event)
+                continue
+            out = {**self._head(), **self._body(event), "done": False}
+            if event.logprobs:
+                out["logprobs"] = list(event.logprobs)
+            yield out
+
+    def _body(self, piece: Piece) -> dict[str, Any]:
+        if not self.chat:
+            key = "thinking" if piece.kind is Kind.THINKING else "response"
+            return {"response": "", key: piece.text}
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if piece.kind is Kind.CONTENT:
+            message["content"] = piece.text
+        elif piece.kind is Kind.THINKING:
+            message["thinking"] = piece.text
+        else:
+            message["tool_calls"] = [piece.call]
+        return {"message": message}
+
+    def _final(self, final: Final) -> dict[str, Any]:
+        out: dict[str, Any] = {**self._head()}
+        out.update({"message": {"role": "assistant", "content": ""}} if self.chat
+                   else {"response": ""})
+        out.update({"done": True, "done_reason": final.done_reason,
+                    "total_duration": nanoseconds(final.total_duration),
+                    "load_duration": nanoseconds(final.load_duration),
+                    "prompt_eval_count": final.prompt_eval_count,
+                    "prompt_eval_duration": final.prompt_eval_duration,
+                    "eval_count": final.eval_count, "eval_duration": final.eval_duration})
+        if not self.chat and not self.raw:
+            out["context"] = list(final.context)
+        return out
+
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        for obj in self.objects(events):
+            yield json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for obj in self.objects(events):
+            for key, value in obj.items():
+                if key in ("response", "thinking", "logprobs") and key in merged:
+                    merged[key] += value
+                elif key == "message" and "message" in merged:
+                    _merge_message(merged["message"], value)
+                else:
+                    merged[key] = value
+        return merged
+
+    def error_frame(self, exc: CorralError) -> bytes:
+        return json.dumps(format_error(exc, Shape.OLLAMA)[1]).encode() + b"\n"
+
+
+def _merge_message(into: dict[str, Any], part: dict[str, Any]) -> None:
+    into["content"] += part.get("content", "")
+    if part.get("thinking"):
+        into["thinking"] = into.get("thinking", "") + part["thinking"]
+    if part.get("tool_calls"):
+        into["tool_calls"] = into.get("tool_calls", []) + part["tool_calls"]
+
+
+def _load_or_unload(handler: Handler, inf: Inference, wire: Generation, chat: bool) -> None:
+    """A request with nothing to generate loads the model, or unloads it (keep_alive 0)."""
+    record = inf.record(wire.model)
+    keep_alive = keep_alive_of(wire.keep_alive)
+    base: dict[str, Any] = {"model": wire.model, "created_at": rfc3339(time.time())}
+    base.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    if keep_alive == 0:
+        inf.scheduler.unload(record)
+        handler.send_json(200, {**base, "done": True, "done_reason": "unload"})
+        return
+    inf.load_only(record, inf.options(record, wire.options), keep_alive)
+    handler.send_json(200, {**base, "done": True, "done_reason": "load"})
+
+
+def generate(inf: Inference) -> Callable[[Request, Handler], None]:
+    @native_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(GenerateRequest, req.json())
+        request = parse_generate(wire)
+        if not request.prompt and not request.suffix:
+            _load_or_unload(handler, inf, wire, chat=False)
+            return
+        respond(handler, inf.run(request, req.on_disconnect),
+                Lines(request.model, chat=False, raw=request.raw), wire.stream)
+    return route
+
+
+def chat(inf: Inference) -> Callable[[Request, Handler], None]:
+    @native_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(WireChat, req.json())
+        request = parse_chat(wire)
+        if not request.messages:
+            _load_or_unload(handler, inf, wire, chat=True)
+            return
+        respond(handler, inf.run(request, req.on_disconnect), Lines(request.model, chat=True),
+                wire.stream)
+    return route
+
+
+def embed(inf: Inference) -> Callable[[Request, Handler], None]:
+    @native_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(EmbedRequest, req.json())
+        record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
+        keep_alive = keep_alive_of(wire.keep_alive)
+        inputs = [wire.input] if isinstance(wire.input, str) else wire.input
+        if not inputs:
+            inf.load_only(record, inf.options(record, wire.options), keep_alive)
+            handler.send_json(200, {"model": wire.model, "embeddings": []})
+            return
+        started = time.perf_counter()
+        result, load = inf.embed(record, inputs, wire.options, keep_alive, wire.truncate,
+                                 normalize=True, dimensions=wire.dimensions or 0,
+                                 on_disconnect=req.on_disconnect)
+        handler.send_json(200, {"model": wire.model, "embeddings": result["embeddings"],
+                                "total_duration": nanoseconds(time.perf_counter() - started),
+                                "load_duration": nanoseconds(load),
+                                "prompt_eval_count": result["prompt_eval_count"]})
+    return route
+
+
+def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
+    @native_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(EmbeddingsRequest, req.json())
+        record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
+        keep_alive = keep_alive_of(wire.keep_alive)
+        if not wire.prompt:
+            inf.load_only(record, inf.options(record, wire.options), keep_alive)
+            handler.send_json(200, {"embedding": []})
+            return
+        result, _ = inf.embed(record, [wire.prompt], wire.options, keep_alive, normalize=False,
+                              on_disconnect=req.on_disconnect)
+        handler.send_json(200, {"embedding": result["embeddings"][0]})
+    return route

@@ -1,0 +1,322 @@
+"""OpenAI's API (/v1): chat completions and legacy completions as pipeline requests.
+
+Parse: the wire record (api.wire.openai) into a pipeline request. Render: events
+into `chat.completion(.chunk)` / `text_completion` objects, streamed as server-sent
+events ending in `[DONE]`, with one choice per `n`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any, Callable, Iterator
+
+from corral.api.wire import parse
+from corral.api.wire.common import ChatToolChoice, FunctionChoice
+from corral.api.wire.openai import (ChatCompletionRequest, CompletionRequest as WireCompletion,
+                                    Message, Sampling)
+from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.server.http import Handler, Request
+from corral.server.images import from_data_uri
+from corral.server.inference import Inference, require_model
+from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
+                                            Final, ToolChoice)
+from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.reply import Kind, Piece
+
+openai_route = shaped(Shape.OPENAI)
+EFFORTS = ("high", "medium", "low", "none")
+
+
+def think_of_effort(effort: str | None) -> bool | str | None:
+    """`reasoning_effort` / `reasoning.effort`, as Ollama maps them onto `think`."""
+    if effort in (None, ""):
+        return None
+    if effort == "minimal":
+        return "low"
+    if effort not in EFFORTS:
+        raise BadRequest(f"invalid reasoning value: '{effort}' (must be \"high\", "
+                         "\"medium\", \"low\", or \"none\")")
+    return False if effort == "none" else str(effort)
+
+
+def _options(wire: Sampling, max_tokens: int | None) -> dict[str, Any]:
+    opts: dict[str, Any] = {"temperature": 1.0 if wire.temperature is None else wire.temperature,
+                            "top_p": wire.top_p or 1.0}
+    for name, value in (("num_predict", max_tokens), ("seed", wire.seed),
+                        ("frequency_penalty", wire.frequency_penalty),
+                        ("presence_penalty", wire.presence_penalty),
+                        ("ignore_eos", wire.ignore_eos)):
+        if value is not None:
+            opts[name] = value
+    if wire.stop is not None:
+        opts["stop"] = [wire.stop] if isinstance(wire.stop, str) else wire.stop
+    return opts
+
+
+def _grammar(wire: Sampling) -> str | None:
+    grammar = wire.grammar or (wire.options or {}).get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise BadRequest("grammar must be a string")
+    return grammar or None
+
+
+def tool_choice_of(choice: ChatToolChoice) -> ToolChoice:
+    if isinstance(choice, FunctionChoice):
+        return ToolChoice(ChoiceMode.NAMED, choice.function.name)
+    return ToolChoice(ChoiceMode(choice or "auto"))
+
+
+def _message(m: Message, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+    content, images = m.content, []
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type == "text":
+                texts.append(part.text)
+            else:
+                url = part.image_url
+                images.append(from_data_uri(url if isinstance(url, str) else url.url))
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": content or ""}
+    if images:
+        out["images"] = images
+    calls = []
+    for call in m.tool_calls or []:
+        try:
+            args = json.loads(call.function.arguments or "{}")
+        except ValueError:
+            raise BadRequest("invalid tool call arguments") from None
+        calls.append({"id": call.id, "function": {"name": call.function.name, "arguments": args}})
+    if calls:
+        out["tool_calls"] = calls
+    if m.reasoning:
+        out["thinking"] = m.reasoning
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id or ""
+        out["tool_name"] = m.name or _name_of_call(earlier, out["tool_call_id"])
+    return out
+
+
+def _name_of_call(earlier: list[dict[str, Any]], call_id: str) -> str:
+    """The tool a `tool_call_id` answers, from the assistant turn that made the call."""
+    for m in reversed(earlier):
+        for call in m.get("tool_calls") or []:
+            if call_id and call.get("id") == call_id:
+                return str(call["function"].get("name") or "")
+    return ""
+
+
+def _format(wire: ChatCompletionRequest) -> Any:
+    rf = wire.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return "json"
+    if rf.json_schema is None:
+        raise BadRequest("response_format json_schema needs a schema")
+    return rf.json_schema.schema_
+
+
+def parse_chat(wire: ChatCompletionRequest) -> ChatRequest:
+    messages: list[dict[str, Any]] = []
+    for m in wire.messages:
+        messages.append(_message(m, messages))
+    effort = wire.reasoning.effort if wire.reasoning is not None else wire.reasoning_effort
+    logprobs = int(wire.top_logprobs or 0) if wire.logprobs or wire.top_logprobs else None
+    return ChatRequest(
+        model=require_model(wire.model), messages=messages,
+        options=_options(wire, wire.max_completion_tokens or wire.max_tokens),
+        think=think_of_effort(effort), format=_format(wire), grammar=_grammar(wire),
+        logprobs=logprobs, n=wire.n, tools=[t.model_dump() for t in wire.tools or []],
+        tool_choice=tool_choice_of(wire.tool_choice))
+
+
+def parse_completion(wire: WireCompletion) -> CompletionRequest:
+    prompt = wire.prompt if isinstance(wire.prompt, str) else wire.prompt[0]
+    return CompletionRequest(model=require_model(wire.model), prompt=prompt, raw=True,
+                             suffix=wire.suffix or "", options=_options(wire, wire.max_tokens),
+                             grammar=_grammar(wire), logprobs=wire.logprobs, n=wire.n)
+
+
+def openai_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An Ollama-shaped call as OpenAI's: arguments as a JSON string, with its index."""
+    fn = call["function"]
+    return {"index": fn.get("index", 0), "id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
+
+
+def finish_reason(final: Final) -> str:
+    if final.called:
+        return "tool_calls"
+    return "length" if final.done_reason == "length" else "stop"
+
+
+def usage(finals: dict[int, Final]) -> dict[str, Any]:
+    """OpenAI's usage: the whole prompt (once: the choices share it), the reused part of
+    it in cached_tokens, and every choice's output."""
+    first = finals.get(0, Final())
+    completion = sum(f.eval_count for f in finals.values())
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+class Stream:
+    """What the chat and completion renderers share: ids, SSE framing, usage."""
+
+    content_type = SSE
+
+    def __init__(self, model: str, include_usage: bool, prefix: str, kind: str) -> None:
+        self.head = {"id": f"{prefix}-{random.randint(0, 998)}", "object": kind,
+                     "created": int(time.time()), "model": model,
+                     "system_fingerprint": "fp_ollama"}
+        self.include_usage = include_usage
+        self.finals: dict[int, Final] = {}
+
+    @staticmethod
+    def sse(obj: Any) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+    def error_frame(self, exc: CorralError) -> bytes:
+        return self.sse(format_error(exc, Shape.OPENAI)[1])
+
+    def closing(self) -> Iterator[bytes]:
+        if self.include_usage:
+            yield self.sse({**self.head, "choices": [], "usage": usage(self.finals)})
+        yield b"data: [DONE]\n\n"
+
+
+class ChatChunks(Stream):
+    def __init__(self, model: str, include_usage: bool) -> None:
+        super().__init__(model, include_usage, "chatcmpl", "chat.completion.chunk")
+
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        opened: set[int] = set()
+        for event in events:
+            if event.index not in opened:
+                opened.add(event.index)
+                yield self._chunk(event.index, {"role": "assistant", "content": ""})
+            if isinstance(event, Final):
+                self.finals[event.index] = event
+                yield self._chunk(event.index, {}, finish_reason(event))
+            else:
+                yield self._chunk(event.index, _delta(event), None, event.logprobs)
+        yield from self.closing()
+
+    def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None,
+               logprobs: tuple[dict[str, Any], ...] = ()) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
+        if logprobs:
+            choice["logprobs"] = {"content": list(logprobs)}
+        return self.sse({**self.head, "choices": [choice]})
+
+    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+        parts: dict[int, dict[str, list[Any]]] = {}
+        for event in events:
+            if isinstance(event, Final):
+                self.finals[event.index] = event
+                continue
+            got = parts.setdefault(event.index, {"content": [], "reasoning": [], "calls": [],
+                                                 "logprobs": []})
+            got["logprobs"] += event.logprobs
+            if event.kind is Kind.CALL:
+                assert event.call is not None
+                got["calls"].append(openai_call(event.call))
+            else:
+                got["reasoning" if event.kind is Kind.THINKING else "content"].append(event.text)
+        choices = [_choice(i, parts.get(i), final) for i, final in sorted(self.finals.items())]
+        return {**self.head, "object": "chat.completion", "choices": choices,
+                "usage": usage(self.finals)}
+
+
+def _choice(index: int, got: dict[str, list[Any]] | None, final: Final) -> dict[str, Any]:
+    got = got or {"content": [], "reasoning": [], "calls": [], "logprobs": []}
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(got["content"])}
+    if got["reasoning"]:
+        message["reasoning"] = message["reasoning_content"] = "".join(got["reasoning"])
+    if got["calls"]:
+        message["tool_calls"] = got["calls"]
+    return {"index": index, "message": message, "finish_reason": finish_reason(final),
+            "logprobs": {"content": got["logprobs"]} if got["logprobs"] else None}
+
+
+def _delta(piece: Piece) -> dict[str, Any]:
+    if piece.kind is Kind.THINKING:  # Ollama's field, and the one vLLM and DeepSeek use
+        return {"reasoning": piece.text, "reasoning_content": piece.text}
+    if piece.kind is Kind.CALL:
+        assert piece.call is not None
+        return {"tool_calls": [openai_call(piece.call)]}
+    return {"content": piece.text}
+
+
+class TextChunks(Stream):
+    def __init__(self, model: str, include_usage: bool, logprobs: bool) -> None:
+        super().__init__(model, include_usage, "cmpl", "text_completion")
+        self.logprobs = logprobs
+
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        for event in events:
+            if isinstance(event, Final):
+                self.finals[event.index] = event
+                yield self.sse({**self.head, "choices": [{
+                    "text": "", "index": event.index, "finish_reason": finish_reason(event),
+                    "logprobs": None}]})
+            else:
+                yield self.sse({**self.head, "choices": [{
+                    "text": event.text, "index": event.index, "finish_reason": None,
+                    "logprobs": legacy_logprobs(list(event.logprobs)) if self.logprobs
+                    else None}]})
+        yield from self.closing()
+
+    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+        texts: dict[int, list[str]] = {}
+        entries: dict[int, list[dict[str, Any]]] = {}
+        for event in events:
+            if isinstance(event, Final):
+                self.finals[event.index] = event
+            else:
+                texts.setdefault(event.index, []).append(event.text)
+                entries.setdefault(event.index, []).extend(event.logprobs)
+        choices = [{"text": "".join(texts.get(i, [])), "index": i,
+                    "finish_reason": finish_reason(final),
+                    "logprobs": legacy_logprobs(entries.get(i, [])) if self.logprobs else None}
+                   for i, final in sorted(self.finals.items())]
+        return {**self.head, "choices": choices, "usage": usage(self.finals)}
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """The completions API's logprobs: parallel lists, alternatives as {token: logprob}."""
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def chat_completions(inf: Inference) -> Callable[[Request, Handler], None]:
+    @openai_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(ChatCompletionRequest, req.json())
+        request = parse_chat(wire)
+        usage_wanted = wire.stream_options is not None and wire.stream_options.include_usage
+        respond(handler, inf.run(request, req.on_disconnect),
+                ChatChunks(request.model, usage_wanted), wire.stream)
+    return route
+
+
+def completions(inf: Inference) -> Callable[[Request, Handler], None]:
+    @openai_route
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(WireCompletion, req.json())
+        request = parse_completion(wire)
+        usage_wanted = wire.stream_options is not None and wire.stream_options.include_usage
+        respond(handler, inf.run(request, req.on_disconnect),
+                TextChunks(request.model, usage_wanted, wire.logprobs is not None), wire.stream)
+    return route

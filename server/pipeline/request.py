@@ -1,0 +1,93 @@
+"""Dialect-neutral requests and the events a generation yields.
+
+Messages and tools are Ollama-shaped dicts, as the templates read them:
+{"role", "content", "images", "tool_calls": [{"id", "function": {"name",
+"arguments"}}], "thinking", "tool_name", "tool_call_id"} and {"type": "function",
+"function": {"name", "description", "parameters"}}.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from corral.server.reply import Piece
+
+
+class ChoiceMode(str, enum.Enum):
+    AUTO = "auto"  # the model decides
+    NONE = "none"  # no calls: the tools are left out of the prompt and the parser
+    REQUIRED = "required"  # one call of any tool, forced by a grammar
+    NAMED = "named"  # one call of the named tool, forced by a grammar
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: ChoiceMode = ChoiceMode.AUTO
+    name: str = ""
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED)
+
+
+@dataclass(kw_only=True)
+class Generation:
+    """What every generation request carries, whichever API it came from."""
+
+    model: str
+    options: dict[str, Any] = field(default_factory=dict)  # the request's, unchecked yet
+    keep_alive: float | None = None
+    think: bool | str | None = None
+    format: Any = None  # None, "json" or a JSON schema (dict)
+    grammar: str | None = None  # raw GBNF (Corral extension)
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    n: int = 1  # sequences sharing this prompt, each its own choice
+    truncate: bool = True
+    shift: bool = True
+
+
+@dataclass(kw_only=True)
+class ChatRequest(Generation):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+
+
+@dataclass(kw_only=True)
+class CompletionRequest(Generation):
+    prompt: str
+    suffix: str = ""
+    raw: bool = False
+    system: str | None = None
+    template: str | None = None
+    context: list[int] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+
+
+Request = Union[ChatRequest, CompletionRequest]
+
+
+@dataclass(frozen=True)
+class Final:
+    """The end of one choice: why it stopped and what it cost."""
+
+    index: int = 0
+    done_reason: str = "stop"  # "stop", "length" or "cancel"
+    called: bool = False  # the choice made at least one tool call
+    prompt_tokens: int = 0  # the whole prompt
+    cached_tokens: int = 0  # of which reused from the KV cache, not evaluated
+    eval_count: int = 0
+    prompt_eval_duration: int = 0  # nanoseconds, as the runner measured them
+    eval_duration: int = 0
+    load_duration: float = 0.0  # seconds spent getting the model ready
+    total_duration: float = 0.0  # seconds, from the request's start
+    context: tuple[int, ...] = ()  # prompt and reply tokens (native /api/generate)
+
+    @property
+    def prompt_eval_count(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+Event = Union[Piece, Final]  # pieces carry their choice in Piece.index

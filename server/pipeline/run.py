@@ -1,0 +1,268 @@
+"""`run(request)`: the one generation path, for every API.
+
+    prepare   checks that need no model: capabilities, think, tools and tool_choice,
+              grammars, images, options                       (400s, before any load)
+    hold      the scheduler admits the request and holds a ready model (503, load errors)
+    render    the prompt, in the daemon, with the runner's BOS and EOS
+    stream    runner tokens -> ReplyParser -> Piece events; then one Final per choice
+
+`n` > 1 runs n sequences of the same prompt side by side (the runner decodes them
+in one batch, and the second and later reuse the first's prefix); their events
+interleave, each Piece and Final carrying its choice's index.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from corral.errors import BadRequest, RunnerError
+from corral.registry.models import ModelRecord
+from corral.server.harmony import uses_harmony
+from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, Request
+from corral.server.pipeline.toolgrammar import tool_grammar
+from corral.server.prompt import mark_messages, mark_prompt
+from corral.server.reply import Format, Piece, ReplyParser, reply_format
+
+if TYPE_CHECKING:
+    from corral.server.inference import Inference
+    from corral.server.scheduler import Loaded
+
+OnDisconnect = Callable[[Callable[[], None]], threading.Event]
+
+
+@dataclass
+class Plan:
+    """What `prepare` decided; the same for every choice of the request."""
+
+    request: Request
+    record: ModelRecord
+    template: str
+    options: dict[str, Any]
+    fmt: Format
+    tools: list[dict[str, Any]]  # as the template and parser see them (none for "none")
+    grammar: str | None  # a raw or `format` grammar; a tool_choice one is made per prompt
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, checked
+    images: list[str] = field(default_factory=list)  # completion, checked
+    special: bool = False  # control tokens as text (harmony's markers)
+
+
+class Cancels:
+    """Every sequence of one request, cancelled together (client gone, or a sibling failed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+        self.fired = False
+
+    def add(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            fired = self.fired
+            if not fired:
+                self._hooks.append(hook)
+        if fired:
+            hook()
+
+    def fire(self) -> None:
+        with self._lock:
+            self.fired, hooks = True, list(self._hooks)
+        for hook in hooks:
+            hook()
+
+
+def prepare(inf: Inference, request: Request) -> Plan:
+    """Every check that needs no model, so a bad request never waits for a load."""
+    record = inf.record(request.model)
+    template = inf.template_text(record)
+    caps = inf.capabilities(record, template)
+    if request.think and "thinking" not in caps:
+        raise BadRequest(f'"{request.model}" does not support thinking')
+    tools: list[dict[str, Any]] = []
+    if isinstance(request, ChatRequest):
+        if request.tools and "tools" not in caps:
+            raise BadRequest(f"{record.name.full()} does not support tools")
+        choice = request.tool_choice
+        if choice.forced and not request.tools:
+            raise BadRequest(f"tool_choice {choice.mode.value!r} needs tools")
+        if choice.forced and (request.grammar or request.format not in (None, "")):
+            raise BadRequest("tool_choice forces a call: it cannot be given with a format "
+                             "or a grammar")
+        tools = [] if choice.mode is ChoiceMode.NONE else list(request.tools)
+    elif request.suffix and "insert" not in caps:
+        raise BadRequest(f"{record.name.full()} does not support insert")
+    grammar = inf.grammar(request.grammar, request.format)
+    raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
+    fmt = Format() if raw else reply_format(template, bool(request.think), bool(tools))
+    plan = Plan(request, record, template, inf.options(record, request.options), fmt, tools,
+                grammar, special=uses_harmony(template))
+    if isinstance(request, ChatRequest):
+        plan.messages = inf.chat_messages(record, request.messages)
+    elif request.images:
+        plan.images = inf.images(record, request.images)
+    return plan
+
+
+def run(inf: Inference, request: Request, on_disconnect: OnDisconnect | None = None
+        ) -> Iterator[Event]:
+    """Check the request now; the returned events then hold, render and generate."""
+    plan = prepare(inf, request)
+    cancels = Cancels()
+    return _events(inf, plan, cancels, on_disconnect)
+
+
+def _events(inf: Inference, plan: Plan, cancels: Cancels, on_disconnect: OnDisconnect | None
+            ) -> Iterator[Event]:
+    watcher = on_disconnect(cancels.fire) if on_disconnect is not None else None
+    try:
+        if plan.request.n == 1:
+            yield from _choice(inf, plan, 0, cancels)
+        else:
+            yield from _choices(inf, plan, cancels)
+    finally:
+        if watcher is not None:
+            watcher.set()
+
+
+_END = object()
+
+
+def _choices(inf: Inference, plan: Plan, cancels: Cancels) -> Iterator[Event]:
+    """n sequences at once, each on a thread of its own that feeds one queue."""
+    out: queue.Queue[Any] = queue.Queue()
+
+    def work(index: int) -> None:
+        try:
+            for event in _choice(inf, plan, index, cancels):
+                out.put(event)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            out.put(exc)
+        finally:
+            out.put(_END)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True, name=f"choice-{i}")
+               for i in range(plan.request.n)]
+    for thread in threads:
+        thread.start()
+    left, finished = len(threads), False
+    try:
+        while left:
+            item = out.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+        finished = True
+    finally:
+        if not finished:
+            cancels.fire()  # a sibling failed or the reader left: stop the others
+
+
+def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterator[Event]:
+    """One sequence: hold the model, render, stream pieces, end with its Final."""
+    model, started = plan.record.name.display(), time.perf_counter()
+    job_id = uuid.uuid4().hex
+    options = dict(plan.options)
+    if index and int(options.get("seed", -1)) >= 0:
+        options["seed"] = int(options["seed"]) + index  # n choices, n different samples
+    with inf.hold(plan.record, options, plan.request.keep_alive) as entry:
+        runner = entry.runner
+        assert runner is not None
+        cancels.add(lambda: runner.cancel(job_id))
+        load = time.perf_counter() - started
+        if cancels.fired:
+            inf.metrics.request(model, "cancelled")
+            return
+        body, opened = _runner_body(inf, plan, runner.report, options, job_id)
+        parser = ReplyParser(plan.fmt, {str(t["function"]["name"]) for t in plan.tools},
+                             thinking_open=opened)
+        stats: dict[str, Any] = {}
+        yield from _stream(inf, entry, body, parser, index, started, stats)
+        inf.metrics.tokens(model, stats.get("prompt_eval_count", 0), stats.get("eval_count", 0),
+                           stats.get("eval_duration", 0))
+        inf.metrics.request(model, "cancelled" if cancels.fired else "ok")
+        yield _final(stats, index, parser.calls > 0, load, started)
+
+
+def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: dict[str, Any],
+                 job_id: str) -> tuple[dict[str, Any], bool]:
+    """The runner's job: rendered text and images, and whether a think block is open."""
+    request = plan.request
+    builder = inf.prompt_builder(plan.record, str(report.get("bos", "")),
+                                 str(report.get("eos", "")))
+    context: list[int] = []
+    if isinstance(request, ChatRequest):
+        messages, images = mark_messages(plan.messages)
+        text, add_bos = builder.chat(messages, plan.tools or None, request.think)
+    else:
+        images, context = plan.images, list(request.context)
+        prompt = mark_prompt(request.prompt, images)
+        if request.raw:
+            text, add_bos = prompt, True
+        else:
+            if request.template:
+                builder = inf.prompt_builder(plan.record, builder.bos, builder.eos,
+                                             override=request.template)
+            text, add_bos = builder.generate(prompt, request.system or plan.record.system,
+                                             request.suffix, request.think)
+    opened = plan.fmt.think is not None and text.rstrip().endswith(plan.fmt.think[0])
+    grammar = plan.grammar
+    if isinstance(request, ChatRequest) and request.tool_choice.forced:
+        only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
+        grammar = tool_grammar(plan.fmt, plan.tools, only, bool(request.think), opened)
+    body: dict[str, Any] = {"prompt": text, "add_bos": add_bos, "images": images,
+                            "context": context, "grammar": grammar, "options": options,
+                            "id": job_id, "truncate": request.truncate, "shift": request.shift,
+                            "special": plan.special}
+    if request.logprobs is not None:
+        body["logprobs"] = request.logprobs
+    return body, opened
+
+
+def _stream(inf: Inference, entry: Loaded, body: dict[str, Any], parser: ReplyParser,
+            index: int, started: float, stats: dict[str, Any]) -> Iterator[Piece]:
+    """The runner's lines as pieces; `stats` gets the final line's counts."""
+    runner, model = entry.runner, entry.record.name.display()
+    assert runner is not None
+    held: list[dict[str, Any]] = []  # log-probabilities wait for the piece their text makes
+    first = True
+    try:
+        for line in runner.completion(body):
+            if "content" in line:
+                if first:
+                    first = False
+                    inf.metrics.ttft(model, time.perf_counter() - started)
+                held += line.get("logprobs") or []
+                yield from _tagged(parser.feed(line["content"]), held, index)
+            if line.get("done"):
+                stats.update(line)
+    except RunnerError:
+        inf.scheduler.runner_failed(entry)
+        inf.metrics.request(model, "error")
+        raise
+    yield from _tagged(parser.finish(), held, index)
+
+
+def _tagged(pieces: list[Piece], held: list[dict[str, Any]], index: int) -> Iterator[Piece]:
+    for piece in pieces:
+        piece = replace(piece, index=index, logprobs=tuple(held)) if held or index else piece
+        held.clear()
+        yield piece
+
+
+def _final(stats: dict[str, Any], index: int, called: bool, load: float,
+           started: float) -> Final:
+    prompt = int(stats.get("prompt_tokens", stats.get("prompt_eval_count", 0)))
+    evaluated = int(stats.get("prompt_eval_count", 0))
+    return Final(index=index, done_reason=str(stats.get("done_reason", "stop")), called=called,
+                 prompt_tokens=prompt, cached_tokens=max(0, prompt - evaluated),
+                 eval_count=int(stats.get("eval_count", 0)),
+                 prompt_eval_duration=int(stats.get("prompt_eval_duration", 0)),
+                 eval_duration=int(stats.get("eval_duration", 0)), load_duration=load,
+                 total_duration=time.perf_counter() - started,
+                 context=tuple(int(t) for t in stats.get("context") or ()))

@@ -1,0 +1,75 @@
+"""The one stream writer, with one policy for every API.
+
+Nothing is sent until the generation's first event has arrived: anything that
+fails before it (a full queue, a model that will not load, a prompt over the
+context, a grammar that does not parse) is a real HTTP status, in the API's error
+shape. Once the stream has started, a failure is the API's own in-stream error
+event, and the stream ends cleanly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Callable, Iterator, Protocol
+
+from corral.errors import CorralError, Shape
+from corral.server.http import Handler, Request
+from corral.server.pipeline.request import Event
+
+log = logging.getLogger("corral.stream")
+
+SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
+
+
+class Renderer(Protocol):
+    """A dialect's half of a response: its bytes for a stream, its object for a whole."""
+
+    content_type: str
+
+    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+        """The stream's frames, the closing one included."""
+        ...
+
+    def whole(self, events: Iterator[Event]) -> Any:
+        """The JSON body of a response that is not streamed."""
+        ...
+
+    def error_frame(self, exc: CorralError) -> bytes:
+        """The API's in-stream error event."""
+        ...
+
+
+def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, stream: bool) -> None:
+    first = next(events, None)  # errors up to here become a status, by the route's shape
+    rest: Iterator[Event] = itertools.chain([first], events) if first is not None else events
+    if not stream:
+        handler.send_json(200, renderer.whole(rest))
+        return
+    writer = handler.start_stream(renderer.content_type)
+    try:
+        for frame in renderer.frames(rest):
+            if not writer.write(frame):
+                break  # the client left; its disconnect already cancelled the generation
+    except CorralError as exc:
+        writer.write(renderer.error_frame(exc))
+    except Exception as exc:  # noqa: BLE001 - a bug must still end the stream in shape
+        log.error("internal error while streaming %s", handler.request.path, exc_info=exc)
+        writer.write(renderer.error_frame(CorralError("internal server error")))
+    writer.end()
+
+
+Route = Callable[[Request, Handler], None]
+
+
+def shaped(shape: Shape) -> Callable[[Route], Route]:
+    """A route whose errors take `shape`: the body its API's clients parse."""
+    def decorate(fn: Route) -> Route:
+        def route(req: Request, handler: Handler) -> None:
+            try:
+                fn(req, handler)
+            except CorralError as exc:
+                handler.respond_error(exc, shape)
+        return route
+    return decorate
