@@ -32,9 +32,10 @@ from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner import imagefeed
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
-from corral.runner.sampling import Sampler
+from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
-from corral.runner.slot import DoneReason, Progress, Slot, SlotState, common_prefix
+from corral.runner.sequence import DoneReason, Sequence, SeqState
+from corral.runner.slot import Slot, SlotState, common_prefix
 from corral.runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
@@ -54,7 +55,7 @@ class Engine:
         self.config = config
         self.clock = clock
         self._commands: queue.Queue[Command] = queue.Queue()
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Sequence] = deque()  # new and preempted, oldest first
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
@@ -78,7 +79,6 @@ class Engine:
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
-        self._progress: dict[int, Progress] = {}  # preempted jobs' progress, by id(job)
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
         self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
 
@@ -170,7 +170,7 @@ class Engine:
             return
         while True:
             if isinstance(item, Submit):
-                self._waiting.append(item.job)
+                self._waiting.append(Sequence(item.job))
             elif isinstance(item, Embed):
                 self._embeds.add(item)
             elif isinstance(item, Stop):
@@ -193,12 +193,9 @@ class Engine:
 
     def _reap_cancelled(self) -> None:
         # A queued request whose client has gone is dropped without running.
-        for job in [j for j in self._waiting if j.cancelled.is_set()]:
-            self._waiting.remove(job)
-            progress = self._progress.pop(id(job), None)
-            if progress is not None:
-                progress.sampler.free()
-            job.events.put(Done({"done_reason": DoneReason.CANCEL.value}))
+        for seq in [s for s in self._waiting if s.job.cancelled.is_set()]:
+            self._waiting.remove(seq)
+            seq.end(Done({"done_reason": DoneReason.CANCEL.value}))
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled.is_set():
                 self._finish(slot, DoneReason.CANCEL)
@@ -208,43 +205,42 @@ class Engine:
             idle = [s for s in self.slots if s.state is SlotState.IDLE]
             if not idle:
                 return
-            job = self._waiting[0]  # oldest first; a preempted job is back at the front
-            if self.pool is not None and not self.pool.admits(self.slots, self._need(job)):
+            seq = self._waiting[0]  # oldest first; a preempted one is back at the front
+            if self.pool is not None and not self.pool.admits(self.slots, self._need(seq)):
                 return  # no room in the pool yet: it and everything behind it wait
             self._waiting.popleft()
             try:
-                self._prepare(job, idle)
+                self._place(seq, idle)
             except BadRequest as exc:
-                job.events.put(Failed(exc))
+                seq.end(Failed(exc))
 
-    def _need(self, job: Job) -> int:
-        progress = self._progress.get(id(job))
-        return min(len(job.prompt) + (len(progress.generated) if progress else 0), self.num_ctx)
+    def _need(self, seq: Sequence) -> int:
+        return min(len(seq.job.prompt) + len(seq.generated), self.num_ctx)
 
-    def _prepare(self, job: Job, idle: list[Slot]) -> None:
-        progress = self._progress.pop(id(job), None)
-        prompt = fit_prompt(job, progress.generated if progress else [], self.num_ctx)
-        if progress is None:
-            job.prompt = prompt
+    def _place(self, seq: Sequence, idle: list[Slot]) -> None:
+        """Put a waiting sequence on the idle slot that caches most of its tokens."""
+        job, resuming = seq.job, seq.state is SeqState.PREEMPTED
+        tokens = fit_prompt(job, seq.generated if resuming else [], self.num_ctx)
+        if not resuming:
+            job.prompt = tokens
         # The idle slot sharing the longest prefix wins; ties go to the least recently used.
-        keep, _, slot = max(((common_prefix(s.reusable(), prompt), -s.last_used, s)
+        keep, _, slot = max(((common_prefix(s.reusable(), tokens), -s.last_used, s)
                              for s in idle), key=lambda c: (c[0], c[1]))
         # At least one prompt token must be decoded to get logits.
-        keep = imagefeed.align_keep(job.images, min(keep, len(prompt) - 1))
+        keep = imagefeed.align_keep(job.images, min(keep, len(tokens) - 1))
+        eog = self.llama.eog_tokens() if job.ignore_eos else None
+        # A new sequence's sampler first: a grammar that does not parse is its 400.
+        sampler = None if resuming else for_job(job, tokens, self.vocab, self.n_vocab,
+                                                self.num_ctx, eog)
         if keep == 0 or not L.llama_memory_seq_rm(self.mem, slot.seq, keep, -1):
             L.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
             keep = 0
-        if progress is not None:
-            slot.resume(job, keep, prompt, progress)
-            return
-        eog = self.llama.eog_tokens() if job.ignore_eos else None
-        sampler = Sampler(job.params, self.vocab, self.n_vocab, self.num_ctx, job.grammar, eog,
-                          logprobs=job.logprobs)
-        if job.params.penalized():
-            history = prompt[-max(job.params.repeat_last_n, 0) or None:]
-            sampler.remember([t for t in history if t >= 0])  # image placeholders: no tokens
-        slot.start(job, keep, sampler, generation_limit(job, len(prompt), self.num_ctx),
-                   self.clock())
+        slot.assign(seq, keep)
+        if sampler is None:
+            seq.resume(tokens, keep)
+        else:
+            seq.start(sampler, generation_limit(job, len(tokens), self.num_ctx), tokens, keep,
+                      self.clock())
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -285,8 +281,7 @@ class Engine:
         slot.cached.extend(slot.pending[:count])
         del slot.pending[:count]
         if last:
-            slot.transition(SlotState.DECODE)
-            slot.t_first = slot.t_first or self.clock()
+            self._prefilled(slot)
             self._sample(slot, count - 1, self.feed.batch)
 
     def _apply(self, plan: StepPlan) -> None:
@@ -295,61 +290,67 @@ class Engine:
             slot.cached.extend(slot.pending[:taken])
             del slot.pending[:taken]
             if not slot.pending:
-                slot.transition(SlotState.DECODE)
-                slot.t_first = slot.t_first or self.clock()  # a resumed job keeps its own
+                self._prefilled(slot)
                 self._sample(slot, plan.sample_at[slot.seq])
         for slot in plan.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
                 self._sample(slot, plan.sample_at[slot.seq])
 
+    def _prefilled(self, slot: Slot) -> None:
+        slot.transition(SlotState.DECODE)
+        if slot.sequence is not None and not slot.sequence.t_first:  # a resumed one keeps its
+            slot.sequence.t_first = self.clock()
+
     def _sample(self, slot: Slot, row: int, batch: Any = None) -> None:
         batch = self.batch if batch is None else batch  # the batch just decoded
-        assert slot.sampler is not None and slot.job is not None
+        seq = slot.sequence
+        assert seq is not None and seq.sampler is not None
         assert 0 <= row < batch.n_tokens and batch.logits[row]
         t0 = self.clock()
-        token = slot.sampler.sample(self.ctx, row)
+        token = seq.sampler.sample(self.ctx, row)
         self.native_time += self.clock() - t0
-        slot.n_generated += 1
-        slot.last_token = token
+        seq.n_generated += 1
+        seq.last_token = token
         if L.llama_vocab_is_eog(self.vocab, token):
-            slot.sampler.take_logprobs()  # the end token is not part of the text
+            seq.sampler.take_logprobs()  # the end token is not part of the text
             self._finish(slot, DoneReason.STOP)
             return
-        slot.generated.append(token)
-        text = slot.utf8.feed(native.token_bytes(self.vocab, token, slot.job.special))
-        result = slot.stops.feed(text)
+        seq.generated.append(token)
+        text = seq.utf8.feed(native.token_bytes(self.vocab, token, seq.job.special))
+        result = seq.stops.feed(text)
         if result.text:
-            slot.job.events.put(Token(result.text, slot.sampler.take_logprobs()))
+            seq.job.events.put(Token(result.text, seq.sampler.take_logprobs()))
         if result.stopped:
             self._finish(slot, DoneReason.STOP, flush=False)
-        elif slot.n_generated >= slot.limit:
+        elif seq.n_generated >= seq.limit:
             self._finish(slot, DoneReason.LENGTH)
 
     def _fit_pool(self, plan: StepPlan) -> StepPlan:
         """Make the pool hold this step: drop idle caches, then preempt newest first."""
         assert self.pool is not None
         while plan.entries and self.pool.shortfall(self.slots, len(plan.entries)) > 0:
-            idle = KVPool.evictable(self.slots)
-            victim = None if idle else KVPool.victim(self.slots)
+            idle, victim = KVPool.evictable(self.slots), KVPool.victim(self.slots)
+            if not idle and victim is None:
+                break
             if idle:
                 kvops.drop(self.mem, idle[0])
-            elif victim is not None:
-                self._preempt(victim)
-                plan = plan_step(self.slots, self.n_batch)
-            else:
-                break
+                continue
+            assert victim is not None
+            self._preempt(victim)
+            plan = plan_step(self.slots, self.n_batch)
         return plan
 
     def _preempt(self, slot: Slot) -> None:
         assert self.pool is not None
         kvops.drop(self.mem, slot)
-        job, progress = slot.suspend(self.clock())
-        self._progress[id(job)] = progress
-        self._waiting.appendleft(job)
+        seq = slot.vacate(self.clock())
+        assert seq is not None
+        seq.preempt()  # it keeps its sampler, streams and tokens: nothing is copied
+        self._waiting.appendleft(seq)
         self.pool.preemptions += 1
         self.pool.pressure = True
-        log.debug("preempted a sequence after %d tokens", progress.n_generated)
+        log.debug("preempted a sequence after %d tokens", seq.n_generated)
 
     def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
         log.error("llama_decode returned %d", rc)
@@ -358,36 +359,33 @@ class Engine:
                 self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
 
     def _finish(self, slot: Slot, reason: DoneReason, flush: bool = True) -> None:
-        job = slot.job
-        assert job is not None
+        seq = slot.sequence
+        assert seq is not None
+        job = seq.job
         if flush:
-            tail = slot.stops.feed(slot.utf8.flush()).text + slot.stops.flush()
+            tail = seq.stops.feed(seq.utf8.flush()).text + seq.stops.flush()
             if tail and reason is not DoneReason.CANCEL:
-                assert slot.sampler is not None
-                job.events.put(Token(tail, slot.sampler.take_logprobs()))
+                assert seq.sampler is not None
+                job.events.put(Token(tail, seq.sampler.take_logprobs()))
         now = self.clock()
-        stats = slot.stats(job, reason, now)
-        slot.release(now)
+        slot.vacate(now)
         if self.pool is not None:
             self.pool.pressure = False  # cells came free: waiting jobs may try again
         self._transient = self._transient or job.grammar is not None
-        job.events.put(Done(stats))
+        seq.end(Done(seq.stats(reason, now)))
 
     def _fail(self, slot: Slot, error: CorralError) -> None:
-        job = slot.release(self.clock())
-        if job is not None:
-            job.events.put(Failed(error))
+        seq = slot.vacate(self.clock())
+        if seq is not None:
+            seq.end(Failed(error))
 
     def _fail_everyone(self, message: str) -> None:
         error = RunnerError(message)
         for slot in self.slots:
-            if slot.job is not None:
+            if slot.sequence is not None:
                 self._fail(slot, error)
-        for job in self._waiting:
-            progress = self._progress.pop(id(job), None)
-            if progress is not None:
-                progress.sampler.free()
-            job.events.put(Failed(error))
+        for seq in self._waiting:
+            seq.end(Failed(error))
         self._waiting.clear()
         self._embeds.fail_all(error)
 

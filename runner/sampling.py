@@ -16,7 +16,7 @@ import llama_cpp as L
 import numpy as np
 
 from corral.errors import InvalidOption
-from corral.runner.jobs import SamplingParams
+from corral.runner.jobs import Job, SamplingParams
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -196,3 +196,14 @@ class Sampler:
         if self.grammar:
             L.llama_sampler_free(self.grammar)
             self.grammar = None
+
+
+def for_job(job: Job, prompt: list[int], vocab: Any, n_vocab: int, num_ctx: int,
+            eog: Any = None) -> Sampler:
+    """A new sequence's sampler, with the prompt's tail remembered for the penalties."""
+    sampler = Sampler(job.params, vocab, n_vocab, num_ctx, job.grammar, eog,
+                      logprobs=job.logprobs)
+    if job.params.penalized():
+        history = prompt[-max(job.params.repeat_last_n, 0) or None:]
+        sampler.remember([t for t in history if t >= 0])  # image placeholders: no tokens
+    return sampler

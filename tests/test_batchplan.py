@@ -7,6 +7,7 @@ import sys
 
 from corral.runner.batchplan import Entry, plan_step
 from corral.runner.jobs import Job
+from corral.runner.sequence import Sequence
 from corral.runner.slot import Slot, SlotState
 
 
@@ -23,11 +24,13 @@ def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
         return s
     prompt = list(range(100 * seq, 100 * seq + cached + pending))
     s.cached = prompt[:cached]
-    s.start(Job(prompt=prompt), cached, NoSampler(), 10, now=started)  # type: ignore[arg-type]
+    seq_ = Sequence(Job(prompt=prompt))
+    s.assign(seq_, cached)
+    seq_.start(NoSampler(), 10, prompt, cached, now=started)  # type: ignore[arg-type]
     if state is SlotState.DECODE:
-        s.cached, s.pending = prompt, []
+        s.cached, seq_.pending = prompt, []
         s.transition(SlotState.DECODE)
-        s.last_token = 7 + seq
+        seq_.last_token = 7 + seq
     return s
 
 

@@ -253,8 +253,10 @@ def test_queued_request_of_a_gone_client_never_runs(starter_store: Store,
     d = daemon_factory(starter_store, NUM_PARALLEL="1")
     post(d, "/api/generate", {"model": MODEL})  # load
     before = metric(d, "corral_generated_tokens_total")
+    # The holder must outlast the queued client's second on the line: 200 tokens take
+    # two to three seconds here (60 took 0.86 s, a race the holder could lose).
     long_body = {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": False,
-                 "options": {"temperature": 0, "num_predict": 60}}
+                 "options": {"temperature": 0, "num_predict": 200, "ignore_eos": True}}
     holder = threading.Thread(target=post, args=(d, "/api/generate", long_body))
     holder.start()
     wait_for(lambda: busy_slots(d) == 1)
@@ -271,9 +273,9 @@ def test_queued_request_of_a_gone_client_never_runs(starter_store: Store,
     for _ in range(10):
         assert busy_slots(d) == 0
         time.sleep(0.1)
-    assert metric(d, "corral_generated_tokens_total") - before == 60
+    assert metric(d, "corral_generated_tokens_total") - before == 200
     # The only slot still caches the holder's prompt and answer, not the queued prompt.
-    assert metric(d, "corral_kv_cells_used") >= 60
+    assert metric(d, "corral_kv_cells_used") >= 200
 
 
 def test_oversized_prompt_without_truncation_is_a_client_error(daemon: Daemon) -> None:

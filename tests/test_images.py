@@ -16,6 +16,7 @@ from corral.runner.batchplan import plan_step, text_run
 from corral.runner.imagefeed import align_keep, check_images as check_spans
 from corral.runner.jobs import Job
 from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
+from corral.runner.sequence import Sequence
 from corral.runner.slot import Slot, SlotState
 from corral.runner.vision import ImageSpan
 from corral.server.images import check_images, from_data_uri, measure
@@ -131,8 +132,10 @@ def test_a_non_causal_image_is_reused_whole_or_not_at_all() -> None:
 def test_text_prefill_stops_at_an_image() -> None:
     assert text_run([5, 6, -1, 7], 10) == 2 and text_run([-1, 5], 10) == 0
     assert text_run([5, 6, 7], 2) == 2
-    image_first = Slot(seq=0, num_ctx=64, state=SlotState.PREFILL, pending=[-1, -1, 4], t_start=1)
-    text = Slot(seq=1, num_ctx=64, state=SlotState.PREFILL, pending=[1, 2, -1], t_start=2)
+    image_first = Slot(seq=0, num_ctx=64, state=SlotState.PREFILL,
+                       sequence=Sequence(Job(prompt=[1]), pending=[-1, -1, 4], t_start=1))
+    text = Slot(seq=1, num_ctx=64, state=SlotState.PREFILL,
+                sequence=Sequence(Job(prompt=[1]), pending=[1, 2, -1], t_start=2))
     plan = plan_step([image_first, text], n_batch=8)
     # The slot waiting on its image yields the batch to the next one's text.
     assert [(s.seq, n) for s, n in plan.prefill] == [(1, 2)]

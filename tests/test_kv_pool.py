@@ -17,12 +17,14 @@ import pytest
 
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.kvpool import KVPool
+from corral.runner.sequence import Sequence
 from corral.runner.slot import Slot, SlotState
 
 
 def slot(seq: int, state: SlotState, n_past: int, pending: int = 0, t: float = 0.0) -> Slot:
-    s = Slot(seq=seq, num_ctx=256)
-    s.state, s.cached, s.pending, s.t_start, s.last_used = state, [1] * n_past, [2] * pending, t, t
+    s = Slot(seq=seq, num_ctx=256, state=state, cached=[1] * n_past, last_used=t)
+    if state is not SlotState.IDLE:
+        s.sequence = Sequence(Job(prompt=[1]), pending=[2] * pending, t_start=t)
     return s
 
 

@@ -35,18 +35,22 @@ def test_load_report(runner: RunnerProcess) -> None:
     assert report["slots"] == 2 and report["num_ctx"] == 512 and report["n_ctx"] >= 1024
     assert report["weights"] > 200_000_000 and report["kv"] > 0
     assert report["gpu_layers"] == 0 and report["layers"] == 18 and report["size_vram"] == 0
-    assert report["template_kind"] == "fallback"
+    # The daemon renders templates; it needs the model's own BOS and EOS text for them.
+    assert report["bos"] == "<bos>" and report["eos"] == "<eos>"
 
 
 def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
-    lines = list(runner.completion({"prompt": "The capital of France is", "raw": True,
-                                    "options": GREEDY}))
+    lines = list(runner.completion({"prompt": "The capital of France is", "options": GREEDY}))
     assert lines[-1]["done"] and lines[-1]["eval_count"] == 16
+    assert lines[-1]["prompt_tokens"] == len(runner.tokenize("The capital of France is",
+                                                             add_special=True))
     text = "".join(line.get("content", "") for line in lines)
     assert text.strip()
-    chat = list(runner.completion({"messages": [{"role": "user", "content": "Hi"}],
+    # Text the daemon rendered with a BOS of its own: the tokenizer adds none.
+    chat = list(runner.completion({"prompt": "<bos>User: Hi\nAssistant:", "add_bos": False,
                                    "options": {**GREEDY, "stop": ["User:"]}}))
     assert chat[-1]["done"] and chat[-1]["prompt_eval_count"] > 0
+    assert chat[-1]["context"][:1] == runner.tokenize("<bos>", add_special=False)
 
 
 def test_tokenize_round_trip(runner: RunnerProcess) -> None:
@@ -64,11 +68,9 @@ def test_embed_normalised(runner: RunnerProcess) -> None:
 
 
 def test_cancel_by_id(runner: RunnerProcess) -> None:
-    stream = runner.completion({"prompt": "Once upon a time", "raw": True, "id": "job-1",
+    stream = runner.completion({"prompt": "Once upon a time", "id": "job-1",
                                 "options": {"temperature": 0, "num_predict": 500}})
-    head = next(stream)  # the rendered prompt's end comes first, for the reply parser
-    assert head == {"prompt_tail": "Once upon a time"}
-    first = next(stream)
+    first = next(stream)  # no back-channel ahead of the reply: the daemon rendered it
     assert "content" in first
     runner.cancel("job-1")
     last = list(stream)[-1]
@@ -78,14 +80,14 @@ def test_cancel_by_id(runner: RunnerProcess) -> None:
 
 def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
     with pytest.raises(Exception):
-        list(runner.completion({"prompt": "x", "raw": True, "options": {"temperature": "hot"}}))
+        list(runner.completion({"prompt": "x", "options": {"temperature": "hot"}}))
     assert runner.alive()
 
 
 def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:
     proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=1, num_ctx=256))
     proc.start(timeout=120)
-    stream = proc.completion({"prompt": "Once upon a time", "raw": True,
+    stream = proc.completion({"prompt": "Once upon a time",
                               "options": {"temperature": 0, "num_predict": 5000}})
     next(stream)
     killer = threading.Timer(0.2, os.kill, args=(proc.pid, signal.SIGKILL))

@@ -37,9 +37,10 @@ def describe(exc: ValidationError) -> str:
 
 
 def _is_union_tag(part: Any) -> bool:
-    # pydantic names the union branch it tried ("str", "list[...]", "function-after[...]").
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool",
-                                                               "dict", "list", "none"))
+    # pydantic names the union branch it tried: a type ("str", "list[...]",
+    # "function-after[...]") or a record's class; the APIs' own field names are lowercase.
+    return isinstance(part, str) and ("[" in part or part[:1].isupper() or part in (
+        "str", "int", "float", "bool", "dict", "list", "none"))
 
 
 def parse(record: type[T], body: dict[str, Any]) -> T:
