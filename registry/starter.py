@@ -6,7 +6,7 @@
   benchmarks. A base model has no chat template, so it gets the plain
   completion-style turns and stop strings that end a turn.
 
-    python -m registry.starter      # idempotent; used by install.sh
+    python -m corral.registry.starter      # idempotent; used by install.sh
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ import pytest
 from corral.errors import CorralError
 from corral.runner.jobs import Done, Failed, Token
 from corral.runner.loadconfig import LoadConfig
+from corral.registry.gguf import inspect_gguf
 from corral.runner.process import RunnerService, build
+from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt
 from tests.vision_model import png_bytes, write_projector
 
 pytestmark = pytest.mark.model
@@ -30,8 +32,14 @@ IMG2 = base64.b64encode(png_bytes(40, 30, seed=2)).decode()
 IMAGE_TOKENS = 16  # (32 / 8)^2 for "mlp"; (32 / 4 / 2)^2 for "gemma3"
 
 
+# The daemon renders prompts; these tests stand in for it with the model's own template.
+BUILDERS: dict[int, PromptBuilder] = {}
+
+
 def serve(model: Path, projector: Path, **config: Any) -> RunnerService:
     service = build(LoadConfig(model=str(model), projector=str(projector), **config))
+    BUILDERS[id(service)] = PromptBuilder(None, inspect_gguf(model).chat_template,
+                                          service.report["bos"], service.report["eos"])
     service.engine.start()
     return service
 
@@ -58,13 +66,26 @@ def chat(images: list[str], question: str = "What is in this picture?") -> dict[
 
 
 def raw(images: list[str], prompt: str = "The picture shows") -> dict[str, Any]:
-    return {"prompt": prompt, "raw": True, "images": images}
+    return {"prompt": mark_prompt(prompt, images), "images": images}
+
+
+def rendered(service: RunnerService, body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body as the daemon sends it: text with media markers, and the images."""
+    if "messages" not in body:
+        return body
+    messages, images = mark_messages(body["messages"])
+    text, add_bos = BUILDERS[id(service)].chat(messages)
+    rest = {k: v for k, v in body.items() if k != "messages"}
+    return {**rest, "prompt": text, "add_bos": add_bos, "images": images}
+
+
+def submit(service: RunnerService, body: dict[str, Any], **options: Any) -> Any:
+    return service.job({**rendered(service, body), "options": {**GREEDY, **options}})
 
 
 def run(service: RunnerService, body: dict[str, Any], **options: Any
         ) -> tuple[str, dict[str, Any]]:
-    job, _ = service.job({**body, "options": {**GREEDY, **options}})
-    return collect(job)
+    return collect(submit(service, body, **options))
 
 
 def collect(job: Any) -> tuple[str, dict[str, Any]]:
@@ -110,7 +131,7 @@ def test_follow_up_reuses_the_image_and_does_not_encode_it_again(llava: RunnerSe
 
 def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
     text, stats = run(gemma, raw([IMG1]))
-    tokens, _, spans = gemma.prompt_tokens(raw([IMG1]))
+    tokens, spans = gemma.prompt_tokens(raw([IMG1]))
     span = spans[0]
     assert span.non_causal and tokens[span.start] < 0
     # Cut the cached prefix in the middle of the image: the next request must decode the
@@ -134,9 +155,8 @@ def test_image_beside_three_text_streams_changes_none(llava: RunnerService) -> N
         import llama_cpp as L
 
         L.llama_memory_seq_rm(llava.engine.mem, slot.seq, -1, -1)
-    jobs = [llava.job({**chat([], p), "options": {**GREEDY, "num_predict": 16}})[0]
-            for p in prompts]
-    image_job, _ = llava.job({**chat([IMG2], "Say what you see."), "options": GREEDY})
+    jobs = [submit(llava, chat([], p), num_predict=16) for p in prompts]
+    image_job = submit(llava, chat([IMG2], "Say what you see."))
     assert [collect(j)[0] for j in jobs] == alone
     assert collect(image_job)[0] == image_alone
 
@@ -168,7 +188,7 @@ def test_bad_images_fail_the_request_not_the_runner(llava: RunnerService) -> Non
             run(llava, chat([image]))
         assert info.value.status == 400 and "image 0" in info.value.message
     with pytest.raises(CorralError, match="image markers"):
-        run(llava, {"prompt": "<__media__> <__media__>", "raw": True, "images": [IMG1]})
+        run(llava, {"prompt": "<__media__> <__media__>", "images": [IMG1]})
     assert run(llava, chat([IMG1]))[0]  # and it still answers
 
 
@@ -177,5 +197,5 @@ def test_penalties_and_grammar_beside_an_image(llava: RunnerService) -> None:
     text, stats = run(llava, chat([IMG1]), repeat_penalty=1.3, repeat_last_n=64,
                       presence_penalty=0.5)
     assert stats["eval_count"] > 0 and text
-    job, _ = llava.job({**chat([IMG2]), "options": GREEDY, "grammar": 'root ::= "yes" | "no"'})
+    job = submit(llava, {**chat([IMG2]), "grammar": 'root ::= "yes" | "no"'})
     assert collect(job)[0] in ("yes", "no")

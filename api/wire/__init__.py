@@ -6,8 +6,10 @@ not name are ignored, as the real APIs ignore them, so clients that send more
 than Corral reads keep working. Anything else is a `BadRequest` naming the field;
 the route answers it in its own API's error shape.
 
-Responses are built by the server's renderers as TypedDicts in these modules, so
-mypy checks their shape; they need no run-time validation.
+Response records sit beside the requests as TypedDicts (a native final line, an
+OpenAI completion and its usage, an Anthropic message, a Responses response): the
+server's renderers build them, so mypy checks their shape and nothing needs
+validating at run time.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 
 from pydantic import Field
 
@@ -78,3 +78,23 @@ class MessagesRequest(Wire):
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
     grammar: Optional[str] = None  # a Corral extension: GBNF
+
+
+# Response records: built by the server, so typed for mypy rather than validated.
+
+class Usage(TypedDict):
+    input_tokens: int  # evaluated: Anthropic counts cache reads apart
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+    output_tokens: int
+
+
+class MessageResponse(TypedDict):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str
+    stop_sequence: Optional[str]
+    usage: Usage

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypedDict, Union
 
 from pydantic import Field
 
@@ -78,3 +78,25 @@ class EmbeddingsRequest(Wire):
     prompt: Optional[str] = None
     options: Options = None
     keep_alive: KeepAlive = None
+
+
+# Response records: built by the server, so typed for mypy rather than validated.
+
+class Final(TypedDict, total=False):
+    """The last line of /api/generate and /api/chat (and the whole answer, unstreamed)."""
+
+    model: str
+    created_at: str
+    response: str  # generate
+    thinking: str
+    message: dict[str, Any]  # chat: role, content, thinking, tool_calls
+    logprobs: list[dict[str, Any]]
+    done: bool
+    done_reason: str
+    total_duration: int  # nanoseconds
+    load_duration: int
+    prompt_eval_count: int  # the tokens evaluated, as Ollama counts them
+    prompt_eval_duration: int
+    eval_count: int
+    eval_duration: int
+    context: list[int]  # generate, unless raw

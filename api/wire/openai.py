@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 
 from pydantic import Field
 
@@ -114,3 +114,50 @@ class EmbeddingRequest(Wire):
     input: Union[str, Annotated[list[str], Field(min_length=1)]]
     encoding_format: Literal["float", "base64", "FLOAT", "BASE64"] = "float"
     dimensions: Optional[Positive] = None
+
+
+# Response records: built by the server, so typed for mypy rather than validated.
+
+class CachedTokens(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int  # the whole prompt
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedTokens  # the part of the prompt reused from the KV cache
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: dict[str, Any]
+    finish_reason: str
+    logprobs: Optional[dict[str, Any]]
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(TypedDict):
+    text: str
+    index: int
+    finish_reason: str
+    logprobs: Optional[dict[str, Any]]
+
+
+class TextCompletion(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[TextChoice]
+    usage: Usage

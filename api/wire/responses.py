@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 
 from pydantic import Field
 
@@ -56,3 +56,37 @@ class ResponsesRequest(Wire):
     reasoning: Optional[Reasoning] = None
     previous_response_id: Optional[str] = None
     grammar: Optional[str] = None  # a Corral extension: GBNF
+
+
+# Response records: built by the server, so typed for mypy rather than validated.
+
+class InputDetails(TypedDict):
+    cached_tokens: int
+
+
+class OutputDetails(TypedDict):
+    reasoning_tokens: int
+
+
+class Usage(TypedDict):
+    input_tokens: int  # the whole prompt
+    input_tokens_details: InputDetails
+    output_tokens: int
+    output_tokens_details: OutputDetails
+    total_tokens: int
+
+
+class Response(TypedDict):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    output_text: str
+    error: None
+    incomplete_details: None
+    parallel_tool_calls: bool
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    usage: Optional[Usage]

@@ -16,7 +16,8 @@ import secrets
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
-from corral.api.wire.anthropic import AnyChoice, Choice, MessagesRequest, NoneChoice, ToolChoice
+from corral.api.wire.anthropic import (AnyChoice, Choice, MessageResponse, MessagesRequest,
+                                       NoneChoice, ToolChoice, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
@@ -153,7 +154,7 @@ def _stop_reason(final: Final) -> str:
     return "max_tokens" if final.done_reason == "length" else "end_turn"
 
 
-def _usage(final: Final) -> dict[str, int]:
+def _usage(final: Final) -> Usage:
     """Anthropic counts cache reads apart: input_tokens are the ones evaluated."""
     return {"input_tokens": final.prompt_tokens - final.cached_tokens,
             "cache_read_input_tokens": final.cached_tokens, "cache_creation_input_tokens": 0,
@@ -167,10 +168,10 @@ class Blocks:
     content_type = SSE
 
     def __init__(self, model: str) -> None:
-        self.message = {"id": "msg_" + secrets.token_hex(12), "type": "message",
-                        "role": "assistant", "model": model}
+        self.id, self.model = "msg_" + secrets.token_hex(12), model
+        self.message = {"id": self.id, "type": "message", "role": "assistant", "model": model}
 
-    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+    def whole(self, events: Iterator[Event]) -> MessageResponse:
         content: list[dict[str, Any]] = []
         final = Final()
         for event in events:
@@ -182,8 +183,9 @@ class Blocks:
                 content[-1][_field(event)] += event.text
             else:
                 content.append(_opened(event) | {_field(event): event.text})
-        return {**self.message, "content": content, "stop_reason": _stop_reason(final),
-                "stop_sequence": None, "usage": _usage(final)}
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": _stop_reason(final), "stop_sequence": None,
+                "usage": _usage(final)}
 
     def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
         for name, data in self.events(events):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from corral.api.types import nanoseconds, rfc3339
 from corral.api.wire import parse
 from corral.api.wire.native import (ChatRequest as WireChat, EmbeddingsRequest, EmbedRequest,
-                                    GenerateRequest, Generation)
+                                    Final as FinalLine, GenerateRequest, Generation)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.inference import Inference, keep_alive_of, require_model
@@ -70,7 +70,7 @@ class Lines:
     def objects(self, events: Iterator[Event]) -> Iterator[dict[str, Any]]:
         for event in events:
             if isinstance(event, Final):
-                yield self._final(event)
+                yield dict(self._final(event))
                 continue
             out = {**self._head(), **self._body(event), "done": False}
             if event.logprobs:
@@ -90,18 +90,21 @@ class Lines:
             message["tool_calls"] = [piece.call]
         return {"message": message}
 
-    def _final(self, final: Final) -> dict[str, Any]:
-        out: dict[str, Any] = {**self._head()}
-        out.update({"message": {"role": "assistant", "content": ""}} if self.chat
-                   else {"response": ""})
-        out.update({"done": True, "done_reason": final.done_reason,
-                    "total_duration": nanoseconds(final.total_duration),
-                    "load_duration": nanoseconds(final.load_duration),
-                    "prompt_eval_count": final.prompt_eval_count,
-                    "prompt_eval_duration": final.prompt_eval_duration,
-                    "eval_count": final.eval_count, "eval_duration": final.eval_duration})
-        if not self.chat and not self.raw:
-            out["context"] = list(final.context)
+    def _final(self, final: Final) -> FinalLine:
+        out: FinalLine = {
+            "model": self.model, "created_at": rfc3339(time.time()), "done": True,
+            "done_reason": final.done_reason,
+            "total_duration": nanoseconds(final.total_duration),
+            "load_duration": nanoseconds(final.load_duration),
+            "prompt_eval_count": final.prompt_eval_count,
+            "prompt_eval_duration": final.prompt_eval_duration,
+            "eval_count": final.eval_count, "eval_duration": final.eval_duration}
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": ""}
+        else:
+            out["response"] = ""
+            if not self.raw:
+                out["context"] = list(final.context)
         return out
 
     def frames(self, events: Iterator[Event]) -> Iterator[bytes]:

@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
 from corral.api.wire.common import ChatToolChoice, FunctionChoice
-from corral.api.wire.openai import (ChatCompletionRequest, CompletionRequest as WireCompletion,
-                                    Message, Sampling)
+from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRequest,
+                                    CompletionRequest as WireCompletion, Message, Sampling,
+                                    TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
@@ -26,6 +27,7 @@ from corral.server.pipeline.stream import SSE, respond, shaped
 from corral.server.reply import Kind, Piece
 
 openai_route = shaped(Shape.OPENAI)
+FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it
 EFFORTS = ("high", "medium", "low", "none")
 
 
@@ -154,7 +156,7 @@ def finish_reason(final: Final) -> str:
     return "length" if final.done_reason == "length" else "stop"
 
 
-def usage(finals: dict[int, Final]) -> dict[str, Any]:
+def usage(finals: dict[int, Final]) -> Usage:
     """OpenAI's usage: the whole prompt (once: the choices share it), the reused part of
     it in cached_tokens, and every choice's output."""
     first = finals.get(0, Final())
@@ -170,9 +172,10 @@ class Stream:
     content_type = SSE
 
     def __init__(self, model: str, include_usage: bool, prefix: str, kind: str) -> None:
-        self.head = {"id": f"{prefix}-{random.randint(0, 998)}", "object": kind,
-                     "created": int(time.time()), "model": model,
-                     "system_fingerprint": "fp_ollama"}
+        self.id, self.created, self.model = (f"{prefix}-{random.randint(0, 998)}",
+                                             int(time.time()), model)
+        self.head = {"id": self.id, "object": kind, "created": self.created, "model": model,
+                     "system_fingerprint": FINGERPRINT}
         self.include_usage = include_usage
         self.finals: dict[int, Final] = {}
 
@@ -213,7 +216,7 @@ class ChatChunks(Stream):
             choice["logprobs"] = {"content": list(logprobs)}
         return self.sse({**self.head, "choices": [choice]})
 
-    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+    def whole(self, events: Iterator[Event]) -> ChatCompletion:
         parts: dict[int, dict[str, list[Any]]] = {}
         for event in events:
             if isinstance(event, Final):
@@ -228,11 +231,12 @@ class ChatChunks(Stream):
             else:
                 got["reasoning" if event.kind is Kind.THINKING else "content"].append(event.text)
         choices = [_choice(i, parts.get(i), final) for i, final in sorted(self.finals.items())]
-        return {**self.head, "object": "chat.completion", "choices": choices,
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
                 "usage": usage(self.finals)}
 
 
-def _choice(index: int, got: dict[str, list[Any]] | None, final: Final) -> dict[str, Any]:
+def _choice(index: int, got: dict[str, list[Any]] | None, final: Final) -> ChatChoice:
     got = got or {"content": [], "reasoning": [], "calls": [], "logprobs": []}
     message: dict[str, Any] = {"role": "assistant", "content": "".join(got["content"])}
     if got["reasoning"]:
@@ -271,7 +275,7 @@ class TextChunks(Stream):
                     else None}]})
         yield from self.closing()
 
-    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+    def whole(self, events: Iterator[Event]) -> TextCompletion:
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[dict[str, Any]]] = {}
         for event in events:
@@ -280,11 +284,13 @@ class TextChunks(Stream):
             else:
                 texts.setdefault(event.index, []).append(event.text)
                 entries.setdefault(event.index, []).extend(event.logprobs)
-        choices = [{"text": "".join(texts.get(i, [])), "index": i,
-                    "finish_reason": finish_reason(final),
-                    "logprobs": legacy_logprobs(entries.get(i, [])) if self.logprobs else None}
-                   for i, final in sorted(self.finals.items())]
-        return {**self.head, "choices": choices, "usage": usage(self.finals)}
+        choices: list[TextChoice] = [
+            {"text": "".join(texts.get(i, [])), "index": i, "finish_reason": finish_reason(final),
+             "logprobs": legacy_logprobs(entries.get(i, [])) if self.logprobs else None}
+            for i, final in sorted(self.finals.items())]
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
+                "usage": usage(self.finals)}
 
 
 def legacy_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:

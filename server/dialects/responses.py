@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
-from corral.api.wire.responses import FunctionChoice, ResponsesRequest
+from corral.api.wire.responses import FunctionChoice, Response, ResponsesRequest, Usage
 from corral.errors import BadRequest, CorralError, Shape
 from corral.server.dialects.openai import think_of_effort
 from corral.server.http import Handler, Request
@@ -150,13 +150,13 @@ class Items:
         self.final = Final()
         self.sent = 0  # events streamed, for sequence_number
 
-    def response(self, status: str) -> dict[str, Any]:
+    def response(self, status: str) -> Response:
         f = self.final
-        usage = {"input_tokens": f.prompt_tokens,
-                 "input_tokens_details": {"cached_tokens": f.cached_tokens},
-                 "output_tokens": f.eval_count,
-                 "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": f.prompt_tokens + f.eval_count}
+        usage: Usage = {"input_tokens": f.prompt_tokens,
+                        "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                        "output_tokens": f.eval_count,
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": f.prompt_tokens + f.eval_count}
         text = "".join(p["text"] for i in self.output if i["type"] == "message"
                        for p in i["content"])
         return {"id": self.id, "object": "response", "created_at": self.created,
@@ -274,7 +274,7 @@ class Items:
                  "message": exc.message, "param": None}
         return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
 
-    def whole(self, events: Iterator[Event]) -> dict[str, Any]:
+    def whole(self, events: Iterator[Event]) -> Response:
         for event in events:
             if isinstance(event, Final):
                 self.final = event
