@@ -15,7 +15,6 @@ import json
 import secrets
 from typing import Any, Callable, Iterator
 
-from corral.api.wire import parse
 from corral.api.wire.anthropic import (AnyChoice, Choice, MessageResponse, MessagesRequest,
                                        NoneChoice, ToolChoice, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
@@ -24,11 +23,8 @@ from corral.server.images import from_data_uri
 from corral.server.inference import Inference, require_model
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, Event, Final,
                                             ToolChoice as Forced)
-from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
-
-anthropic_route = shaped(Shape.ANTHROPIC)
-
 
 def _text_of(blocks: Any, what: str) -> str:
     if isinstance(blocks, str):
@@ -258,9 +254,5 @@ def _tool_use(piece: Piece) -> dict[str, Any]:
 
 
 def messages(inf: Inference) -> Callable[[Request, Handler], None]:
-    @anthropic_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(MessagesRequest, req.json())
-        request = parse_messages(wire)
-        respond(handler, inf.run(request, req.on_disconnect), Blocks(request.model), wire.stream)
-    return route
+    return generation(inf, Shape.ANTHROPIC, MessagesRequest, parse_messages,
+                      lambda wire, request: Blocks(request.model))

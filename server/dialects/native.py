@@ -18,7 +18,7 @@ from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.inference import Inference, keep_alive_of, require_model
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event, Final
-from corral.server.pipeline.stream import NDJSON, respond, shaped
+from corral.server.pipeline.stream import NDJSON, generation, shaped
 from corral.server.reply import Kind, Piece
 
 native_route = shaped(Shape.OLLAMA)
@@ -150,29 +150,24 @@ def _load_or_unload(handler: Handler, inf: Inference, wire: Generation, chat: bo
 
 
 def generate(inf: Inference) -> Callable[[Request, Handler], None]:
-    @native_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(GenerateRequest, req.json())
-        request = parse_generate(wire)
-        if not request.prompt and not request.suffix:
-            _load_or_unload(handler, inf, wire, chat=False)
-            return
-        respond(handler, inf.run(request, req.on_disconnect),
-                Lines(request.model, chat=False, raw=request.raw), wire.stream)
-    return route
+    def idle(wire: GenerateRequest, request: CompletionRequest, handler: Handler) -> bool:
+        if request.prompt or request.suffix:
+            return False
+        _load_or_unload(handler, inf, wire, chat=False)
+        return True
+    return generation(inf, Shape.OLLAMA, GenerateRequest, parse_generate,
+                      lambda wire, request: Lines(request.model, chat=False, raw=request.raw),
+                      idle)
 
 
 def chat(inf: Inference) -> Callable[[Request, Handler], None]:
-    @native_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(WireChat, req.json())
-        request = parse_chat(wire)
-        if not request.messages:
-            _load_or_unload(handler, inf, wire, chat=True)
-            return
-        respond(handler, inf.run(request, req.on_disconnect), Lines(request.model, chat=True),
-                wire.stream)
-    return route
+    def idle(wire: WireChat, request: ChatRequest, handler: Handler) -> bool:
+        if request.messages:
+            return False
+        _load_or_unload(handler, inf, wire, chat=True)
+        return True
+    return generation(inf, Shape.OLLAMA, WireChat, parse_chat,
+                      lambda wire, request: Lines(request.model, chat=True), idle)
 
 
 def embed(inf: Inference) -> Callable[[Request, Handler], None]:

@@ -12,7 +12,6 @@ import random
 import time
 from typing import Any, Callable, Iterator
 
-from corral.api.wire import parse
 from corral.api.wire.common import ChatToolChoice, FunctionChoice
 from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRequest,
                                     CompletionRequest as WireCompletion, Message, Sampling,
@@ -23,7 +22,7 @@ from corral.server.images import from_data_uri
 from corral.server.inference import Inference, require_model
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
                                             Final, ToolChoice)
-from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.pipeline.stream import SSE, generation, shaped
 from corral.server.reply import Kind, Piece
 
 openai_route = shaped(Shape.OPENAI)
@@ -111,15 +110,23 @@ def _name_of_call(earlier: list[dict[str, Any]], call_id: str) -> str:
     return ""
 
 
+def structured(kind: str | None, schema: dict[str, Any] | None, what: str) -> Any:
+    """OpenAI's structured output ({"type": "text" | "json_object" | "json_schema"}) as
+    the pipeline's `format`: None, "json" or the schema."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return "json"
+    if schema is None:
+        raise BadRequest(f"{what} json_schema needs a schema")
+    return schema
+
+
 def _format(wire: ChatCompletionRequest) -> Any:
     rf = wire.response_format
-    if rf is None or rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return "json"
-    if rf.json_schema is None:
-        raise BadRequest("response_format json_schema needs a schema")
-    return rf.json_schema.schema_
+    return structured(rf.type if rf else None,
+                      rf.json_schema.schema_ if rf and rf.json_schema else None,
+                      "response_format")
 
 
 def parse_chat(wire: ChatCompletionRequest) -> ChatRequest:
@@ -306,23 +313,16 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str,
             "text_offset": offsets}
 
 
+def _usage_wanted(wire: Sampling) -> bool:
+    return wire.stream_options is not None and wire.stream_options.include_usage
+
+
 def chat_completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(ChatCompletionRequest, req.json())
-        request = parse_chat(wire)
-        usage_wanted = wire.stream_options is not None and wire.stream_options.include_usage
-        respond(handler, inf.run(request, req.on_disconnect),
-                ChatChunks(request.model, usage_wanted), wire.stream)
-    return route
+    return generation(inf, Shape.OPENAI, ChatCompletionRequest, parse_chat,
+                      lambda wire, request: ChatChunks(request.model, _usage_wanted(wire)))
 
 
 def completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(WireCompletion, req.json())
-        request = parse_completion(wire)
-        usage_wanted = wire.stream_options is not None and wire.stream_options.include_usage
-        respond(handler, inf.run(request, req.on_disconnect),
-                TextChunks(request.model, usage_wanted, wire.logprobs is not None), wire.stream)
-    return route
+    return generation(inf, Shape.OPENAI, WireCompletion, parse_completion,
+                      lambda wire, request: TextChunks(request.model, _usage_wanted(wire),
+                                                       wire.logprobs is not None))

@@ -16,19 +16,15 @@ import secrets
 import time
 from typing import Any, Callable, Iterator
 
-from corral.api.wire import parse
 from corral.api.wire.responses import FunctionChoice, Response, ResponsesRequest, Usage
 from corral.errors import BadRequest, CorralError, Shape
-from corral.server.dialects.openai import think_of_effort
+from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.inference import Inference, require_model
 from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, ToolChoice
-from corral.server.pipeline.stream import SSE, respond, shaped
+from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
-
-openai_route = shaped(Shape.OPENAI)
-
 
 def _text(content: Any, images: list[str] | None = None) -> str:
     """A content's text; its input_image parts (data URIs) go to `images` where allowed."""
@@ -105,13 +101,7 @@ def _name(earlier: list[dict[str, Any]], call_id: str) -> str:
 
 def _format(wire: ResponsesRequest) -> Any:
     fmt = wire.text.format if wire.text is not None else None
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return "json"
-    if fmt.schema_ is None:
-        raise BadRequest("text.format json_schema needs a schema")
-    return fmt.schema_
+    return structured(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
 
 
 def parse_responses(wire: ResponsesRequest) -> ChatRequest:
@@ -283,14 +273,12 @@ class Items:
         return self.response("completed")
 
 
+def _items(wire: ResponsesRequest, request: ChatRequest) -> Items:
+    choice = wire.tool_choice.model_dump() if isinstance(wire.tool_choice, FunctionChoice) \
+        else wire.tool_choice
+    return Items(request.model, choice, [t.model_dump(exclude_none=True)
+                                         for t in wire.tools or []])
+
+
 def responses(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
-    def route(req: Request, handler: Handler) -> None:
-        wire = parse(ResponsesRequest, req.json())
-        request = parse_responses(wire)
-        choice = wire.tool_choice.model_dump() if isinstance(wire.tool_choice, FunctionChoice) \
-            else wire.tool_choice
-        tools = [t.model_dump(exclude_none=True) for t in wire.tools or []]
-        respond(handler, inf.run(request, req.on_disconnect), Items(request.model, choice, tools),
-                wire.stream)
-    return route
+    return generation(inf, Shape.OPENAI, ResponsesRequest, parse_responses, _items)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
+from corral.api.wire import Wire, parse
 from corral.errors import CorralError, Shape
 from corral.server.http import Handler, Request
-from corral.server.pipeline.request import Event
+from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
+
+if TYPE_CHECKING:
+    from corral.server.inference import Inference
 
 log = logging.getLogger("corral.stream")
 
@@ -61,6 +65,8 @@ def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, strea
 
 
 Route = Callable[[Request, Handler], None]
+W = TypeVar("W", bound=Wire)
+R = TypeVar("R", ChatRequest, CompletionRequest)
 
 
 def shaped(shape: Shape) -> Callable[[Route], Route]:
@@ -73,3 +79,20 @@ def shaped(shape: Shape) -> Callable[[Route], Route]:
                 handler.respond_error(exc, shape)
         return route
     return decorate
+
+
+def generation(inf: Inference, shape: Shape, record: type[W], to_request: Callable[[W], R],
+               renderer: Callable[[W, R], Renderer],
+               nothing_to_do: Callable[[W, R, Handler], bool] | None = None) -> Route:
+    """A dialect's generation route: its wire record, parsed into a request, run on the
+    one path and rendered. `nothing_to_do` answers requests that generate nothing
+    (Ollama's load and unload) and says whether it did."""
+    @shaped(shape)
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(record, req.json())
+        request = to_request(wire)
+        if nothing_to_do is not None and nothing_to_do(wire, request, handler):
+            return
+        respond(handler, inf.run(request, req.on_disconnect), renderer(wire, request),
+                bool(getattr(wire, "stream", False)))
+    return route
