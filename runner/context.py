@@ -30,15 +30,15 @@ class EngineConfig:
     kv_cache_type: str = "f16"
     use_mmap: bool = True
     kv_pool: int = 0  # tokens in one KV buffer the slots share; 0: a stream per slot
+    # Elastic KV: the context starts with this many streams and grows towards n_slots
+    # as requests run at once (runner.growth); 0 means a fixed n_slots.
+    start_slots: int = 0
     # Batch-invariant kernels (CORRAL_DETERMINISTIC): no tiled matmul and none of
     # llama.cpp's extra CPU buffer types (weight repacking, AMX), which make a
     # row's logits depend on how many rows share the batch. Off, greedy output
     # can change in the last bits with load; on, decoding is 4-13% slower here.
     deterministic: bool = False
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUFs and their scales
-
-
-_KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 
 
 class LlamaContext:
@@ -62,9 +62,30 @@ class LlamaContext:
         if cfg.kv_pool:
             self.num_ctx = min(self.num_ctx, cfg.kv_pool)  # a cap on each sequence
         self.n_threads = cfg.n_threads or native.physical_cores()
+        self.cfg = cfg
+        self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
+            min(cfg.start_slots, cfg.n_slots)
+        self.ctx: Any = None
+        self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
+        self.ctx = self.new_context(self.streams)
+        self._apply_adapters(cfg.adapters)
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_batch = int(L.llama_n_batch(self.ctx))
+        self.n_ctx = int(L.llama_n_ctx(self.ctx))
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._eog: list[int] | None = None
+
+    def new_context(self, streams: int) -> Any:
+        """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
+        thread other than the engine's: it touches the model, read-only, and nothing of
+        the context in use (runner.growth builds the next one this way)."""
+        cfg = self.cfg
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = cfg.kv_pool or self.num_ctx * cfg.n_slots
-        cparams.n_seq_max = cfg.n_slots
+        cparams.n_ctx = cfg.kv_pool or self.num_ctx * streams
+        cparams.n_seq_max = streams
+        # The batch size never changes with the streams: one llama_batch serves them all.
         cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         # One KV stream per slot, unless the slots share a pool. In a shared
@@ -83,19 +104,27 @@ class LlamaContext:
                                    L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
         cparams.type_k = cparams.type_v = kv_type
-        self.ctx = L.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            L.llama_model_free(self.model)
+        ctx = L.llama_init_from_model(self.model, cparams)
+        if not ctx:
+            if self.ctx is None:  # the first one: nothing to serve with
+                L.llama_model_free(self.model)
             raise RunnerError("llama.cpp could not create a context (out of memory?)")
-        self.adapters: tuple[Any, Any, int] | None = None
-        self._apply_adapters(cfg.adapters)
-        self.mem = L.llama_get_memory(self.ctx)
-        self.n_batch = int(L.llama_n_batch(self.ctx))
-        self.n_ctx = int(L.llama_n_ctx(self.ctx))
-        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self._eog: list[int] | None = None
+        if self.adapters is not None:
+            handles, scales, n = self.adapters
+            if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
+                L.llama_free(ctx)
+                raise RunnerError("llama.cpp could not apply the adapters")
+        return ctx
+
+    def adopt(self, ctx: Any, streams: int) -> None:
+        """Engine thread: serve from `ctx` from now on; the old context is freed."""
+        L.llama_free(self.ctx)
+        self.ctx, self.streams = ctx, streams
+        self.mem = L.llama_get_memory(ctx)
+        self.n_ctx = int(L.llama_n_ctx(ctx))
+
+    def discard(self, ctx: Any) -> None:
+        L.llama_free(ctx)
 
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token. Only ignore_eos needs the whole list, so it is

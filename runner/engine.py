@@ -31,7 +31,8 @@ from corral.runner.context import EngineConfig, LlamaContext
 from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner import imagefeed
 from corral.runner.imagefeed import ImageFeed
-from corral.runner.jobs import Command, Done, Embed, Failed, Job, Stop, Submit, Token
+from corral.runner.growth import Capacity, Resizer
+from corral.runner.jobs import Command, Done, Embed, Failed, Job, Resized, Stop, Submit, Token
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.sequence import DoneReason, Sequence, SeqState
@@ -77,7 +78,9 @@ class Engine:
         self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
-        self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(config.n_slots)]
+        self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
+        self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
+                               self._commands.put) if llama.streams < config.n_slots else None
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
         self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
@@ -122,6 +125,7 @@ class Engine:
         slots = self.slots
         return {
             "slots": len(slots),
+            "slots_cap": self.config.n_slots,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
             "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots),
@@ -152,6 +156,9 @@ class Engine:
                     self._embeds.step(self.embedder)
                     self._embedded_at, self._transient = self.clock(), True
                 self._admit()
+                if self.resizer is not None:
+                    self.resizer.tick(sum(s.state is not SlotState.IDLE for s in self.slots),
+                                      len(self._waiting), self.clock())
                 if any(s.state is not SlotState.IDLE for s in self.slots):
                     t0 = self.clock()
                     self._step()
@@ -175,10 +182,21 @@ class Engine:
                 self._embeds.add(item)
             elif isinstance(item, Stop):
                 self._stopping = True
+            elif isinstance(item, Resized):
+                self._resized(item)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _resized(self, resized: Resized) -> None:
+        """A bigger or smaller context arrived: move every sequence onto it."""
+        assert self.resizer is not None
+        slots = self.resizer.apply(resized, self.slots, self.num_ctx, self.clock())
+        if slots is not None:
+            self.slots = slots
+            self.ctx, self.mem, self.n_ctx = self.llama.ctx, self.llama.mem, self.llama.n_ctx
+            self.feed.ctx = self.ctx
 
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
@@ -250,8 +268,9 @@ class Engine:
                 if not kvops.shift_context(self.mem, slot, self.can_shift):
                     self._finish(slot, DoneReason.LENGTH)
         plan = plan_step(self.slots, self.n_batch)
-        if self.pool is not None:
-            plan = self._fit_pool(plan)
+        if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
+            plan = self.pool.fit(plan, self.slots, lambda s: kvops.drop(self.mem, s),
+                                 self._preempt, lambda: plan_step(self.slots, self.n_batch))
         if plan.entries:
             native.fill_batch(self.batch, plan.entries, self.n_batch)
             t0 = self.clock()
@@ -325,21 +344,6 @@ class Engine:
             self._finish(slot, DoneReason.STOP, flush=False)
         elif seq.n_generated >= seq.limit:
             self._finish(slot, DoneReason.LENGTH)
-
-    def _fit_pool(self, plan: StepPlan) -> StepPlan:
-        """Make the pool hold this step: drop idle caches, then preempt newest first."""
-        assert self.pool is not None
-        while plan.entries and self.pool.shortfall(self.slots, len(plan.entries)) > 0:
-            idle, victim = KVPool.evictable(self.slots), KVPool.victim(self.slots)
-            if not idle and victim is None:
-                break
-            if idle:
-                kvops.drop(self.mem, idle[0])
-                continue
-            assert victim is not None
-            self._preempt(victim)
-            plan = plan_step(self.slots, self.n_batch)
-        return plan
 
     def _preempt(self, slot: Slot) -> None:
         assert self.pool is not None

@@ -2,6 +2,7 @@
 thread reads, and the events a job's caller reads back.
 
     caller --Submit/Embed/Stop--> engine thread --Token*, then Done or Failed--> job.events
+    growth builder --Resized--> engine thread
 """
 
 from __future__ import annotations
@@ -111,4 +112,13 @@ class Stop:
     pass
 
 
-Command = Union[Submit, Embed, Stop]
+@dataclass(frozen=True)
+class Resized:
+    """A context of `streams` KV streams, made off the engine thread for it to adopt
+    (runner.growth); `ctx` is None when it could not be made."""
+
+    ctx: Any
+    streams: int
+
+
+Command = Union[Submit, Embed, Stop, Resized]

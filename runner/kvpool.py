@@ -12,8 +12,9 @@ engine does the native calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
+from corral.runner.batchplan import StepPlan
 from corral.runner.slot import Slot, SlotState
 
 RESERVE = 32  # cells a new request must find beyond its prompt, so it can start generating
@@ -65,3 +66,18 @@ class KVPool:
         if len(busy) <= 1:
             return None  # one sequence alone always fits: num_ctx <= the pool
         return max(busy, key=lambda s: (s.t_start, s.seq))
+
+    def fit(self, plan: StepPlan, slots: list[Slot], drop: Callable[[Slot], None],
+            preempt: Callable[[Slot], None], replan: Callable[[], StepPlan]) -> StepPlan:
+        """Make the pool hold this step's plan: drop idle caches first, then preempt the
+        newest running sequence, until it fits or nothing more can go."""
+        while plan.entries and self.shortfall(slots, len(plan.entries)) > 0:
+            idle, victim = KVPool.evictable(slots), KVPool.victim(slots)
+            if idle:
+                drop(idle[0])
+            elif victim is not None:
+                preempt(victim)
+                plan = replan()
+            else:
+                break
+        return plan

@@ -30,6 +30,7 @@ class LoadConfig:
     kv_cache_type: str = "f16"
     template: str | None = None  # a TEMPLATE layer, which wins over the GGUF's
     kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
+    start_slots: int = 0  # elastic KV: slots held while idle, growing to n_slots; 0: fixed
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
     rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port

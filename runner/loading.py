@@ -62,7 +62,8 @@ def load(config: LoadConfig) -> Loaded:
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
         kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
-        deterministic=config.deterministic, adapters=config.adapters)
+        deterministic=config.deterministic, adapters=config.adapters,
+        start_slots=config.start_slots)
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)

@@ -274,6 +274,8 @@ def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
         "size": est.total, "size_vram": est.gpu_bytes - loaded.rpc_bytes,
         "size_rpc": loaded.rpc_bytes, "rpc_servers": list(config.rpc_servers),
         "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": config.n_slots,
+        # Elastic KV holds start_slots' worth while idle: `size` is what the cap holds.
+        "start_slots": len(engine.slots), "kv_per_slot": est.kv // max(config.n_slots, 1),
         "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
         "bos": bos, "eos": eos,  # for the daemon's templates
         "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,

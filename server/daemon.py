@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("corral")
 HOUSEKEEPING_SECONDS = 10.0
-# A model preloaded for `corral run` serves one terminal first: it starts with at most
-# this many slots (unless CORRAL_MAX_SLOTS says otherwise), because zeroing the KV
-# cache of sixteen would hold the first answer back by half a second on a CPU. It is
-# sized by memory as usual when it next loads.
-PRELOAD_SLOTS = 4
 
 
 def routes(inf: Inference, puller: Puller, pusher: Pusher
@@ -125,8 +120,7 @@ class Daemon:
         def load() -> None:
             try:
                 record = self.inference.record(model)
-                self.inference.load_only(record, self.inference.options(record, None), None,
-                                         max_slots=PRELOAD_SLOTS)
+                self.inference.load_only(record, self.inference.options(record, None), None)
             except CorralError as exc:
                 log.info("preloading %s: %s", model, exc.message)
         threading.Thread(target=load, name="preload", daemon=True).start()

@@ -287,6 +287,10 @@ class Scheduler:
                 flash_attn=self.settings.flash_attention,
                 kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
                 kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
+                # Auto mode is elastic: one slot's KV while idle, growing to the memory
+                # fit as requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start.
+                start_slots=1 if self.settings.num_parallel <= 0 and not self.settings.kv_pool
+                else 0,
                 deterministic=self.settings.deterministic,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
                 projector=str(entry.record.projector) if entry.record.projector else None,

@@ -1,0 +1,120 @@
+"""Elastic KV: the capacity policy as a pure state machine, and growth and shrink with
+the real model, outputs unchanged (deterministic mode, greedy)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from corral.runner.growth import Capacity, GrowthState, tier
+
+
+def test_tiers_are_powers_of_two_within_start_and_cap() -> None:
+    assert [tier(n, 1, 16) for n in (0, 1, 2, 3, 5, 9, 16, 40)] == [1, 1, 2, 4, 8, 16, 16, 16]
+    assert tier(3, 1, 6) == 4 and tier(5, 1, 6) == 6 and tier(1, 2, 8) == 2
+
+
+def test_one_step_covers_a_burst_and_nothing_builds_twice() -> None:
+    c = Capacity(start=1, cap=16)
+    assert c.want(busy=1, waiting=0, now=0) is None  # one fits the idle size
+    assert c.want(busy=1, waiting=15, now=1) == 16  # a burst of sixteen: one step
+    assert c.state is GrowthState.BUILDING and c.want(busy=1, waiting=15, now=1) is None
+    c.built(now=2)
+    assert c.streams == 16 and c.state is GrowthState.STEADY
+    assert c.want(busy=16, waiting=4, now=3) is None  # at the cap: requests wait
+
+
+def test_shrink_waits_for_a_quiet_spell_then_halves_or_more() -> None:
+    c = Capacity(start=1, cap=16, streams=16, shrink_after=30)
+    assert c.want(busy=9, waiting=0, now=100) is None  # above half: in use
+    assert c.want(busy=3, waiting=0, now=110) is None  # quiet, but not for long
+    assert c.want(busy=3, waiting=0, now=129) is None
+    assert c.want(busy=3, waiting=0, now=131) == 4  # quiet for 30 s: down to what runs
+    c.built(now=131)
+    assert c.want(busy=0, waiting=0, now=150) is None
+    assert c.want(busy=0, waiting=0, now=162) == 1  # idle: back to one sequence's KV
+
+
+def test_a_failed_build_caps_growth_where_it_is() -> None:
+    c = Capacity(start=1, cap=16)
+    assert c.want(busy=1, waiting=3, now=0) == 4
+    c.failed()
+    assert c.cap == 1 and c.streams == 1 and c.want(busy=1, waiting=3, now=1) is None
+
+
+@pytest.fixture(scope="module")
+def elastic(starter_gguf: Path) -> Iterator[object]:
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
+
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, start_slots=1, num_ctx=512,
+                                                 deterministic=True))
+    eng.resizer.capacity.shrink_after = 0.5  # type: ignore[union-attr]
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.mark.model
+def test_growth_and_shrink_leave_greedy_outputs_unchanged(elastic: object) -> None:
+    from corral.runner.engine import Engine
+    from tests.test_engine import PROMPTS, run, run_together
+
+    engine = elastic
+    assert isinstance(engine, Engine) and len(engine.slots) == 1
+    alone = [run(engine, p, 20)[0] for p in PROMPTS]  # one at a time: one slot is enough
+    assert len(engine.slots) == 1
+    together = run_together(engine, [(p, 20, {}) for p in PROMPTS])
+    assert together == alone and engine.status()["slots"] == 4
+    deadline = time.monotonic() + 30
+    while engine.status()["slots"] > 1:  # idle for shrink_after: back to one stream
+        assert time.monotonic() < deadline, engine.status()
+        time.sleep(0.1)
+    assert [run(engine, p, 20)[0] for p in PROMPTS] == alone
+
+
+@pytest.mark.model
+def test_a_sequence_carries_on_across_a_growth_step(elastic: object) -> None:
+    from corral.runner.engine import Engine
+    from corral.runner.jobs import Job, Token
+    from tests.test_engine import GREEDY, PROMPTS, collect, run, run_together
+
+    engine = elastic
+    assert isinstance(engine, Engine)
+    solo = run(engine, PROMPTS[1], 60)[0]
+    while engine.status()["slots"] > 1:
+        time.sleep(0.1)
+    resizes = engine.resizer.resizes  # type: ignore[union-attr]
+    job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), num_predict=60, params=GREEDY))
+    first = job.events.get(timeout=60)  # it is decoding on the only stream...
+    assert isinstance(first, Token)
+    others = run_together(engine, [(p, 10, {}) for p in PROMPTS[:1] + PROMPTS[2:]])
+    pieces, kind, _ = collect(job)  # ...and moved to a bigger context mid-stream
+    assert kind == "done" and first.text + "".join(pieces) == solo
+    assert engine.resizer.resizes > resizes and all(others)  # type: ignore[union-attr]
+
+
+def _state(streams: int, at: int, cells: int, seq: int = 0) -> bytes:
+    """A sequence's state as llama.cpp writes it: header, one section, one full stream."""
+    u32 = lambda v: v.to_bytes(4, "little")  # noqa: E731
+    body = b"".join(u32(p) + u32(1) + u32(seq) for p in range(cells))  # pos, one id
+    body += u32(0) + u32(1)  # v_trans off, one layer
+    body += u32(1) + (3).to_bytes(8, "little") + b"k" * 3 * cells  # K: type, row, rows
+    body += u32(1) + (2).to_bytes(8, "little") + b"v" * 2 * cells  # V likewise
+    entries = [u32(cells) + body if i == at else u32(0) for i in range(streams)]
+    return u32(0xAF1424D8) + u32(seq) + u32(streams) + b"".join(entries)
+
+
+def test_restream_rewrites_the_stream_count_and_nothing_else() -> None:
+    from corral.runner.growth import restream
+
+    one = _state(streams=1, at=0, cells=2, seq=5)
+    assert restream(one, 1, 5) == one
+    four = restream(one, 4, 5)
+    assert four is not None and restream(four, 1, 5) == one
+    assert restream(_state(4, 2, 2, seq=5), 1, 5) == one  # from the third stream of four
+    assert restream(one[:-1], 4, 5) is None  # cut short: refused, never misread
+    assert restream(one + b"\0", 4, 5) is None
