@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from corral.config import load_settings  # noqa: E402
 from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
-from corral.runner.native import physical_cores  # noqa: E402
+from corral.process import physical_cores  # noqa: E402
 
 LEVELS = "1,2,4,8,16"
 

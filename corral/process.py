@@ -85,3 +85,28 @@ def package_parent() -> str:
     from pathlib import Path
 
     return str(Path(__file__).resolve().parents[1])
+
+
+def physical_cores() -> int:
+    """Physical cores, not logical CPUs: SMT siblings only slow ggml's spinning threads."""
+    try:
+        cores: set[tuple[str, str]] = set()
+        package = core = ""
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    package = value.strip()
+                elif key == "core id":
+                    core = value.strip()
+                elif not line.strip() and core:
+                    cores.add((package, core))
+                    core = ""
+        if core:
+            cores.add((package, core))
+        allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        count = len(cores) or (os.cpu_count() or 1)
+        return max(1, min(count, allowed) if allowed else count)
+    except OSError:
+        return max(1, (os.cpu_count() or 2) // 2)

@@ -154,6 +154,14 @@ class RunnerProcess:
         raise RunnerError("llama runner process has terminated" if not self.alive() else
                           "lost the connection to the runner process")
 
+    def set_threads(self, n: int) -> None:
+        """The runner's share of the cores (server.threads); a runner that does not
+        answer keeps what it had."""
+        try:
+            self._client().post("/threads", json={"n": n}, timeout=2.0)
+        except (_httpx().HTTPError, RunnerError):
+            pass
+
     def cancel(self, job_id: str) -> None:
         try:
             self._call("/cancel", {"id": job_id})

@@ -13,7 +13,9 @@ from typing import Any
 import llama_cpp as L
 
 from corral.errors import RunnerError
+from corral.process import physical_cores
 from corral.runner import native
+from corral.runner.textstream import Utf8Stream
 from corral.runner.loadconfig import DEFAULT_BATCH
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
@@ -61,7 +63,7 @@ class LlamaContext:
         self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
         if cfg.kv_pool:
             self.num_ctx = min(self.num_ctx, cfg.kv_pool)  # a cap on each sequence
-        self.n_threads = cfg.n_threads or native.physical_cores()
+        self.n_threads = cfg.n_threads or physical_cores()
         self.cfg = cfg
         self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
             min(cfg.start_slots, cfg.n_slots)
@@ -123,8 +125,23 @@ class LlamaContext:
         self.mem = L.llama_get_memory(ctx)
         self.n_ctx = int(L.llama_n_ctx(ctx))
 
+    def set_threads(self, n: int) -> int:
+        """Engine thread: decode with `n` threads from now on, in later contexts too."""
+        L.llama_set_n_threads(self.ctx, n, n)
+        self.n_threads = n
+        return n
+
     def discard(self, ctx: Any) -> None:
         L.llama_free(ctx)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        # llama_tokenize only reads the vocab, which is safe from any thread.
+        return native.tokenize(self.vocab, text, add_special and self.add_bos)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        stream = Utf8Stream()
+        return "".join(stream.feed(native.token_bytes(self.vocab, t))
+                       for t in tokens if 0 <= t < self.n_vocab) + stream.flush()
 
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token. Only ignore_eos needs the whole list, so it is

@@ -40,6 +40,12 @@ class Embedder:
         self.pooling: int | None = None  # the model's, or mean for a plain causal LM
         self.n_embd = int(L.llama_model_n_embd(model))
 
+    def set_threads(self, n: int) -> None:
+        """Engine thread: the runner's share of the cores, now and for later contexts."""
+        self.n_threads = n
+        if self.ctx is not None:
+            L.llama_set_n_threads(self.ctx, n, n)
+
     def _open(self, pooling: int, capacity: int) -> None:
         cparams = L.llama_context_default_params()
         cparams.n_ctx = capacity

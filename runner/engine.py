@@ -32,12 +32,12 @@ from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner import imagefeed
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, Resizer
-from corral.runner.jobs import Command, Done, Embed, Failed, Job, Resized, Stop, Submit, Token
+from corral.runner.jobs import (Command, Done, Embed, Failed, Job, Resized, SetThreads, Stop,
+                                Submit, Token)
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slot import Slot, SlotState, common_prefix
-from corral.runner.textstream import Utf8Stream
 
 log = logging.getLogger("corral.engine")
 
@@ -74,6 +74,7 @@ class Engine:
         self.n_vocab, self.n_ctx_train, self.n_threads = (llama.n_vocab, llama.n_ctx_train,
                                                           llama.n_threads)
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
+        self.tokenize, self.detokenize = llama.tokenize, llama.detokenize  # any thread
         self._embedded_at = 0.0
         self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
@@ -112,20 +113,14 @@ class Engine:
             raise result.error
         return result
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        # llama_tokenize only reads the vocab, which is safe from any thread.
-        return native.tokenize(self.vocab, text, add_special and self.add_bos)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        stream = Utf8Stream()
-        return "".join(stream.feed(native.token_bytes(self.vocab, t))
-                       for t in tokens if 0 <= t < self.n_vocab) + stream.flush()
+    def set_threads(self, n: int) -> None:
+        self._commands.put(SetThreads(max(1, min(n, 1024))))
 
     def status(self) -> dict[str, int]:
         slots = self.slots
         return {
             "slots": len(slots),
-            "slots_cap": self.config.n_slots,
+            "slots_cap": self.config.n_slots, "threads": self.n_threads,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
             "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots),
@@ -184,6 +179,9 @@ class Engine:
                 self._stopping = True
             elif isinstance(item, Resized):
                 self._resized(item)
+            elif isinstance(item, SetThreads):  # the daemon's share of the cores
+                self.n_threads = self.llama.set_threads(item.n)
+                self.embedder.set_threads(item.n)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -121,4 +121,11 @@ class Resized:
     streams: int
 
 
-Command = Union[Submit, Embed, Stop, Resized]
+@dataclass(frozen=True)
+class SetThreads:
+    """Threads for decoding from now on: the daemon's share of the cores."""
+
+    n: int
+
+
+Command = Union[Submit, Embed, Stop, Resized, SetThreads]

@@ -11,6 +11,7 @@ port and load report), then serves:
     POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
     POST /tokenize, /detokenize
     POST /cancel                  {"id"}
+    POST /threads                 {"n"}: the daemon's share of the cores, from now on
     POST /shutdown
 """
 
@@ -212,6 +213,9 @@ class Handler(BaseHTTPRequestHandler):
             elif route == "/detokenize":
                 self._send(200, {"content": self.service.engine.detokenize(
                     [int(t) for t in body.get("tokens", [])])})
+            elif route == "/threads":
+                self.service.engine.set_threads(int(body.get("n", 0)))
+                self._send(200, {"threads": int(body.get("n", 0))})
             elif route == "/cancel":
                 self._send(200, {"cancelled": self.service.cancel(str(body.get("id", "")))})
             elif route == "/shutdown":

@@ -21,7 +21,8 @@ def decode_tokens(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, fl
     """Greedy-decode `n_tokens` after `prompt`; returns (text, tokens per second)."""
     import llama_cpp as L
 
-    from corral.runner.native import init_backend, physical_cores, token_bytes, tokenize
+    from corral.process import physical_cores
+    from corral.runner.native import init_backend, token_bytes, tokenize
 
     init_backend()
     mparams = L.llama_model_default_params()

@@ -137,21 +137,22 @@ class Inference:
 
     @contextmanager
     def hold(self, record: ModelRecord, options: dict[str, Any],
-             keep_alive: float | None, max_slots: int = 0) -> Iterator[Loaded]:
+             keep_alive: float | None) -> Iterator[Loaded]:
         """Count the request in, hold a ready model, and always release it."""
         ticket = self.scheduler.admit(record)
-        entry = self.scheduler.acquire(ticket, record, options, keep_alive, max_slots)
+        entry = self.scheduler.acquire(ticket, record, options, keep_alive)
         try:
+            self.scheduler.share_cores()  # it may have just become busy
             yield entry
         finally:
             self.scheduler.release(entry)
+            self.scheduler.share_cores()
 
     def load_only(self, record: ModelRecord, options: dict[str, Any],
-                  keep_alive: float | None, max_slots: int = 0) -> float:
-        """Schedule the model without generating; returns the load time in seconds.
-        `max_slots` caps what auto sizing gives it, if this call loads it."""
+                  keep_alive: float | None) -> float:
+        """Schedule the model without generating; returns the load time in seconds."""
         start = time.perf_counter()
-        with self.hold(record, options, keep_alive, max_slots):
+        with self.hold(record, options, keep_alive):
             pass
         return time.perf_counter() - start
 

@@ -9,72 +9,27 @@ transition is in this file.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable
 
 from corral.config import FOREVER, Settings
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import LOAD_OPTIONS
+from corral.process import physical_cores
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import memory
 from corral.runner.loadconfig import LoadConfig
+from corral.server.loaded import Loaded, ModelState, Runner, Ticket
+from corral.server.threads import shares
+
+__all__ = ["Loaded", "ModelState", "Runner", "Scheduler", "Ticket"]
 
 log = logging.getLogger("corral.scheduler")
 
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
-
-
-class Runner(Protocol):
-    report: dict[str, Any]
-
-    def start(self, timeout: float) -> dict[str, Any]: ...
-    def stop(self, timeout: float = 10.0) -> None: ...
-    def kill(self) -> None: ...
-    def alive(self) -> bool: ...
-    def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
-    def cancel(self, job_id: str) -> None: ...
-    def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
-              dimensions: int = 0, max_tokens: int = 0, job_id: str = "") -> dict[str, Any]: ...
-    def health(self) -> dict[str, Any]: ...
-
-
-class ModelState(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-
-
-@dataclass
-class Loaded:
-    record: ModelRecord
-    options: dict[str, Any]  # normalised load-time options
-    slots: int
-    runner: Runner | None = None
-    state: ModelState = ModelState.LOADING
-    refcount: int = 0
-    keep_alive: float = 300.0
-    expires_at: float | None = None  # wall clock; None while busy or forever
-    error: str | None = None
-    load_duration: float = 0.0
-    reload: bool = False
-    inflight: int = 0  # admitted requests, running or queued in the runner
-
-    @property
-    def key(self) -> str:
-        return self.record.digest
-
-
-@dataclass
-class Ticket:
-    """An admitted request: counted against a loaded model, or as pending a load."""
-
-    entry: Loaded | None
-    settled: bool = False
 
 
 def physical_memory_available() -> int:
@@ -95,14 +50,15 @@ class Scheduler:
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
                  free_vram: Callable[[], int] = memory.free_gpu_memory,
-                 inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path)
-                 ) -> None:
+                 inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path),
+                 cores: int = 0) -> None:
         self.settings = settings
         self.runner_factory = runner_factory
         self.clock = clock
         self.free_memory = free_memory
         self.free_vram = free_vram
         self.inspect = inspect  # the daemon passes its store's cached reader
+        self.cores = cores or physical_cores()  # what the busy runners share
         self.loaded: dict[str, Loaded] = {}
         self.cond = threading.Condition()
         self.pending = 0
@@ -134,7 +90,7 @@ class Scheduler:
             return Ticket(None)
 
     def acquire(self, ticket: "Ticket", record: ModelRecord, options: dict[str, Any],
-                keep_alive: float | None, max_slots: int = 0) -> Loaded:
+                keep_alive: float | None) -> Loaded:
         """Return a READY model with this request counted in; loads or reloads as needed."""
         load_opts = self._load_options(options)
         try:
@@ -166,7 +122,7 @@ class Scheduler:
                     if not self._make_room(record):
                         self.cond.wait(timeout=0.5)
                         continue
-                    slots = self._choose_slots(record, load_opts, max_slots)
+                    slots = self._choose_slots(record, load_opts)
                     entry = Loaded(record, load_opts, slots,
                                    keep_alive=self.settings.keep_alive if keep_alive is None
                                    else keep_alive)
@@ -202,6 +158,20 @@ class Scheduler:
                     entry.expires_at = self.clock() + entry.keep_alive
             self.cond.notify_all()
 
+    def share_cores(self) -> None:
+        """Tell each runner its share of the cores when the set of busy ones changed. A
+        runner loaded with an explicit num_thread keeps it and takes no part."""
+        with self.cond:
+            ready = [m for m in self.loaded.values() if m.state is ModelState.READY
+                     and m.runner is not None and "num_thread" not in m.options]
+            new = shares(self.cores, [m.key for m in ready if m.refcount > 0],
+                         [m.key for m in ready if m.refcount == 0])
+            changed = [(m.runner, new[m.key]) for m in ready if m.threads != new[m.key]]
+            for m in ready:
+                m.threads = new[m.key]
+        for runner, n in changed:  # outside the lock: each is a call to a runner
+            runner.set_threads(n)  # type: ignore[union-attr]
+
     def runner_failed(self, entry: Loaded) -> None:
         """A request saw the runner die: mark it unloaded so the next request reloads."""
         with self.cond:
@@ -217,14 +187,13 @@ class Scheduler:
             del opts["num_gpu"]  # auto never forces a reload
         return opts
 
-    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any], limit: int = 0) -> int:
+    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any]) -> int:
         """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up
-        to CORRAL_MAX_SLOTS, or to `limit` when the caller sets one and the user did not."""
+        to CORRAL_MAX_SLOTS: the cap elastic KV may grow to (it starts at one)."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
-        vram = self.free_vram()
-        cap = self.settings.max_slots or limit or (memory.GPU_MAX_SLOTS if vram > 0 else
-                                                   memory.CPU_MAX_SLOTS)
+        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if self.free_vram() > 0 else
+                                          memory.CPU_MAX_SLOTS)
         if self.settings.kv_pool:
             return cap  # sequences share the pool; num_ctx caps each, reserves nothing
         try:

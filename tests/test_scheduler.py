@@ -27,6 +27,7 @@ class FakeRunner:
         self.report: dict[str, Any] = {}
         self.running = False
         self.stopped = False
+        self.threads: list[int] = []  # every share of the cores it was told
 
     def start(self, timeout: float) -> dict[str, Any]:
         if "broken" in self.config.model:
@@ -43,6 +44,9 @@ class FakeRunner:
 
     def alive(self) -> bool:
         return self.running
+
+    def set_threads(self, n: int) -> None:
+        self.threads.append(n)
 
 
 class Clock:
@@ -212,3 +216,34 @@ def test_failed_load_is_an_error_and_leaves_nothing(tmp_path: Path, clock: Clock
         acquire(s, rec)
     assert not s.loaded and s.pending == 0
     s.stop()
+
+
+def test_thread_shares_split_the_cores_between_busy_models() -> None:
+    from corral.server.threads import shares
+
+    assert shares(2, ["a"], ["b"]) == {"a": 2, "b": 1}  # b would wake beside a: one core
+    assert shares(2, ["a", "b"], []) == {"a": 1, "b": 1}  # each keeps one, neither fights
+    assert shares(3, ["a", "b"], ["c"]) == {"a": 2, "b": 1, "c": 1}  # the spare goes first
+    assert shares(2, ["a", "b", "c"], []) == {"a": 1, "b": 1, "c": 1}  # never below one
+    assert shares(16, [], ["a"]) == {"a": 16}
+
+
+def test_runners_are_told_their_share_when_busy_ones_come_and_go(tmp_path: Path,
+                                                                  clock: Clock) -> None:
+    settings = load_settings({"CORRAL_NUM_PARALLEL": "2"})
+    s = Scheduler(settings, FakeRunner, clock=clock, free_memory=lambda: 1 << 40,
+                  free_vram=lambda: 0, cores=2)
+    a, b = record(tmp_path, "alpha"), record(tmp_path, "beta")
+    ea = acquire(s, a)
+    s.share_cores()
+    eb = acquire(s, b)
+    s.share_cores()
+    ra, rb = (FakeRunner.started[0], FakeRunner.started[1])
+    assert ra.threads[-1] == 1 and rb.threads[-1] == 1  # both busy: a core each
+    s.release(ea)
+    s.share_cores()
+    assert rb.threads[-1] == 2 and ra.threads[-1] == 1  # beta alone has both
+    told = len(rb.threads)
+    s.share_cores()
+    assert len(rb.threads) == told  # nothing changed: nobody is told again
+    s.release(eb)

@@ -69,9 +69,6 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     assert scheduler(big, MAX_SLOTS="6")._choose_slots(r, opts) == 6
     assert scheduler(big, NUM_PARALLEL="3")._choose_slots(r, opts) == 3  # fixed means fixed
     assert scheduler(100 * MB, NUM_PARALLEL="8")._choose_slots(r, opts) == 8
-    # The preload for `corral run` starts small unless the user set a cap.
-    assert scheduler(big)._choose_slots(r, opts, limit=4) == 4
-    assert scheduler(big, MAX_SLOTS="10")._choose_slots(r, opts, limit=4) == 10
     # Pool mode: every slot a sequence; the pool, not num_ctx x slots, is what fits.
     pool = scheduler(big, KV_POOL="1")
     assert pool._choose_slots(r, opts) == 16

@@ -1,0 +1,61 @@
+"""What the scheduler keeps per model: the runner it talks to, the model's state, and
+an admitted request's ticket. Every transition between the states is in
+server/scheduler.py, under its lock."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+from corral.registry.models import ModelRecord
+
+
+class Runner(Protocol):
+    report: dict[str, Any]
+
+    def start(self, timeout: float) -> dict[str, Any]: ...
+    def stop(self, timeout: float = 10.0) -> None: ...
+    def kill(self) -> None: ...
+    def alive(self) -> bool: ...
+    def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]: ...
+    def cancel(self, job_id: str) -> None: ...
+    def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
+              dimensions: int = 0, max_tokens: int = 0, job_id: str = "") -> dict[str, Any]: ...
+    def health(self) -> dict[str, Any]: ...
+    def set_threads(self, n: int) -> None: ...
+
+
+class ModelState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+
+
+@dataclass
+class Loaded:
+    record: ModelRecord
+    options: dict[str, Any]  # normalised load-time options
+    slots: int
+    runner: Runner | None = None
+    state: ModelState = ModelState.LOADING
+    refcount: int = 0
+    keep_alive: float = 300.0
+    expires_at: float | None = None  # wall clock; None while busy or forever
+    error: str | None = None
+    load_duration: float = 0.0
+    reload: bool = False
+    inflight: int = 0  # admitted requests, running or queued in the runner
+    threads: int = 0  # its share of the cores, last told (server.threads); 0: not yet
+
+    @property
+    def key(self) -> str:
+        return self.record.digest
+
+
+@dataclass
+class Ticket:
+    """An admitted request: counted against a loaded model, or as pending a load."""
+
+    entry: Loaded | None
+    settled: bool = False
