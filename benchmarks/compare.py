@@ -3,9 +3,12 @@
 Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
 2 requests per client) at concurrency 1, 2, 4, 8, 16 against:
 
-- llama-server with 4 slots, with 8 slots and `--kv-unified`, and with 1 slot
-  (Ollama's default);
-- Corral in its default mode (slots sized by memory) and in pool mode.
+- llama-server with 4 slots, with 8 slots and `--kv-unified`, with 16 slots and
+  `--kv-unified` (`-c 65536`: the tuned peer), and with 1 slot (Ollama's default);
+- Corral in its default mode (elastic KV up to the memory fit) and in pool mode.
+
+Then a burst of 16 streams at an idle Corral (one slot's KV): when the last first
+token came against when the first stream finished, and how many growth steps it took.
 
 All with the starter model and the same threads, in one run; prints TTFT
 p50/p99 and aggregate tok/s per level, the issue's target ratios, and appends
@@ -139,6 +142,8 @@ def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: i
         ("llama-server 4", lambda: start_llama_server(binaries, model, 4, ctx, threads)),
         ("llama-server 8 unified", lambda: start_llama_server(binaries, model, 8, ctx, threads,
                                                               "--kv-unified")),
+        ("llama-server 16 unified", lambda: start_llama_server(binaries, model, 16, ctx,
+                                                               threads, "--kv-unified")),
         ("llama-server 1", lambda: start_llama_server(binaries, model, 1, ctx, threads)),
         ("corral", lambda: start_corral(0, ctx, threads)),
         ("corral pool", lambda: start_corral(0, ctx, threads, KV_POOL="1")),
@@ -177,7 +182,45 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     floor = llama_bench(binaries, model, threads)
-    report(args, threads, results, floor)
+    report(args, threads, results, floor, burst_from_idle(args, threads))
+
+
+def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
+    """16 streams at once at a Corral that holds one slot's KV: the last first token
+    against the first finish, and the growth steps the burst took."""
+    url, proc = start_corral(0, args.num_ctx, threads)
+    firsts: list[float] = []
+    ends: list[float] = []
+    body = {"model": STARTER_NAME, "prompt": "Once upon a time", "stream": True,
+            "max_tokens": args.max_tokens, "ignore_eos": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"text": ""' not in line:
+                    firsts.append(time.perf_counter())
+                    break
+            for _ in r.iter_lines():
+                pass
+        ends.append(time.perf_counter())
+
+    import threading
+
+    try:
+        slots_before = httpx.get(url + "/api/ps").json()["models"][0].get("slots", 0)
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=stream) for _ in range(16)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        after = httpx.get(url + "/api/ps").json()["models"][0].get("slots", 0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"slots before": float(slots_before), "slots after": float(after),
+            "last first token": max(firsts) - t0, "first finish": min(ends) - t0,
+            "ttft p50": sorted(firsts)[len(firsts) // 2] - t0}
 
 
 def cell(results: dict[str, list[dict[str, Any]]], label: str, level: str) -> dict[str, Any]:
@@ -191,8 +234,12 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
     def tput(label: str, level: str) -> float:
         return float(cell(results, label, level).get("output_throughput", float("nan")))
 
-    ref = "llama-server 4"
+    ref, tuned = "llama-server 4", "llama-server 16 unified"
     return [
+        ("c=16 TTFT p50, corral vs llama-server 16 unified (<= 1.0)",
+         ratio(ttft("corral", "16"), ttft(tuned, "16"))),
+        *[(f"c={c} aggregate tok/s, corral pool vs corral (>= 0.95)",
+           ratio(tput("corral pool", c), tput("corral", c))) for c in ("1", "4", "8", "16")],
         ("c=8 TTFT p50, corral vs llama-server 4 (<= 0.25)",
          ratio(ttft("corral", "8"), ttft(ref, "8"))),
         ("c=16 TTFT p50, corral vs llama-server 4 (<= 0.25)",
@@ -205,7 +252,7 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
 
 
 def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[str, Any]]],
-           floor: dict[str, float]) -> None:
+           floor: dict[str, float], burst: dict[str, float]) -> None:
     labels = list(results)
     head = "| conc | " + " | ".join(f"{lb} TTFT p50 / p99 s, tok/s" for lb in labels) + " |"
     lines = [head, "|---|" + "---|" * len(labels)]
@@ -235,7 +282,11 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
             "/v1/completions.", "", *lines, "", "| target | ratio |", "|---|---|",
             *[f"| {name} | {value} |" for name, value in targets(results)], "",
             f"Engine floor (llama-bench, {threads} threads): "
-            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "", ""]
+            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "",
+            f"Burst of 16 streams at an idle Corral ({burst['slots before']:.0f} slot -> "
+            f"{burst['slots after']:.0f} slots, one growth step): TTFT p50 "
+            f"{burst['ttft p50']:.2f} s, last first token at {burst['last first token']:.2f} s, "
+            f"first stream finished at {burst['first finish']:.2f} s.", "", ""]
     print("\n".join(text))
     results_md = ROOT / "benchmarks" / "RESULTS.md"
     with results_md.open("a") as f:

@@ -202,7 +202,7 @@ def runner_pids(daemon_pid: int) -> list[int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"\0runner\0--config" in cmd and ppid == daemon_pid:
+        if b"\0corral.runner\0--config" in cmd and ppid == daemon_pid:
             pids.append(int(entry.name))
     return pids
 
@@ -218,10 +218,14 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 
 
 def memory_case(models: Path, tmp: Path, model: str, slots: int) -> dict[str, Any]:
-    d = Daemon(models, tmp, NUM_PARALLEL=str(slots), CONTEXT_LENGTH="4096")
+    """Idle and after-use runner memory; `slots` 0 is auto mode (elastic KV)."""
+    env = {"NUM_PARALLEL": str(slots)} if slots else {}
+    d = Daemon(models, tmp, CONTEXT_LENGTH="4096", **env)
     try:
         d.post("/api/generate", {"model": model})
-        size = int(d.get("/api/ps").json()["models"][0]["size"])
+        shown = d.get("/api/ps").json()["models"][0]
+        size, cap = int(shown["size"]), int(shown.get("size_cap", shown["size"]))
+        slots = slots or int(shown.get("slots_cap", 1))
         [pid] = runner_pids(d.proc.pid)
         idle = rss(pid)
         d.post("/api/embed", {"model": model, "input": ["hello world"] * 4})
@@ -235,10 +239,32 @@ def memory_case(models: Path, tmp: Path, model: str, slots: int) -> dict[str, An
             t.join()
         time.sleep(0.5)
         busy = rss(pid)
+        grown = int(d.get("/api/ps").json()["models"][0]["size"])
     finally:
         d.stop()
     return {"model": model, "slots": slots, "ps size": size, "rss idle": idle,
-            "rss after": busy}
+            "rss after": busy, "ps after": grown, "cap": cap, "auto": not env}
+
+
+def load_paths(models: Path, tmp: Path, model: str, other: str) -> dict[str, float]:
+    """load_duration of `model` on each way a load happens to a running daemon (the
+    preload by `corral run` is the cold start's)."""
+    def loaded(d: Daemon, name: str, **extra: Any) -> float:
+        r = d.post("/api/generate", {"model": name, "prompt": "hi", "stream": False,
+                                     "options": {"num_predict": 1}, **extra}).json()
+        return float(r["load_duration"]) / 1e9
+
+    out: dict[str, float] = {}
+    d = Daemon(models, tmp / "paths", MAX_LOADED_MODELS="1")
+    try:
+        out["first request"] = loaded(d, model, keep_alive="1s")
+        wait_until(lambda: not d.get("/api/ps").json()["models"], 30)
+        out["after keep-alive"] = loaded(d, model)
+        loaded(d, other)  # one model at a time: this evicts the first
+        out["after eviction"] = loaded(d, model)
+    finally:
+        d.stop()
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -251,7 +277,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as raw:
         tmp = Path(raw)
         models = store_view(tmp)
-        cold = cold_start(models, tmp, CHAT_NAME)
+        colds = {m: cold_start(models, tmp, m) for m in (CHAT_NAME, STARTER_NAME)}
+        cold = colds[CHAT_NAME]
+        paths = {m: {"corral run preload": colds[m]["load_duration"],
+                     **load_paths(models, tmp / m.replace(":", "-"), m, other)}
+                 for m, other in ((CHAT_NAME, STARTER_NAME), (STARTER_NAME, CHAT_NAME))}
         d = Daemon(models, tmp / "warm")
         try:
             routes = {m: route_overhead(d, m, args.rounds) for m in (CHAT_NAME, STARTER_NAME)}
@@ -260,12 +290,13 @@ def main() -> None:
             d.stop()
         memory = [] if args.skip_memory else [
             memory_case(models, tmp / f"mem{i}", m, s)
-            for i, (m, s) in enumerate((m, s) for m in (CHAT_NAME, STARTER_NAME) for s in (1, 4))]
-    report(cold, routes, n_models, tags, memory)
+            for i, (m, s) in enumerate((m, s) for m in (CHAT_NAME, STARTER_NAME) for s in (0, 1))]
+    report(cold, routes, n_models, tags, memory, paths)
 
 
 def report(cold: dict[str, float], routes: dict[str, dict[str, float]], n_models: int,
-           tags: float, memory: list[dict[str, Any]]) -> None:
+           tags: float, memory: list[dict[str, Any]], paths: dict[str, dict[str, float]]
+           ) -> None:
     lines = [f"## {dt.datetime.now():%Y-%m-%d %H:%M}: latency.py", "",
              f"Cold `corral run {CHAT_NAME} \"hi\"` with no daemon, from the command's start:",
              "", "| step | seconds | budget |", "|---|---|---|",
@@ -284,14 +315,27 @@ def report(cold: dict[str, float], routes: dict[str, dict[str, float]], n_models
     lines.append("| /api/show | " + " | ".join(f"{r['/api/show'] * 1000:.1f}"
                                                for r in routes.values()) + " |")
     lines += ["", f"`/api/tags` with {n_models} models: {tags * 1000:.1f} ms (budget <= 50)", ""]
+    lines += ["load_duration, seconds, on every path a load happens (budget <= 1.0):", "",
+              "| model | " + " | ".join(next(iter(paths.values()))) + " |",
+              "|---|" + "---|" * len(next(iter(paths.values())))]
+    for model, by_path in paths.items():
+        lines.append(f"| {model} | " + " | ".join(f"{v:.2f}" for v in by_path.values()) + " |")
+    lines.append("")
     if memory:
-        lines += ["Runner resident memory against `ps` SIZE (num_ctx 4096 per slot):", "",
-                  "| model | slots | ps size MB | RSS idle MB | RSS after embed + schema MB | "
-                  "after / size |", "|---|---|---|---|---|---|"]
+        lines += ["Runner resident memory against `ps` SIZE (num_ctx 4096 per slot; auto is "
+                  "elastic: one slot's KV while idle, up to the cap):", "",
+                  "| model | mode | ps size idle MB | RSS idle MB | cap MB | ps size after MB | "
+                  "RSS after embed + concurrent schema MB |", "|---|---|---|---|---|---|---|"]
         for m in memory:
-            lines.append(f"| {m['model']} | {m['slots']} | {m['ps size'] / 1e6:.0f} | "
-                         f"{m['rss idle'] / 1e6:.0f} | {m['rss after'] / 1e6:.0f} | "
-                         f"{m['rss after'] / m['ps size']:.2f} |")
+            mode = f"auto (cap {m['slots']})" if m["auto"] else f"NUM_PARALLEL={m['slots']}"
+            lines.append(f"| {m['model']} | {mode} | {m['ps size'] / 1e6:.0f} | "
+                         f"{m['rss idle'] / 1e6:.0f} | {m['cap'] / 1e6:.0f} | "
+                         f"{m['ps after'] / 1e6:.0f} | {m['rss after'] / 1e6:.0f} |")
+        by = {(m["model"], m["auto"]): m["rss idle"] for m in memory}
+        for model in dict.fromkeys(m["model"] for m in memory):
+            if (model, True) in by and (model, False) in by:
+                lines.append(f"\n{model}: idle RSS auto / NUM_PARALLEL=1 = "
+                             f"{by[(model, True)] / by[(model, False)]:.2f}x")
         lines.append("")
     record(lines)
 

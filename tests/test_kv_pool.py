@@ -183,3 +183,25 @@ def test_sixteen_clients_all_run_at_once_with_defaults(daemon_factory: Any,
     metrics = httpx.get(d.url + "/metrics").text
     slots = next(ln for ln in metrics.splitlines() if ln.startswith("corral_slots{"))
     assert float(slots.split()[-1]) == 16
+
+
+@pytest.mark.model
+def test_alone_in_the_pool_a_greedy_request_equals_the_default_engine(chat_gguf: Path) -> None:
+    """What pool mode keeps exact: a sequence whose cells nobody else's surround. (A
+    preempted one is recomputed into whatever cells are free among its neighbours', and
+    can then differ in the last bits: README, pool mode.)"""
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
+
+    outputs = []
+    for config in (EngineConfig(n_slots=2, num_ctx=256, kv_pool=512, deterministic=True),
+                   EngineConfig(n_slots=2, num_ctx=256, deterministic=True)):
+        eng = Engine(str(chat_gguf), config)
+        eng.start()
+        try:
+            job = eng.submit(Job(prompt=eng.tokenize("Write a long story about a cat."),
+                                 num_predict=40, params=SamplingParams(temperature=0)))
+            outputs.append("".join(collect(job)[0]))
+        finally:
+            eng.stop()
+    assert outputs[0] == outputs[1]
