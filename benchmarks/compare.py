@@ -159,6 +159,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated contender names")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a contender's sweep from benchmarks/.out if one is there")
     args = parser.parse_args()
     threads = args.threads or physical_cores()
     model = starter_model_path(Store(load_settings().models))
@@ -173,6 +175,10 @@ def main() -> None:
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     for label, starter in contenders(args, binaries, model, threads):
         if only and label not in only:
+            continue
+        saved = work / f"{label.replace(' ', '-')}.json"
+        if args.reuse and saved.exists():  # a sweep an interrupted run already made
+            results[label] = list(json.loads(saved.read_text())["levels"])
             continue
         url, proc = starter()
         try:
@@ -195,13 +201,12 @@ def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
             "max_tokens": args.max_tokens, "ignore_eos": True}
 
     def stream() -> None:
+        first = True
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {") and '"text": ""' not in line:
+                if first and line.startswith("data: {") and '"text": ""' not in line:
                     firsts.append(time.perf_counter())
-                    break
-            for _ in r.iter_lines():
-                pass
+                    first = False
         ends.append(time.perf_counter())
 
     import threading

@@ -18,6 +18,7 @@ import ctypes
 import ipaddress
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -77,18 +78,48 @@ def _libs() -> tuple[Any, Any]:
     return ggml, rpc
 
 
-def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> None:
-    """Fail with the worker's name unless a TCP connection to it opens.
+RPC_CMD_HELLO = 14  # fixed across protocol versions (ggml-rpc.cpp asserts it)
+RPC_CONN_CAPS_SIZE = 24
+RPC_PROTO_MAJOR = 7  # ggml-rpc.h in the pinned llama-cpp-python
+HELLO_REPLY = struct.Struct("<BBBB24s")  # major, minor, patch, padding, conn_caps
 
-    ggml's client aborts the whole process when it cannot reach a server, so the
-    runner asks first."""
+
+def probe(endpoint: str, timeout: float = PROBE_SECONDS) -> tuple[int, int, int]:
+    """The worker's protocol version, from a HELLO of our own; a RunnerError naming the
+    worker unless it answers as a compatible RPC server.
+
+    ggml's client aborts the whole process when a server cannot be reached, or answers
+    with anything malformed or of another version, so the runner shakes hands first,
+    the same way ggml will (TCP, no transport upgrade), and hands ggml only a worker
+    that has answered well."""
     host, _, port = endpoint.rpartition(":")
+    hello = bytes([RPC_CMD_HELLO]) + struct.pack("<Q", RPC_CONN_CAPS_SIZE) + \
+        bytes(RPC_CONN_CAPS_SIZE)
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except (OSError, ValueError) as exc:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.sendall(hello)
+            size = struct.unpack("<Q", _read(sock, 8))[0]
+            if size != HELLO_REPLY.size:
+                raise RunnerError(f"RPC worker {endpoint} did not answer as an RPC server "
+                                  f"(a {size}-byte reply to HELLO)")
+            major, minor, patch, _, _ = HELLO_REPLY.unpack(_read(sock, HELLO_REPLY.size))
+    except (OSError, ValueError, struct.error) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise RunnerError(f"RPC worker {endpoint} is unreachable: {reason}") from None
+    if major != RPC_PROTO_MAJOR:
+        raise RunnerError(f"RPC worker {endpoint} speaks RPC protocol {major}.{minor}.{patch};"
+                          f" this build speaks {RPC_PROTO_MAJOR}.x")
+    return major, minor, patch
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ValueError("the connection closed during the handshake")
+        data += chunk
+    return data
 
 
 def add_workers(endpoints: tuple[str, ...]) -> list[Worker]:

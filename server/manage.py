@@ -164,12 +164,11 @@ def delete(inf: Inference) -> Any:
         if inf.store.resolve(parsed) is None:
             raise ModelNotFound(f"model '{name}' not found")
         record = load_record(inf.store, parsed)
-        inf.scheduler.unload(record)
-        deadline = time.monotonic() + 30
-        while any(m.key == record.digest for m in inf.scheduler.running()) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # At once, as Ollama does: the manifest and every blob nothing else uses go now
+        # (a runner that has the weights mapped keeps them until it exits), and a loaded
+        # model unloads as soon as its running streams finish.
         inf.store.delete(parsed)
+        inf.scheduler.unload(record)
         handler.send_json(200, {})
     return route
 

@@ -303,3 +303,29 @@ def test_a_large_embed_batch_stops_when_its_client_leaves(daemon: Daemon) -> Non
     quick = post(daemon, "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
                                            "options": {"num_predict": 2}})
     assert quick.status_code == 200
+
+
+def test_delete_of_a_streaming_model_answers_before_the_stream_ends(daemon: Daemon) -> None:
+    assert post(daemon, "/api/copy", {"source": MODEL, "destination": "doomed"}).is_success
+    body = {"model": "doomed", "prompt": "Once upon a time", "raw": True,
+            "options": {"num_predict": 300, "ignore_eos": True}}
+    lines: list[dict[str, Any]] = []
+    with httpx.stream("POST", daemon.url + "/api/generate", json=body, timeout=300) as resp:
+        stream = resp.iter_lines()
+        lines.append(json.loads(next(stream)))
+        deleted = httpx.request("DELETE", daemon.url + "/api/delete", timeout=300,
+                                json={"model": "doomed"})
+        assert deleted.status_code == 200
+        answered = time.time()
+        lines += [json.loads(line) for line in stream]
+    # The answer came while the stream was still going, and the stream went on to its end.
+    import datetime as dt
+
+    ended = dt.datetime.fromisoformat(lines[-1]["created_at"][:26] + "+00:00").timestamp()
+    assert answered < ended
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == 300 and len(lines) > 2
+    names = [m["name"] for m in httpx.get(daemon.url + "/api/tags").json()["models"]]
+    assert "doomed:latest" not in names and MODEL in names  # the shared blobs stay
+    wait_for(lambda: "doomed:latest" not in ps_names(daemon))  # unloaded once idle
+    assert post(daemon, "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                          "options": {"num_predict": 2}}).is_success

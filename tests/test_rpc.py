@@ -106,3 +106,47 @@ def test_bad_rpc_servers_option_is_a_400(starter_store: Store,
     d = daemon_factory(starter_store, NUM_PARALLEL="1")
     r = generate(d.url, {**GREEDY, "rpc_servers": "nonsense"})
     assert r.status_code == 400 and "is not host:port" in r.json()["error"]
+
+
+def _impostor(reply: bytes) -> tuple[str, Any]:
+    """A loopback port that answers every connection with `reply` and hangs up."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}", server
+
+
+@pytest.mark.parametrize("reply", [os.urandom(64), b"", (28).to_bytes(8, "little") + bytes(
+    [1, 0, 0, 0]) + bytes(24)], ids=["garbage", "silence", "old-version"])
+def test_a_bad_worker_is_a_load_error_naming_it(starter_store: Store,
+                                               daemon_factory: DaemonFactory,
+                                               reply: bytes) -> None:
+    endpoint, server = _impostor(reply)
+    try:
+        d = daemon_factory(starter_store)
+        r = generate(d.url, {**GREEDY, "rpc_servers": endpoint})
+        assert r.status_code == 500 and endpoint in r.json()["error"], r.text
+        assert "exit status" not in r.json()["error"]  # refused before ggml could abort
+        assert generate(d.url, GREEDY).status_code == 200  # and the next request works
+    finally:
+        server.close()
+
+
+def test_a_real_worker_passes_the_handshake(workers: list[tuple[str, Any]]) -> None:
+    from corral.runner.rpc import RPC_PROTO_MAJOR, probe
+
+    assert probe(workers[0][0])[0] == RPC_PROTO_MAJOR

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from corral.errors import BadRequest, RunnerError
 from corral.registry.models import ModelRecord
 from corral.server.harmony import uses_harmony
+from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, Request
 from corral.server.pipeline.toolgrammar import tool_grammar
 from corral.server.prompt import mark_messages, mark_prompt
@@ -95,6 +96,8 @@ def prepare(inf: Inference, request: Request) -> Plan:
     elif request.suffix and "insert" not in caps:
         raise BadRequest(f"{record.name.full()} does not support insert")
     grammar = inf.grammar(request.grammar, request.format)
+    if grammar is not None:
+        check_gbnf(grammar)  # before llama.cpp's recursive parser sees it
     raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
     fmt = Format() if raw else reply_format(template, bool(request.think), bool(tools))
     plan = Plan(request, record, template, inf.options(record, request.options), fmt, tools,
@@ -215,6 +218,7 @@ def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: di
     if isinstance(request, ChatRequest) and request.tool_choice.forced:
         only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
         grammar = tool_grammar(plan.fmt, plan.tools, only, bool(request.think), opened)
+        check_gbnf(grammar)  # a tool's schema made it: as unchecked as a request's own
     body: dict[str, Any] = {"prompt": text, "add_bos": add_bos, "images": images,
                             "context": context, "grammar": grammar, "options": options,
                             "id": job_id, "truncate": request.truncate, "shift": request.shift,
