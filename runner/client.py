@@ -151,7 +151,14 @@ class RunnerProcess:
                         return
         except (_httpx().HTTPError, ValueError):
             pass
-        raise RunnerError("llama runner process has terminated" if not self.alive() else
+        try:  # a runner that died closed its sockets first: give its exit a moment to land
+            if self.proc is not None:
+                self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        # The daemon forgets a dead runner, so the next request loads the model afresh.
+        raise RunnerError("llama runner process has terminated: the model crashed and is "
+                          "loaded again on the next request" if not self.alive() else
                           "lost the connection to the runner process")
 
     def set_threads(self, n: int) -> None:

@@ -119,14 +119,11 @@ class Engine:
     def status(self) -> dict[str, int]:
         slots = self.slots
         return {
-            "slots": len(slots),
-            "slots_cap": self.config.n_slots, "threads": self.n_threads,
+            "slots": len(slots), "slots_cap": self.config.n_slots, "threads": self.n_threads,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
             "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
-            "kv_used": sum(s.n_past for s in slots),
-            "kv_reserved": self.n_ctx,
-            "preemptions": self.pool.preemptions if self.pool is not None else 0,
-        }
+            "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
+            "preemptions": self.pool.preemptions if self.pool is not None else 0}
 
     def stop(self) -> None:
         self._stopping = True
@@ -325,7 +322,10 @@ class Engine:
         assert seq is not None and seq.sampler is not None
         assert 0 <= row < batch.n_tokens and batch.logits[row]
         t0 = self.clock()
-        token = seq.sampler.sample(self.ctx, row)
+        try:
+            token = seq.sampler.sample(self.ctx, row)
+        except BadRequest as exc:  # a grammar with no way on: this request's 400 alone
+            return self._fail(slot, exc)
         self.native_time += self.clock() - t0
         seq.n_generated += 1
         seq.last_token = token

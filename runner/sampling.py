@@ -181,8 +181,13 @@ class Sampler:
         one = L.llama_token_data_array(single, 1, -1, False)
         L.llama_sampler_apply(self.grammar, ctypes.byref(one))
         if single[0].logit == float("-inf"):
-            _, arr = self._fill(ctx, index)
+            cands, arr = self._fill(ctx, index)
             L.llama_sampler_apply(self.grammar, ctypes.byref(arr))
+            if not np.isfinite(cands["logit"]).any():
+                # llama.cpp aborts the process if a grammar that cannot go on is made to
+                # accept an end token: this request ends here instead, with its own 400.
+                raise InvalidOption("the grammar allows no token at this point of the output"
+                                    " (no character of the vocabulary continues it)")
             L.llama_sampler_apply(self.chain, ctypes.byref(arr))
             token = int(arr.data[arr.selected].id)
         L.llama_sampler_accept(self.grammar, token)

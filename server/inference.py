@@ -65,6 +65,9 @@ def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     if fmt == "json":
         return str(grammars.JSON_GBNF)
     if isinstance(fmt, dict):
+        from corral.server.pipeline.gbnf import check_schema
+
+        check_schema(fmt, "the JSON schema in format")
         if len(json.dumps(fmt)) > max_bytes:
             raise BadRequest(f"the JSON schema in format is over the limit of {max_bytes} bytes"
                              " (CORRAL_MAX_GRAMMAR_BYTES)")

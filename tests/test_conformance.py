@@ -5,6 +5,7 @@ real status in the API's error shape; after it, the API's in-stream error event.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -129,6 +130,7 @@ def test_a_failure_after_the_first_token_is_the_streams_own_error(daemon: Daemon
         os.kill(_runner_pid(daemon), signal.SIGKILL)  # the runner dies mid-stream
         rest = list(frames)
     assert rest and api.is_error_frame(rest[-1]), rest[-3:]
+    assert "crashed and is loaded again" in json.dumps(rest[-1])  # it says what happened
     again = api.post(daemon.url, CHAT, max_tokens=4)  # the next request reloads and works
     assert again.status_code == 200, again.text
 

@@ -29,3 +29,15 @@ def test_real_grammars_pass(text: str) -> None:
 def test_hostile_grammars_are_refused_by_name(text: str, words: str) -> None:
     with pytest.raises(BadRequest, match=words):
         check_gbnf(text)
+
+
+def test_schema_counts_are_bounded_before_conversion() -> None:
+    from corral.server.inference import grammar_for
+    from corral.server.pipeline.gbnf import check_schema
+
+    check_schema({"type": "string", "minLength": 3, "maxLength": 10_000})
+    with pytest.raises(BadRequest, match="minLength 1000000000 is over the limit"):
+        grammar_for({"type": "object", "properties": {"a": {
+            "type": "string", "minLength": 10 ** 9}}}, 1 << 16)
+    with pytest.raises(BadRequest, match="maxItems"):
+        check_schema([{"items": {"maxItems": 10 ** 12}}])

@@ -71,3 +71,26 @@ def _check_bounds(text: str, i: int) -> int:
             raise BadRequest(f"grammar repeats something {bound} times, over the limit of "
                              f"{MAX_REPEAT}")
     return match.end()
+
+
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+           "maxProperties", "minContains", "maxContains")
+
+
+def check_schema(schema: object, where: str = "schema") -> None:
+    """A JSON schema's counts bounded before llama.cpp's converter expands them: it
+    writes `minLength: N` out as N copies of a rule, so a 10^9 would build gigabytes in
+    the daemon before any grammar limit could be checked."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in _COUNTS:
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and value > MAX_REPEAT:
+                    raise BadRequest(f"{where}: {key} {value} is over the limit of "
+                                     f"{MAX_REPEAT}")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

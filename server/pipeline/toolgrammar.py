@@ -14,6 +14,7 @@ from typing import Any
 
 from corral.errors import BadRequest
 from corral.runner.capi import pure_module
+from corral.server.pipeline.gbnf import check_schema
 from corral.server.reply import MISTRAL_TAG, TOOL_TAGS, Format
 
 
@@ -52,6 +53,7 @@ def tool_grammar(fmt: Format, tools: list[dict[str, Any]], only: str | None,
     for i, tool in enumerate(wanted):
         fn = tool["function"]
         schema = fn.get("parameters") or {"type": "object", "properties": {}}
+        check_schema(schema, f"the parameters of tool {fn['name']!r}")
         try:
             schema = converter.resolve_refs(schema, f"tool{i}")
             args = converter.visit(schema, f"tool{i}-args")
