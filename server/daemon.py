@@ -61,6 +61,7 @@ def routes(inf: Inference, puller: Puller, pusher: Pusher
         ("GET", "/v1/models"): openai_misc.models(inf),
         ("POST", "/v1/messages"): anthropic.messages(inf),
         ("POST", "/v1/responses"): responses.responses(inf),
+        ("POST", "/corral/render"): native.render(inf),  # Corral's: the rendered prompt
     }
     blobs = manage.blobs(inf)
     prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),

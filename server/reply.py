@@ -54,6 +54,7 @@ class Format:
 THINK_TAGS = ("<think>", "</think>")
 TOOL_TAGS = ("<tool_call>", "</tool_call>")
 MISTRAL_TAG = "[TOOL_CALLS]"
+MISTRAL_END = "[/TOOL_CALLS]"  # newer Mistral templates close the list; it is no content
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -100,6 +101,7 @@ class ReplyParser:
     calls: int = 0
     harmony: HarmonyParser | None = None
     trim: bool = False  # whitespace after a think tag is dropped, across pieces
+    closing: str | None = None  # a tag that may close the call just made (Mistral's)
 
     def __post_init__(self) -> None:
         if self.fmt.harmony:
@@ -197,6 +199,15 @@ class ReplyParser:
         return {"tags": TOOL_TAGS[0], "mistral": MISTRAL_TAG}.get(self.fmt.tools or "")
 
     def _content(self, out: list[Piece], final: bool) -> bool:
+        if self.closing is not None:
+            stripped = self.buf.lstrip()
+            if stripped.startswith(self.closing):
+                self.buf, self.closing = stripped[len(self.closing):], None
+            elif self.closing.startswith(stripped) and not final:
+                return False  # could still be the closing tag
+            else:
+                self.closing = None
+            return bool(self.buf)
         opening = self._opening()
         if opening is None:
             out.append(Piece(Kind.CONTENT, self.buf))
@@ -231,30 +242,43 @@ class ReplyParser:
             return self._unfinished(out, final)
         raw = self.buf[:lead + end]
         self.buf = self.buf[lead + end:]
-        self._emit(out, raw, value)
-        self.state = State.CONTENT if self.fmt.tools == "mistral" else State.CONTENT_START
+        called = self._emit(out, raw, value)
+        if self.fmt.tools == "mistral":
+            self.state, self.closing = State.CONTENT, MISTRAL_END if called else None
+        else:  # Llama: calls open the reply; JSON after text or a non-call is text, as Ollama
+            self.state = State.CONTENT_START if called else State.CONTENT
         return True
 
     def _unfinished(self, out: list[Piece], final: bool) -> bool:
+        if final and self.fmt.tools == "tags":  # models often stop before </tool_call>
+            body = self.buf[len(TOOL_TAGS[0]):].strip()
+            try:
+                value, end = json.JSONDecoder().raw_decode(body)
+            except ValueError:
+                end = -1
+            if end == len(body) and self._emit(out, self.buf, value):
+                self.buf = ""
+                return False
         if final:  # the reply ended inside a call: it was text after all
             out.append(Piece(Kind.CONTENT, self.buf))
             self.buf = ""
         return False
 
-    def _emit(self, out: list[Piece], raw: str, body: Any) -> None:
-        """Calls for each well-formed call in `body`, or `raw` as content."""
+    def _emit(self, out: list[Piece], raw: str, body: Any) -> bool:
+        """Calls for each well-formed call in `body` (True), or `raw` as content."""
         if isinstance(body, str):
             try:
                 body = json.loads(body)
             except ValueError:
                 out.append(Piece(Kind.CONTENT, raw))
-                return
+                return False
         items = body if isinstance(body, list) else [body]
         calls = [self._call_of(item) for item in items]
         if not items or any(c is None for c in calls):
             out.append(Piece(Kind.CONTENT, raw))
-            return
+            return False
         out.extend(Piece(Kind.CALL, call=c) for c in calls if c is not None)
+        return True
 
     def _call_of(self, item: Any) -> dict[str, Any] | None:
         if not isinstance(item, dict):

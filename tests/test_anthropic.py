@@ -17,6 +17,8 @@ TOOL = {"name": "get_weather", "description": "Weather in a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                          "required": ["city"]}}
 SAMPLING: dict[str, Any] = {"max_tokens": 60}
+# THINKER's template thinks unless told not to (Ollama's default); the call tests want none.
+NO_THINK: dict[str, Any] = {"thinking": {"type": "disabled"}}
 GREEDY = {"temperature": 0, "top_k": 1}  # newer SDKs send these only as extra body fields
 
 
@@ -44,7 +46,7 @@ def sse(d: Daemon, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def test_tool_use_whole_and_streamed(daemon: Daemon) -> None:  # noqa: F811
     c = client(daemon)
     msg = c.messages.create(model=THINKER, messages=ASK, tools=[TOOL], system="Be brief.",
-                            extra_body={"grammar": CALL, **GREEDY}, **SAMPLING)
+                            extra_body={"grammar": CALL, **GREEDY}, **SAMPLING, **NO_THINK)
     assert msg.stop_reason == "tool_use" and msg.role == "assistant"
     assert [b.type for b in msg.content] == ["text", "tool_use"]
     text, use = msg.content
@@ -52,7 +54,7 @@ def test_tool_use_whole_and_streamed(daemon: Daemon) -> None:  # noqa: F811
     assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
     assert set(use.input) == {"city"}  # type: ignore[arg-type]
     assert msg.usage.input_tokens > 0 and msg.usage.output_tokens > 0
-    with c.messages.stream(model=THINKER, messages=ASK, tools=[TOOL],
+    with c.messages.stream(model=THINKER, messages=ASK, tools=[TOOL], **NO_THINK,
                            extra_body={"grammar": CALL, **GREEDY}, **SAMPLING) as stream:
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["text", "tool_use"]
@@ -63,7 +65,7 @@ def test_tool_use_whole_and_streamed(daemon: Daemon) -> None:  # noqa: F811
         *ASK, {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                       "content": "Sunny, 21 C"}]}],
-        extra_body={"grammar": 'root ::= "It is sunny."', **GREEDY}, **SAMPLING)
+        extra_body={"grammar": 'root ::= "It is sunny."', **GREEDY}, **SAMPLING, **NO_THINK)
     assert follow.stop_reason == "end_turn" and follow.content[0].type == "text"
 
 

@@ -159,6 +159,9 @@ def _usage(api: str, body: dict[str, Any]) -> tuple[int, int]:
     return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
 
 
+NO_THINKING: dict[str, dict[str, Any]] = {  # TOOLY's template thinks unless told not to
+    "openai": {"reasoning_effort": "none"}, "anthropic": {"thinking": {"type": "disabled"}},
+    "responses": {"reasoning": {"effort": "none"}}}
 FORCED = {"openai": ["required", {"type": "function", "function": {"name": "get_weather"}}],
           "anthropic": [{"type": "any"}, {"type": "tool", "name": "get_weather"}],
           "responses": ["required", {"type": "function", "name": "get_weather"}]}
@@ -168,7 +171,7 @@ FORCED = {"openai": ["required", {"type": "function", "function": {"name": "get_
                          ids=[f"{a}-{i}" for a, cs in FORCED.items() for i in range(len(cs))])
 def test_tool_choice_forces_a_call(daemon: Daemon, api: str, choice: Any) -> None:
     r = BY_NAME[api].post(daemon.url, TOOLY, "Hello there!", max_tokens=80,
-                          tools=[weather_tool(api)], tool_choice=choice)
+                          tools=[weather_tool(api)], tool_choice=choice, **NO_THINKING[api])
     assert r.status_code == 200, r.text
     body = r.json()
     if api == "openai":
@@ -187,7 +190,8 @@ def test_tool_choice_forces_a_call(daemon: Daemon, api: str, choice: Any) -> Non
 def test_tool_choice_none_and_unknown_names(daemon: Daemon, api: str) -> None:
     none = {"anthropic": {"type": "none"}}.get(api, "none")
     r = BY_NAME[api].post(daemon.url, TOOLY, "Hi", max_tokens=30, tools=[weather_tool(api)],
-                          tool_choice=none, grammar='root ::= "<tool_call>{}</tool_call>"')
+                          tool_choice=none, grammar='root ::= "<tool_call>{}</tool_call>"',
+                          **NO_THINKING[api])
     assert r.status_code == 200 and "<tool_call>" in r.text  # no tools: it stays text
     bogus = {"openai": {"type": "function", "function": {"name": "nope"}},
              "anthropic": {"type": "tool", "name": "nope"},
@@ -202,11 +206,13 @@ def test_forced_calls_through_the_official_clients(daemon: Daemon) -> None:
     out = oai.chat.completions.create(
         model=TOOLY, messages=[{"role": "user", "content": "Hi"}], temperature=0,
         max_tokens=80, tools=[weather_tool("openai")],  # type: ignore[list-item]
+        reasoning_effort="none",
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     calls = out.choices[0].message.tool_calls or []
     assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
     ant = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0)
-    greedy = {"temperature": 0}  # newer SDKs send it only as an extra body field
+    # Newer SDKs send temperature only as an extra body field; TOOLY's template would think.
+    greedy = {"temperature": 0, "thinking": {"type": "disabled"}}
     msg = ant.messages.create(model=TOOLY, max_tokens=80, extra_body=greedy,
                               messages=[{"role": "user", "content": "Hi"}],
                               tools=[weather_tool("anthropic")],  # type: ignore[list-item]

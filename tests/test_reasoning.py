@@ -62,8 +62,10 @@ def daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def chat_lines(d: Daemon, **body: Any) -> list[dict[str, Any]]:
+    # THINKER's template thinks unless told not to (Ollama's default): off unless asked.
     with httpx.stream("POST", d.url + "/api/chat", timeout=120, json={
-            "model": THINKER, "messages": ASK, "options": GREEDY, **body}) as resp:
+            "model": THINKER, "messages": ASK, "options": GREEDY, "think": False,
+            **body}) as resp:
         assert resp.status_code == 200, resp.read()
         return [json.loads(line) for line in resp.iter_lines()]
 
@@ -133,7 +135,7 @@ def test_openai_deltas_carry_reasoning_and_call_pieces(daemon: Daemon) -> None:
     oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
     stream = oai.chat.completions.create(model=THINKER, messages=ASK, stream=True, tools=TOOLS,
                                          temperature=0, seed=3, max_tokens=60,
-                                         extra_body={"grammar": CALL})
+                                         reasoning_effort="none", extra_body={"grammar": CALL})
     deltas = [c.choices[0] for c in stream if c.choices]
     [call] = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
     assert call.index == 0 and call.id and call.type == "function"
@@ -303,3 +305,20 @@ def test_cli_thinking_on_a_terminal(daemon: Daemon, tmp_path: Any) -> None:
     repl.expect(">>> ")
     repl.sendline("/bye")
     repl.expect(pexpect.EOF)
+
+
+def test_no_think_sent_means_a_thinking_model_thinks(daemon: Daemon) -> None:
+    """Ollama's default (Hugging Face's templates mostly agree): on for a model whose
+    template can think, untouched for one that cannot; an explicit value always wins."""
+    def rendered(model: str, **extra: Any) -> dict[str, Any]:
+        r = httpx.post(daemon.url + "/corral/render", timeout=60,
+                       json={"model": model, "messages": ASK, **extra})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    default = rendered(THINKER)
+    assert default["think"] is True and default["thinking_open"]
+    assert default["prompt"].endswith("<think>")
+    off = rendered(THINKER, think=False)
+    assert off["think"] is False and not off["prompt"].endswith("<think>")
+    assert rendered(CHAT)["think"] is None  # the chat starter cannot think

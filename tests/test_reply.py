@@ -133,3 +133,27 @@ def test_formats_come_from_the_template() -> None:
 def test_call_ids() -> None:
     cid = call_id()
     assert cid.startswith("call_") and len(cid) == 13 and cid[5:].isalnum()
+
+
+# Ollama's behaviour where it and the earlier parser differed (its tools parser tests).
+@pytest.mark.parametrize("fmt,text,expected", [
+    # A JSON object that does not open the reply is text: only a call may open it.
+    (Format(tools="json"), '{"name": "jeff"}{"name": "get_weather", "arguments": {"a": 1}}',
+     [("content", '{"name": "jeff"}{"name": "get_weather", "arguments": {"a": 1}}')]),
+    (Format(tools="json"), 'Sure: {"name": "add", "parameters": {"a": 1}}',
+     [("content", 'Sure: {"name": "add", "parameters": {"a": 1}}')]),
+    # A complete last call whose closing tag never came (the model stopped at EOS).
+    (TAGS, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"location": "Tokyo"}}',
+     [("call", ("add", {"a": 1}, 0)), ("call", ("get_weather", {"location": "Tokyo"}, 1))]),
+    (TAGS, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n',
+     [("call", ("add", {"a": 1}, 0))]),
+    # Mistral's closing tag closes the list; it is no content.
+    (Format(tools="mistral"), '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, '
+     '{"name": "get_weather", "arguments": {"city": "Oslo"}}][/TOOL_CALLS]',
+     [("call", ("add", {"a": 1}, 0)), ("call", ("get_weather", {"city": "Oslo"}, 1))]),
+    (Format(tools="mistral"), '[TOOL_CALLS][{"name": "add", "arguments": {}}] [/TOOL_C',
+     [("call", ("add", {}, 0)), ("content", " [/TOOL_C")]),
+])
+def test_edge_cases_follow_ollama(fmt: Format, text: str, expected: list[Any]) -> None:
+    assert every_split(fmt, text) == expected

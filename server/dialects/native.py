@@ -206,3 +206,18 @@ def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
                               on_disconnect=req.on_disconnect)
         handler.send_json(200, {"embedding": result["embeddings"][0]})
     return route
+
+
+def render(inf: Inference) -> Callable[[Request, Handler], None]:
+    """POST /corral/render: a Corral extension, never part of an Ollama-shaped answer. It
+    takes an /api/chat body (with `messages`) or an /api/generate one and answers the
+    prompt the model would be given, as the runner would tokenize it."""
+    from corral.server.pipeline.run import render_only
+
+    @native_route
+    def route(req: Request, handler: Handler) -> None:
+        body = req.json()
+        request: ChatRequest | CompletionRequest = parse_chat(parse(WireChat, body)) \
+            if "messages" in body else parse_generate(parse(GenerateRequest, body))
+        handler.send_json(200, render_only(inf, request))
+    return route

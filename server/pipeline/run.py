@@ -24,7 +24,8 @@ from corral.errors import BadRequest, RunnerError
 from corral.registry.models import ModelRecord
 from corral.server.harmony import uses_harmony
 from corral.server.pipeline.gbnf import check_gbnf
-from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, Request
+from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
+                                            Final, Request)
 from corral.server.pipeline.toolgrammar import tool_grammar
 from corral.server.prompt import mark_messages, mark_prompt
 from corral.server.reply import Format, Piece, ReplyParser, reply_format
@@ -50,6 +51,7 @@ class Plan:
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat, checked
     images: list[str] = field(default_factory=list)  # completion, checked
     special: bool = False  # control tokens as text (harmony's markers)
+    think: bool | str | None = None  # the request's, or on for a thinking model that left it out
 
 
 class Cancels:
@@ -82,6 +84,9 @@ def prepare(inf: Inference, request: Request) -> Plan:
     caps = inf.capabilities(record, template)
     if request.think and "thinking" not in caps:
         raise BadRequest(f'"{request.model}" does not support thinking')
+    # No `think` sent: a thinking model thinks, as Ollama decides (Hugging Face's templates
+    # mostly default to it too, but Corral follows Ollama where the two differ).
+    think = True if request.think is None and "thinking" in caps else request.think
     tools: list[dict[str, Any]] = []
     if isinstance(request, ChatRequest):
         if request.tools and "tools" not in caps:
@@ -99,9 +104,9 @@ def prepare(inf: Inference, request: Request) -> Plan:
     if grammar is not None:
         check_gbnf(grammar)  # before llama.cpp's recursive parser sees it
     raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
-    fmt = Format() if raw else reply_format(template, bool(request.think), bool(tools))
+    fmt = Format() if raw else reply_format(template, bool(think), bool(tools))
     plan = Plan(request, record, template, inf.options(record, request.options), fmt, tools,
-                grammar, special=uses_harmony(template))
+                grammar, special=uses_harmony(template), think=think)
     if isinstance(request, ChatRequest):
         plan.messages = inf.chat_messages(record, request.messages)
     elif request.images:
@@ -195,13 +200,40 @@ def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterato
 def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: dict[str, Any],
                  job_id: str) -> tuple[dict[str, Any], bool]:
     """The runner's job: rendered text and images, and whether a think block is open."""
+    request, shown = plan.request, render(inf, plan, report)
+    grammar = plan.grammar
+    if isinstance(request, ChatRequest) and request.tool_choice.forced:
+        only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
+        grammar = tool_grammar(plan.fmt, plan.tools, only, bool(plan.think), shown.opened)
+        check_gbnf(grammar)  # a tool's schema made it: as unchecked as a request's own
+    body: dict[str, Any] = {"prompt": shown.text, "add_bos": shown.add_bos,
+                            "images": shown.images, "context": shown.context,
+                            "grammar": grammar, "options": options, "id": job_id,
+                            "truncate": request.truncate, "shift": request.shift,
+                            "special": plan.special}
+    if request.logprobs is not None:
+        body["logprobs"] = request.logprobs
+    return body, shown.opened
+
+
+@dataclass(frozen=True)
+class Rendered:
+    text: str
+    add_bos: bool
+    images: list[str]  # base64, in the order of the text's media markers
+    context: list[int]  # tokens before the text (native /api/generate's `context`)
+    opened: bool  # the text ends inside a think block
+
+
+def render(inf: Inference, plan: Plan, report: dict[str, Any]) -> Rendered:
+    """The prompt as the runner will tokenize it, through the model's template."""
     request = plan.request
     builder = inf.prompt_builder(plan.record, str(report.get("bos", "")),
                                  str(report.get("eos", "")))
     context: list[int] = []
     if isinstance(request, ChatRequest):
         messages, images = mark_messages(plan.messages)
-        text, add_bos = builder.chat(messages, plan.tools or None, request.think)
+        text, add_bos = builder.chat(messages, plan.tools or None, plan.think)
     else:
         images, context = plan.images, list(request.context)
         prompt = mark_prompt(request.prompt, images)
@@ -212,20 +244,25 @@ def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: di
                 builder = inf.prompt_builder(plan.record, builder.bos, builder.eos,
                                              override=request.template)
             text, add_bos = builder.generate(prompt, request.system or plan.record.system,
-                                             request.suffix, request.think)
+                                             request.suffix, plan.think)
     opened = plan.fmt.think is not None and text.rstrip().endswith(plan.fmt.think[0])
-    grammar = plan.grammar
-    if isinstance(request, ChatRequest) and request.tool_choice.forced:
-        only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
-        grammar = tool_grammar(plan.fmt, plan.tools, only, bool(request.think), opened)
-        check_gbnf(grammar)  # a tool's schema made it: as unchecked as a request's own
-    body: dict[str, Any] = {"prompt": text, "add_bos": add_bos, "images": images,
-                            "context": context, "grammar": grammar, "options": options,
-                            "id": job_id, "truncate": request.truncate, "shift": request.shift,
-                            "special": plan.special}
-    if request.logprobs is not None:
-        body["logprobs"] = request.logprobs
-    return body, opened
+    return Rendered(text, add_bos, images, context, opened)
+
+
+def render_only(inf: Inference, request: Request) -> dict[str, Any]:
+    """What `run` would send the runner, without generating: a Corral extension for
+    reading a rendered prompt instead of inferring it (as llama-server's /apply-template)."""
+    plan = prepare(inf, request)
+    report: dict[str, Any] = {}
+    go = plan.record.template or (isinstance(request, CompletionRequest)
+                                  and (request.raw or request.template))
+    if not go:  # a GGUF's Jinja template needs the model's BOS and EOS text: load it
+        with inf.hold(plan.record, plan.options, request.keep_alive) as entry:
+            report = entry.runner.report if entry.runner is not None else {}
+    shown = render(inf, plan, report)
+    return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,
+            "images": len(shown.images), "think": plan.think, "thinking_open": shown.opened,
+            "tools": [t["function"]["name"] for t in plan.tools]}
 
 
 def _stream(inf: Inference, entry: Loaded, body: dict[str, Any], parser: ReplyParser,
