@@ -64,6 +64,25 @@ def _go_tool(t: dict[str, Any]) -> dict[str, Any]:
                          "Parameters": fn.get("parameters", {})}}
 
 
+def _system_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that cannot show a system message (Gemma's raises on the role,
+    Phi-3's drops it): its text opens the next user message, as llama.cpp's chat layer
+    does, so it still reaches the model."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for m in messages:
+        if m.get("role") == "system":
+            pending.append(m.get("content") or "")
+        elif m.get("role") == "user" and pending:
+            out.append({**m, "content": "\n".join(pending + [m.get("content") or ""])})
+            pending = []
+        else:
+            out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n".join(pending)})
+    return out
+
+
 def _collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     """Ollama's collate: system messages joined into .System; same-role runs merged."""
     system = [m.get("content") or "" for m in messages if m.get("role") == "system"]
@@ -106,6 +125,8 @@ class PromptBuilder:
         """
         level = think if isinstance(think, str) else ""
         if self.jinja is not None:
+            if not self.jinja.supports_system:
+                messages = _system_into_user(messages)
             extra = {"reasoning_effort": level} if level else {}
             text = self.jinja.render(messages=messages, tools=tools or None,
                                      add_generation_prompt=True, bos_token=self.bos,

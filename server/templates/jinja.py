@@ -76,14 +76,32 @@ def _env() -> _Env:
     return env
 
 
+_SENTINEL = "\x00corral-system\x00"
+
+
 class JinjaTemplate:
     def __init__(self, source: str, time_limit: float = TIME_LIMIT) -> None:
         self.source = source
         self.time_limit = time_limit
+        self._system: bool | None = None
         try:
             self._template = _env().from_string(source)
         except (JinjaError, SecurityError, RecursionError, MemoryError) as exc:
             raise TemplateError(f"invalid chat template: {exc}") from None
+
+    @property
+    def supports_system(self) -> bool:
+        """Whether the template shows a system message's text (some raise on the role, some
+        drop it): found once, by rendering a probe, as llama.cpp's chat layer does."""
+        if self._system is None:
+            try:
+                probe = self.render(messages=[{"role": "system", "content": _SENTINEL},
+                                              {"role": "user", "content": "x"}],
+                                    add_generation_prompt=True, bos_token="", eos_token="")
+                self._system = _SENTINEL in probe
+            except TemplateError:
+                self._system = False
+        return self._system
 
     def render(self, **variables: Any) -> str:
         deadline = time.monotonic() + self.time_limit
