@@ -246,6 +246,15 @@ class Inference:
                 jinja = None
         return _builder(record.template or None, jinja, bos, eos)
 
+    def jinja_builder(self, source: str, bos: str, eos: str) -> PromptBuilder:
+        """A builder for a Jinja chat template given with a request (/corral/render)."""
+        try:
+            return _builder(None, source, bos, eos)
+        except CorralError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template that does not compile
+            raise BadRequest(f"invalid chat template: {exc}") from None
+
     def run(self, request: Request, on_disconnect: OnDisconnect | None = None
             ) -> Iterator[Event]:
         """The one generation path (server.pipeline.run): checked now, then events."""

@@ -33,6 +33,8 @@ class Kind(enum.Enum):
     CONTENT = "content"
     THINKING = "thinking"
     CALL = "call"
+    AFTER_CALL = "after_call"  # a call was sent before its closing tag came: skip to it
+    LIST = "list"  # inside a JSON list of calls, each sent as its object completes
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class State(enum.Enum):
     CONTENT_START = "content_start"  # a JSON-format call may open the content
     CONTENT = "content"
     CALL = "call"
+    AFTER_CALL = "after_call"  # a call was sent before its closing tag came: skip to it
+    LIST = "list"  # inside a JSON list of calls, each sent as its object completes
 
 
 def _held(text: str, tag: str) -> int:
@@ -102,6 +106,8 @@ class ReplyParser:
     harmony: HarmonyParser | None = None
     trim: bool = False  # whitespace after a think tag is dropped, across pieces
     closing: str | None = None  # a tag that may close the call just made (Mistral's)
+    list_raw: str = ""  # the list's text so far, for when it turns out to be no calls
+    list_calls: int = 0
 
     def __post_init__(self) -> None:
         if self.fmt.harmony:
@@ -149,6 +155,10 @@ class ReplyParser:
             return self._content_start(final)
         if self.state is State.CONTENT:
             return self._content(out, final)
+        if self.state is State.AFTER_CALL:
+            return self._after_call(out, final)
+        if self.state is State.LIST:
+            return self._list(out, final)
         return self._call(out, final)
 
     def _start(self, final: bool) -> bool:
@@ -228,11 +238,15 @@ class ReplyParser:
         if self.fmt.tools == "tags":
             end = self.buf.find(TOOL_TAGS[1])
             if end < 0:
-                return self._unfinished(out, final)
+                return self._early(out) or self._unfinished(out, final)
             raw = self.buf[:end + len(TOOL_TAGS[1])]
             self.buf = self.buf[end + len(TOOL_TAGS[1]):]
             self._emit(out, raw, raw[len(TOOL_TAGS[0]):-len(TOOL_TAGS[1])])
             self.state = State.CONTENT
+            return True
+        if self.fmt.tools == "json" and self.buf.lstrip().startswith("["):
+            self.buf, self.state = self.buf.lstrip()[1:], State.LIST
+            self.list_raw, self.list_calls = "[", 0
             return True
         body = self.buf[len(MISTRAL_TAG):] if self.fmt.tools == "mistral" else self.buf
         lead = len(self.buf) - len(body.lstrip())
@@ -248,6 +262,70 @@ class ReplyParser:
         else:  # Llama: calls open the reply; JSON after text or a non-call is text, as Ollama
             self.state = State.CONTENT_START if called else State.CONTENT
         return True
+
+    def _list(self, out: list[Piece], final: bool) -> bool:
+        """A JSON list of calls (Llama): each is sent as soon as its object is complete, as
+        Ollama's parser does; a list that turns out not to be calls is text."""
+        s = self.buf.lstrip()
+        space = self.buf[:len(self.buf) - len(s)]
+        if not s:
+            return self._list_text(out) if final else False
+        if s[0] == "]" and self.list_calls:  # closed: a stray second "]" is no content
+            self.buf, self.state, self.closing = s[1:], State.CONTENT_START, "]"
+            return True
+        if s[0] == "," and self.list_calls:
+            self.buf, self.list_raw = s[1:], self.list_raw + space + ","
+            return True
+        if s[0] != "{":
+            return self._list_text(out)
+        try:
+            value, end = json.JSONDecoder().raw_decode(s)
+        except ValueError:
+            return self._list_text(out) if final else False
+        call = self._call_of(value)
+        if call is None:  # not a call of a known tool: text, once the reply has ended
+            return self._list_text(out) if final else False
+        out.append(Piece(Kind.CALL, call=call))
+        self.list_calls += 1
+        self.buf, self.list_raw = s[end:], self.list_raw + space + s[:end]
+        return True
+
+    def _list_text(self, out: list[Piece]) -> bool:
+        """The rest is text: all of it when no call came out of the list yet."""
+        out.append(Piece(Kind.CONTENT, self.buf if self.list_calls else self.list_raw + self.buf))
+        self.buf, self.state = "", State.CONTENT
+        return False
+
+    def _early(self, out: list[Piece]) -> bool:
+        """A call whose JSON is complete is sent at once, before its closing tag, as
+        Ollama's parser does; whatever follows up to that tag is dropped."""
+        body = self.buf[len(TOOL_TAGS[0]):]
+        try:
+            value, end = json.JSONDecoder().raw_decode(body.lstrip())
+        except ValueError:
+            return False
+        items = value if isinstance(value, list) else [value]
+        if not items or any(self._call_of(item) is None for item in items):
+            return False  # not a call of a known tool: the closing tag settles it
+        self.calls -= len(items)  # _call_of numbered them while checking
+        self._emit(out, self.buf, value)
+        self.buf = body.lstrip()[end:]
+        self.state = State.AFTER_CALL
+        return True
+
+    def _after_call(self, out: list[Piece], final: bool) -> bool:
+        close, opening = self.buf.find(TOOL_TAGS[1]), self.buf.find(TOOL_TAGS[0])
+        if close >= 0 and (opening < 0 or close < opening):
+            self.buf, self.state = self.buf[close + len(TOOL_TAGS[1]):], State.CONTENT
+            return True
+        if opening >= 0:
+            self.buf, self.state = self.buf[opening:], State.CALL
+            return True
+        if final:  # no closing tag came: stray brackets are dropped, anything else is text
+            if self.buf.strip(" \n}]"):
+                out.append(Piece(Kind.CONTENT, self.buf))
+            self.buf = ""
+        return False
 
     def _unfinished(self, out: list[Piece], final: bool) -> bool:
         if final and self.fmt.tools == "tags":  # models often stop before </tool_call>

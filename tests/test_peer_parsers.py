@@ -39,3 +39,24 @@ def test_streaming(case: dict[str, Any]) -> None:
     parser = ReplyParser(THINK)
     for step in case["steps"]:
         assert texts(parser.feed(step["input"])) == (step["thinking"], step["content"]), step
+
+
+TOOLS = json.loads((Path(__file__).parent / "peers" / "ollama" / "tools" /
+                    "parser_cases.json").read_text())
+# Ollama's test templates, by the call format Corral reads from each.
+FORMATS = {"qwen": Format(tools="tags"), "json": Format(tools="json"),
+           "list": Format(tools="json"), "mistral": Format(tools="mistral")}
+
+
+def test_the_tools_cases_are_here() -> None:
+    assert len(TOOLS["cases"]) == 30 and len(TOOLS["left_out"]) == 2  # DeepSeek's format
+
+
+@pytest.mark.parametrize("case", TOOLS["cases"], ids=lambda c: f"{c['template']}-{c['name']}")
+def test_tool_calls(case: dict[str, Any]) -> None:
+    """Ollama feeds the inputs and reads what came out, with no end-of-reply flush."""
+    parser = ReplyParser(FORMATS[case["template"]], set(TOOLS["tools"]))
+    pieces = [p for text in case["inputs"] for p in parser.feed(text)]
+    assert texts(pieces)[1] == case["content"]
+    assert [{"name": p.call["function"]["name"], "arguments": p.call["function"]["arguments"]}
+            for p in pieces if p.kind is Kind.CALL and p.call is not None] == case["calls"]

@@ -17,7 +17,7 @@ import pytest
 
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
-from tests.family_templates import CALLS, GPT_OSS
+from tests.family_templates import CALLS, CITY as CITY_RULE, GPT_OSS
 
 pytestmark = pytest.mark.model
 
@@ -322,3 +322,41 @@ def test_no_think_sent_means_a_thinking_model_thinks(daemon: Daemon) -> None:
     off = rendered(THINKER, think=False)
     assert off["think"] is False and not off["prompt"].endswith("<think>")
     assert rendered(CHAT)["think"] is None  # the chat starter cannot think
+
+
+EDGES = {  # (family, forced reply, calls expected, text that must not be content)
+    "mistral-close": ("mistral", 'root ::= "[TOOL_CALLS][{\\"name\\": \\"get_weather\\", '
+                      '\\"arguments\\": {" ' + CITY_RULE + ' "}}][/TOOL_CALLS]"', 1, "[/TOOL_CALLS]"),
+    "qwen-unclosed": ("qwen3", 'root ::= "<tool_call>\\n{\\"name\\": \\"get_weather\\", '
+                      '\\"arguments\\": {" ' + CITY_RULE + ' "}}\\n</tool_call><tool_call>{\\"name\\": '
+                      '\\"get_weather\\", \\"arguments\\": {" ' + CITY_RULE + ' "}}"', 2, "<tool_call>"),
+    "llama-later-json": ("llama3.1", 'root ::= "{\\"name\\": \\"jeff\\"}{\\"name\\": \\"get_weather'
+                         '\\", \\"parameters\\": {" ' + CITY_RULE + ' "}}"', 0, None),
+}
+
+
+@pytest.mark.parametrize("edge", list(EDGES))
+@pytest.mark.parametrize("api", ["native", "v1"])
+def test_ollamas_edge_cases_on_real_tokens(daemon: Daemon, edge: str, api: str) -> None:
+    """The parser's edge cases where Corral now follows Ollama, on real tokens forced by a
+    grammar, streamed (native) and whole (/v1)."""
+    from tests.family_templates import TEMPLATES
+
+    family, grammar, n_calls, never = EDGES[edge]
+    name = f"edge-{family.replace('.', '-')}"
+    ollama.Client(host=daemon.url).create(model=name, from_=CHAT, template=TEMPLATES[family])
+    if api == "native":
+        lines = chat_lines(daemon, model=name, tools=TOOLS, grammar=grammar, options=LONG)
+        calls = [c for m in lines for c in m["message"].get("tool_calls") or []]
+        content = "".join(m["message"]["content"] for m in lines)
+    else:
+        r = httpx.post(daemon.url + "/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": ASK, "tools": TOOLS, "grammar": grammar,
+            "reasoning_effort": "none", "temperature": 0, "max_tokens": 200}).json()
+        message = r["choices"][0]["message"]
+        calls, content = message.get("tool_calls") or [], message["content"] or ""
+    assert len(calls) == n_calls, (content, calls)
+    if never is not None:
+        assert never not in content
+    if n_calls == 0:
+        assert content.startswith('{"name": "jeff"}') and "get_weather" in content

@@ -211,7 +211,8 @@ def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
 def render(inf: Inference) -> Callable[[Request, Handler], None]:
     """POST /corral/render: a Corral extension, never part of an Ollama-shaped answer. It
     takes an /api/chat body (with `messages`) or an /api/generate one and answers the
-    prompt the model would be given, as the runner would tokenize it."""
+    prompt the model would be given, as the runner would tokenize it; `chat_template`
+    (with `bos_token`, `eos_token`) tries a Jinja template in place of the model's."""
     from corral.server.pipeline.run import render_only
 
     @native_route
@@ -219,5 +220,8 @@ def render(inf: Inference) -> Callable[[Request, Handler], None]:
         body = req.json()
         request: ChatRequest | CompletionRequest = parse_chat(parse(WireChat, body)) \
             if "messages" in body else parse_generate(parse(GenerateRequest, body))
-        handler.send_json(200, render_only(inf, request))
+        jinja, bos, eos = (body.get(k) for k in ("chat_template", "bos_token", "eos_token"))
+        if not all(v is None or isinstance(v, str) for v in (jinja, bos, eos)):
+            raise BadRequest("chat_template, bos_token and eos_token must be strings")
+        handler.send_json(200, render_only(inf, request, jinja or None, bos or "", eos or ""))
     return route

@@ -32,6 +32,7 @@ from corral.server.reply import Format, Piece, ReplyParser, reply_format
 
 if TYPE_CHECKING:
     from corral.server.inference import Inference
+    from corral.server.prompt import PromptBuilder
     from corral.server.scheduler import Loaded
 
 OnDisconnect = Callable[[Callable[[], None]], threading.Event]
@@ -225,11 +226,13 @@ class Rendered:
     opened: bool  # the text ends inside a think block
 
 
-def render(inf: Inference, plan: Plan, report: dict[str, Any]) -> Rendered:
-    """The prompt as the runner will tokenize it, through the model's template."""
+def render(inf: Inference, plan: Plan, report: dict[str, Any],
+           builder: PromptBuilder | None = None) -> Rendered:
+    """The prompt as the runner will tokenize it, through the model's template (or
+    `builder`'s, for /corral/render's Jinja override)."""
     request = plan.request
-    builder = inf.prompt_builder(plan.record, str(report.get("bos", "")),
-                                 str(report.get("eos", "")))
+    builder = builder or inf.prompt_builder(plan.record, str(report.get("bos", "")),
+                                            str(report.get("eos", "")))
     context: list[int] = []
     if isinstance(request, ChatRequest):
         messages, images = mark_messages(plan.messages)
@@ -249,17 +252,21 @@ def render(inf: Inference, plan: Plan, report: dict[str, Any]) -> Rendered:
     return Rendered(text, add_bos, images, context, opened)
 
 
-def render_only(inf: Inference, request: Request) -> dict[str, Any]:
+def render_only(inf: Inference, request: Request, jinja: str | None = None, bos: str = "",
+                eos: str = "") -> dict[str, Any]:
     """What `run` would send the runner, without generating: a Corral extension for
-    reading a rendered prompt instead of inferring it (as llama-server's /apply-template)."""
+    reading a rendered prompt instead of inferring it (as llama-server's /apply-template).
+    `jinja` tries a chat template of one's own (with its BOS and EOS text) instead of the
+    model's."""
     plan = prepare(inf, request)
     report: dict[str, Any] = {}
     go = plan.record.template or (isinstance(request, CompletionRequest)
                                   and (request.raw or request.template))
-    if not go:  # a GGUF's Jinja template needs the model's BOS and EOS text: load it
+    builder = inf.jinja_builder(jinja, bos, eos) if jinja else None
+    if not go and builder is None:  # the GGUF's Jinja template needs the model's BOS/EOS
         with inf.hold(plan.record, plan.options, request.keep_alive) as entry:
             report = entry.runner.report if entry.runner is not None else {}
-    shown = render(inf, plan, report)
+    shown = render(inf, plan, report, builder)
     return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,
             "images": len(shown.images), "think": plan.think, "thinking_open": shown.opened,
             "tools": [t["function"]["name"] for t in plan.tools]}
