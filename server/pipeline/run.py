@@ -78,10 +78,11 @@ class Cancels:
             hook()
 
 
-def prepare(inf: Inference, request: Request) -> Plan:
-    """Every check that needs no model, so a bad request never waits for a load."""
+def prepare(inf: Inference, request: Request, template: str | None = None) -> Plan:
+    """Every check that needs no model, so a bad request never waits for a load.
+    `template` stands in for the model's (/corral/render's chat_template)."""
     record = inf.record(request.model)
-    template = inf.template_text(record)
+    template = template or inf.template_text(record)
     caps = inf.capabilities(record, template)
     if request.think and "thinking" not in caps:
         raise BadRequest(f'"{request.model}" does not support thinking')
@@ -258,7 +259,7 @@ def render_only(inf: Inference, request: Request, jinja: str | None = None, bos:
     reading a rendered prompt instead of inferring it (as llama-server's /apply-template).
     `jinja` tries a chat template of one's own (with its BOS and EOS text) instead of the
     model's."""
-    plan = prepare(inf, request)
+    plan = prepare(inf, request, jinja)
     report: dict[str, Any] = {}
     go = plan.record.template or (isinstance(request, CompletionRequest)
                                   and (request.raw or request.template))

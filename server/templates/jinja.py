@@ -17,6 +17,8 @@ from types import FrameType
 from typing import Any, Callable
 
 from jinja2 import TemplateError as JinjaError
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from corral.server.templates.gotemplate import TemplateError
@@ -64,12 +66,29 @@ def _raise(message: str) -> None:
     raise TemplateError(str(message)[:200])
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+            **_: Any) -> str:
+    # `x | map(...) | tojson` hands over a generator: JSON has lists.
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii,
+                      default=lambda v: list(v) if hasattr(v, "__iter__") else str(v))
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`, which Hugging Face's renderer defines to
+    mark assistant text for training masks: for a prompt it renders what it holds."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 def _env() -> _Env:
-    env = _Env(trim_blocks=True, lstrip_blocks=True)
+    # Loop controls ({% break %}, {% continue %}) are on, as in Hugging Face's renderer.
+    env = _Env(trim_blocks=True, lstrip_blocks=True,
+               extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
