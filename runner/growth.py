@@ -23,8 +23,7 @@ import ctypes
 import enum
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import llama_cpp as L
@@ -61,7 +60,7 @@ class Capacity:
     streams: int = 0  # streams now
     state: GrowthState = GrowthState.STEADY
     target: int = 0
-    busy_at: float = field(default_factory=time.monotonic)  # last use above half the streams
+    busy_at: float = 0.0  # last use above half the streams, on the caller's clock
     shrink_after: float = SHRINK_AFTER
 
     def __post_init__(self) -> None:
@@ -106,7 +105,9 @@ def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) 
     size = L.llama_state_seq_get_size(src, src_seq)
     buf = (ctypes.c_uint8 * size)()
     n = L.llama_state_seq_get_data(src, buf, size, src_seq)
-    data = restream(bytes(buf[:n]), streams, dst_seq) if n > 0 else None
+    # string_at copies the bytes in one go: slicing a ctypes array makes a list of ints,
+    # one Python object a byte, on the engine thread that every stream waits for.
+    data = restream(ctypes.string_at(buf, n), streams, dst_seq) if n > 0 else None
     if data is None:
         return False
     out = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

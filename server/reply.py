@@ -282,10 +282,10 @@ class ReplyParser:
             value, end = json.JSONDecoder().raw_decode(s)
         except ValueError:
             return self._list_text(out) if final else False
-        call = self._call_of(value)
-        if call is None:  # not a call of a known tool: text, once the reply has ended
+        parts = self._parts(value)
+        if parts is None:  # not a call of a known tool: text, once the reply has ended
             return self._list_text(out) if final else False
-        out.append(Piece(Kind.CALL, call=call))
+        out.append(Piece(Kind.CALL, call=self._numbered(*parts)))
         self.list_calls += 1
         self.buf, self.list_raw = s[end:], self.list_raw + space + s[:end]
         return True
@@ -305,9 +305,8 @@ class ReplyParser:
         except ValueError:
             return False
         items = value if isinstance(value, list) else [value]
-        if not items or any(self._call_of(item) is None for item in items):
+        if not items or any(self._parts(item) is None for item in items):
             return False  # not a call of a known tool: the closing tag settles it
-        self.calls -= len(items)  # _call_of numbered them while checking
         self._emit(out, self.buf, value)
         self.buf = body.lstrip()[end:]
         self.state = State.AFTER_CALL
@@ -328,15 +327,6 @@ class ReplyParser:
         return False
 
     def _unfinished(self, out: list[Piece], final: bool) -> bool:
-        if final and self.fmt.tools == "tags":  # models often stop before </tool_call>
-            body = self.buf[len(TOOL_TAGS[0]):].strip()
-            try:
-                value, end = json.JSONDecoder().raw_decode(body)
-            except ValueError:
-                end = -1
-            if end == len(body) and self._emit(out, self.buf, value):
-                self.buf = ""
-                return False
         if final:  # the reply ended inside a call: it was text after all
             out.append(Piece(Kind.CONTENT, self.buf))
             self.buf = ""
@@ -351,14 +341,16 @@ class ReplyParser:
                 out.append(Piece(Kind.CONTENT, raw))
                 return False
         items = body if isinstance(body, list) else [body]
-        calls = [self._call_of(item) for item in items]
+        calls = [self._parts(item) for item in items]
         if not items or any(c is None for c in calls):
             out.append(Piece(Kind.CONTENT, raw))
             return False
-        out.extend(Piece(Kind.CALL, call=c) for c in calls if c is not None)
+        out.extend(Piece(Kind.CALL, call=self._numbered(*c)) for c in calls if c is not None)
         return True
 
-    def _call_of(self, item: Any) -> dict[str, Any] | None:
+    def _parts(self, item: Any) -> tuple[str, dict[str, Any]] | None:
+        """The name and arguments of a call of a known tool, or None; numbered only when
+        sent, so a list that turns out to be text takes no call index."""
         if not isinstance(item, dict):
             return None
         inner = item.get("function")
@@ -373,7 +365,7 @@ class ReplyParser:
         if not isinstance(name, str) or not isinstance(args, dict) or \
                 (self.tool_names and name not in self.tool_names):
             return None
-        return self._numbered(name, args)
+        return name, args
 
     def _numbered(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
         call = {"id": call_id(), "function": {"index": self.calls, "name": name,

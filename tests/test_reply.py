@@ -157,3 +157,13 @@ def test_call_ids() -> None:
 ])
 def test_edge_cases_follow_ollama(fmt: Format, text: str, expected: list[Any]) -> None:
     assert every_split(fmt, text) == expected
+
+
+def test_an_unclosed_call_of_no_known_tool_is_text_once() -> None:
+    text = '<tool_call>{"name": "nope", "arguments": {}}'
+    assert every_split(TAGS, text) == [("content", text)]
+    # A list that turns out to be text takes no call index from the call after it.
+    parser = ReplyParser(TAGS, TOOLS)
+    later = parser.feed('<tool_call>[{"name": "add", "arguments": {}}, {"name": "x"}]'
+                        '</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>')
+    assert [p.call["function"]["index"] for p in later if p.call] == [0]
