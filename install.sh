@@ -237,6 +237,23 @@ if [ "$STARTER" = 1 ]; then
   "$VENV/bin/python" -m corral.registry.starter || die "could not register the starter models"
 fi
 
+# ---- A browser for the page's tests (developers only) ------------------------------
+# tests/test_ui.py drives the page at /ui in Debian's chromium through Playwright.
+if [ "$MODE" = dev ] && ! command -v chromium >/dev/null 2>&1 \
+    && ! command -v chromium-browser >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    say "installing chromium for the page's tests"
+    { $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null 2>&1 \
+           && $SUDO apt-get install -y -q chromium >/dev/null 2>&1; }; } \
+      || die "could not install chromium (needed by tests/test_ui.py); install it and run again"
+  else
+    echo "Warning: no chromium on PATH; tests/test_ui.py needs one (e.g. brew install chromium)" >&2
+  fi
+fi
+
 # ---- Smoke check: load a model in a child process and decode a few tokens ---------
 say "checking that llama.cpp runs on this machine"
 set +e

@@ -16,15 +16,18 @@ from corral.config import Settings, describe_settings, load_settings, parse_dura
 from corral.errors import CorralError
 from corral.version import corral_version
 
+# "\b" alone on a line keeps click from re-wrapping the paragraph that follows it.
 EXAMPLES = """
 Examples:
 
+\b
   corral run smollm2:135m                chat with the starter model
   corral run gemma3:270m-base "Hi"       one answer, then exit
   cat notes.txt | corral run MODEL "Summarize:"
   corral pull llama3.2                   fetch a model from the registry
   corral list                            models in the store
   corral ps                              loaded models
+  open http://127.0.0.1:11434/ui         chat and a live view in the browser
 """
 
 app = typer.Typer(help="Corral runs local models behind an Ollama-compatible API.\n" + EXAMPLES,

@@ -24,12 +24,11 @@ from typing import Any, Callable
 import llama_cpp as L
 
 from corral.errors import BadRequest, CorralError, RunnerError
-from corral.runner import kvops, native
+from corral.runner import imagefeed, kvops, native
 from corral.runner.admission import fit_prompt, generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
 from corral.runner.context import EngineConfig, LlamaContext
 from corral.runner.embedding import Embedder, EmbedQueue
-from corral.runner import imagefeed
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, Resizer
 from corral.runner.jobs import (Command, Done, Embed, Failed, Job, Resized, SetThreads, Stop,
@@ -59,7 +58,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()  # new and preempted, oldest first
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.steps = 0
+        self.steps = self.sampled = 0  # decode steps; tokens sampled since load (a rate)
         self.step_time = 0.0  # seconds inside _step
         self.native_time = 0.0  # of which in llama_decode and samplers
         if llama is None:  # else loaded already, by runner/loading.py
@@ -75,8 +74,7 @@ class Engine:
                                                           llama.n_threads)
         self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
         self.tokenize, self.detokenize = llama.tokenize, llama.detokenize  # any thread
-        self._embedded_at = 0.0
-        self._trimmed_at = 0.0
+        self._embedded_at = self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
@@ -123,7 +121,8 @@ class Engine:
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
             "waiting": len(self._waiting) + len(self._embeds.pending) + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
-            "preemptions": self.pool.preemptions if self.pool is not None else 0}
+            "preemptions": self.pool.preemptions if self.pool is not None else 0,
+            "sampled": self.sampled}
 
     def stop(self) -> None:
         self._stopping = True
@@ -328,6 +327,7 @@ class Engine:
             return self._fail(slot, exc)
         self.native_time += self.clock() - t0
         seq.n_generated += 1
+        self.sampled += 1
         seq.last_token = token
         if L.llama_vocab_is_eog(self.vocab, token):
             seq.sampler.take_logprobs()  # the end token is not part of the text

@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from corral.config import Settings
 from corral.errors import (BadRequest, CorralError, Forbidden, MethodNotAllowed, NotFound, Shape,
                            Unauthorized)
+from corral.server.ui import is_page
 from corral.server.http import (Handler, Request, Route, error_response, host_allowed,
                          origin_pattern, too_large)
 
@@ -121,7 +122,8 @@ class Dispatcher:
         method, path = scope["method"], scope["path"]
         headers = Headers(scope=scope)
         key = self.settings.api_key
-        if key and not (path == "/" and method in ("GET", "HEAD")) and not (
+        if key and not (path == "/" and method in ("GET", "HEAD")) and not is_page(
+                method, path) and not (
                 headers.get("authorization") == f"Bearer {key}"
                 or headers.get("x-api-key") == key):
             return await send_error(send, Unauthorized("unauthorized"), shape_of(path))

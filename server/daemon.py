@@ -36,7 +36,7 @@ HOUSEKEEPING_SECONDS = 10.0
 
 def routes(inf: Inference, puller: Puller, pusher: Pusher
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
-    from corral.server import lifecycle, manage
+    from corral.server import lifecycle, manage, ui
     from corral.server.dialects import anthropic, native, openai, openai_misc, responses
 
     table: dict[tuple[str, str], Route] = {
@@ -62,10 +62,11 @@ def routes(inf: Inference, puller: Puller, pusher: Pusher
         ("POST", "/v1/messages"): anthropic.messages(inf),
         ("POST", "/v1/responses"): responses.responses(inf),
         ("POST", "/corral/render"): native.render(inf),  # Corral's: the rendered prompt
+        ("GET", "/ui"): ui.page(),  # the page for people
     }
     blobs = manage.blobs(inf)
     prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),
-                ("GET", "/v1/models/", openai_misc.model(inf))]
+                ("GET", "/v1/models/", openai_misc.model(inf)), ("GET", ui.PREFIX, ui.page())]
     return table, prefixes
 
 

@@ -240,6 +240,9 @@ class Handler:
                   ) -> None:
         self._whole(status, [("content-type", content_type)], text.encode())
 
+    def send_bytes(self, status: int, data: bytes, headers: list[tuple[str, str]]) -> None:
+        self._whole(status, headers, data)
+
     def respond_error(self, exc: BaseException, shape: Shape = Shape.OLLAMA) -> None:
         """Every error response of a route leaves through here, in the shape of its API."""
         if not isinstance(exc, CorralError):

@@ -173,17 +173,19 @@ def delete(inf: Inference) -> Any:
     return route
 
 
-def _sizes(entry: Any) -> tuple[int, int, int]:
-    """(bytes the model holds now, bytes it may grow to, slots now). Elastic KV holds one
-    slot's worth while idle and grows as requests run at once (runner.growth)."""
+def _sizes(entry: Any) -> tuple[int, int, int, int]:
+    """(bytes the model holds now, bytes it may grow to, slots now, slots busy). Elastic KV
+    holds one slot's worth while idle and grows as requests run at once (runner.growth)."""
     report = entry.runner.report if entry.runner is not None else {}
     cap, cap_slots = int(report.get("size", 0)), int(report.get("slots", 1))
     try:
-        slots = int(entry.runner.health().get("slots", cap_slots))
-    except CorralError:
-        slots = cap_slots
+        health = entry.runner.health()
+    except (CorralError, AttributeError):
+        health = {}
+    slots = int(health.get("slots", cap_slots))
     per_slot = int(report.get("kv_per_slot", 0))
-    return cap - per_slot * max(cap_slots - slots, 0), cap, slots
+    return (cap - per_slot * max(cap_slots - slots, 0), cap, slots,
+            int(health.get("busy_slots", 0)))
 
 
 def ps(inf: Inference) -> Any:
@@ -199,14 +201,15 @@ def ps(inf: Inference) -> Any:
             else:  # busy: the timer starts when the last request ends
                 expires = now + entry.keep_alive
             name = entry.record.name.display()
-            size, cap, slots = _sizes(entry)
+            size, cap, slots, busy = _sizes(entry)
             models.append({"name": name, "model": name, "size": size,
                            "digest": entry.record.digest, "details": entry.record.details(),
                            "expires_at": rfc3339(expires, utc=False),
                            "size_vram": min(int(report.get("size_vram", 0)), size),
                            "context_length": int(report.get("num_ctx", 0)),
-                           # Corral extensions: what elastic KV may grow to, and slots now.
-                           "size_cap": cap, "slots": slots,
+                           # Corral extensions: what elastic KV may grow to, slots now
+                           # and how many of them are busy (the page's live view).
+                           "size_cap": cap, "slots": slots, "slots_busy": busy,
                            "slots_cap": int(report.get("slots", slots))})
             if report.get("size_rpc"):  # a Corral extension: bytes on RPC workers
                 models[-1]["size_rpc"] = int(report["size_rpc"])
@@ -238,7 +241,8 @@ def metrics(inf: Inference) -> Any:
                                "busy_slots": health.get("busy_slots", 0),
                                "kv_cells_used": health.get("kv_used", 0),
                                "kv_cells_reserved": health.get("kv_reserved", 0),
-                               "preemptions_total": health.get("preemptions", 0)})
+                               "preemptions_total": health.get("preemptions", 0),
+                               "sampled_tokens_total": health.get("sampled", 0)})
             except (CorralError, AttributeError, AssertionError):
                 pass
             yield entry.record.name.display(), values

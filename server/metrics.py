@@ -87,6 +87,9 @@ class Metrics:
                  "slots": "Slots per loaded model.",
                  "kv_cells_used": "KV cache cells holding tokens.",
                  "kv_cells_reserved": "KV cache cells reserved.",
+                 "sampled_tokens_total": "Tokens sampled since the model loaded, counted as "
+                                         "they are made (a live rate; generated_tokens_total "
+                                         "counts at each request's end).",
                  "preemptions_total": "Sequences preempted because the KV pool was full "
                                       "(pool mode), since the model loaded."}
         rows = list(gauges())

@@ -33,5 +33,7 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     expected = {("corral/" if pkg != "corral" else "") + str(p.relative_to(root))
                 for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
     assert expected <= names, sorted(expected - names)
+    page = {f"corral/server/ui/{p.name}" for p in (root / "server" / "ui").iterdir()}
+    assert page and page <= names, sorted(page - names)  # the page at /ui ships in the wheel
     top = {n.split("/")[0] for n in names if "/" in n and ".dist-info/" not in n}
     assert top == {"corral"}, top  # no bare `api`, `server`, `runner`... in site-packages

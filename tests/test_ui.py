@@ -1,0 +1,344 @@
+"""The page at /ui in a real headless Chromium, against the real daemon with the chat starter.
+
+Playwright for Python drives Debian's `chromium` (installed by `install.sh --dev`). Every
+request the page makes to anything but the daemon is refused and recorded, so the page is
+shown to work offline. Where a test needs a model to say something exact (a `<script>`
+tag) or to go on for long (Stop), it rewrites the page's own request on its way out, adding
+a GBNF grammar or `ignore_eos`: the real model then streams real tokens through the real
+daemon into the page. Screenshots for the README go to $CORRAL_UI_SCREENSHOTS when set.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from corral.registry.store import Store
+from corral.server.daemon import Daemon
+from tests.support import start_daemon, wait_for
+
+sync_api = pytest.importorskip("playwright.sync_api")  # the test extra; absent: not a dev install
+
+CHAT = "smollm2:135m"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+# The flags a closed network needs: without them Chromium reaches for Google's hosts.
+# Read at import: the suite's fixtures clear CORRAL_* from the environment of each test.
+SHOTS = os.environ.get("CORRAL_UI_SCREENSHOTS")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def ui_daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("ui"), NUM_PARALLEL="2")
+    yield d
+    d.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    assert Path(CHROMIUM).exists(), "Chromium is missing: ./install.sh --dev installs it"
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+class Page:
+    """One tab on the daemon's page, with its console errors and outside requests recorded."""
+
+    def __init__(self, browser: Any, base: str) -> None:
+        self.base = base
+        self.context = browser.new_context(viewport={"width": 1280, "height": 800})
+        self.outside: list[str] = []
+        self.errors: list[str] = []
+        self.context.route("**/*", self._only_daemon)
+        self.page = self.context.new_page()
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+
+    def _only_daemon(self, route: Any) -> None:
+        if route.request.url.startswith(self.base + "/"):
+            route.continue_()
+        else:
+            self.outside.append(route.request.url)
+            route.abort()
+
+    def open(self, view: str = "chat") -> Any:
+        self.page.goto(f"{self.base}/ui#{view}")
+        return self.page
+
+    def rewrite_chat(self, **extra: Any) -> None:
+        """Add fields to the page's next /api/chat bodies, as they leave the browser."""
+        def add(route: Any) -> None:
+            body = json.loads(route.request.post_data or "{}")
+            body.update(extra)
+            route.continue_(post_data=json.dumps(body))
+        self.page.route("**/api/chat", add)
+
+    def send(self, text: str, model: str = CHAT) -> None:
+        page = self.page
+        page.get_by_label("Model", exact=True).select_option(model)
+        box = page.get_by_label("Message", exact=True)
+        box.fill(text)
+        box.press("Enter")
+
+    def answer(self) -> Any:
+        return self.page.get_by_role("log").locator("article.assistant").last
+
+    def close(self, expected_errors: tuple[str, ...] = ()) -> None:
+        errors = [e for e in self.errors if not any(x in e for x in expected_errors)]
+        self.context.close()
+        assert not self.outside, f"the page reached outside the daemon: {self.outside}"
+        assert not errors, f"JavaScript errors: {errors}"
+
+
+@pytest.fixture
+def tab(browser: Any, ui_daemon: Daemon) -> Iterator[Page]:
+    page = Page(browser, ui_daemon.url)
+    yield page
+    page.close()
+
+
+def screenshot(page: Any, name: str, tmp_path: Path) -> None:
+    folder = Path(SHOTS or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / name))
+    assert (folder / name).stat().st_size > 1000
+
+
+def busy_slots(daemon: Daemon) -> int:
+    models = httpx.get(f"{daemon.url}/api/ps").json()["models"]
+    return sum(m["slots_busy"] for m in models)
+
+
+def tiny_png() -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+    raw = zlib.compress(b"\x00\xff\x00\x00\x00\xff\x00")  # 2x1 pixels, RGB: red, green
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
+
+
+def test_page_is_served_under_a_strict_policy(daemon_factory: Any) -> None:
+    ui_daemon = daemon_factory(None, API_KEY="k")  # no model: the fast suite runs this
+    r = httpx.get(f"{ui_daemon.url}/ui")  # the page's files need no key; its API calls do
+    policy = r.headers["content-security-policy"]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'none'" in policy and "script-src 'self'" in policy
+    assert "connect-src 'self'" in policy and "unsafe" not in policy
+    assert httpx.get(f"{ui_daemon.url}/").text == "Corral is running"
+    js = httpx.get(f"{ui_daemon.url}/ui/app.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert httpx.get(f"{ui_daemon.url}/ui/..%2Fui.py").status_code == 404
+    assert httpx.get(f"{ui_daemon.url}/ui/nothing.js").status_code == 404
+    assert httpx.get(f"{ui_daemon.url}/api/tags").status_code == 401
+    assert httpx.post(f"{ui_daemon.url}/ui").status_code == 401  # only reading is open
+    assert httpx.get(f"{ui_daemon.url}/ui", headers={"Host": "evil.example"}).status_code == 403
+
+
+def test_chat_streams_an_answer_into_the_log(tab: Page, tmp_path: Path) -> None:
+    page = tab.open()
+    box = page.get_by_label("Message", exact=True)
+    box.fill("a")
+    box.press("Shift+Enter")
+    box.type("b")
+    assert box.input_value() == "a\nb"  # a new line, nothing sent
+    assert page.get_by_role("log").locator("article").count() == 0
+    # Count the answer's changes as they happen: a streamed answer changes more than once.
+    page.evaluate("""() => { window.__changes = 0; new MutationObserver(() => window.__changes++)
+        .observe(document.getElementById('transcript'), {subtree: true, childList: true,
+                                                         characterData: true}); }""")
+    tab.rewrite_chat(options={"temperature": 0, "seed": 1, "num_predict": 24})
+    tab.send("Name three colors.")
+    answer = tab.answer()
+    answer.locator(".note").wait_for(timeout=60_000)  # "N tokens, X tokens/s" at the end
+    assert answer.locator(".content").inner_text().strip()
+    assert page.evaluate("window.__changes") > 3
+    screenshot(page, "ui-chat.png", tmp_path)
+    # The conversation is kept in the browser: a reload shows it again.
+    page.reload()
+    log = page.get_by_role("log")
+    log.locator("article.assistant").first.wait_for()
+    assert log.locator("article.user").last.inner_text().strip() == "Name three colors."
+
+
+def test_model_output_with_markup_is_shown_as_text(tab: Page) -> None:
+    page = tab.open()
+    words = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
+    tab.rewrite_chat(grammar="root ::= " + json.dumps(words), options={"temperature": 0})
+    tab.send("Say it.")
+    answer = tab.answer()
+    answer.locator(".note").wait_for(timeout=60_000)
+    content = answer.locator(".content")
+    assert "<script>window.pwned = 1</script>" in content.inner_text()
+    assert content.locator("script, img").count() == 0
+    assert content.locator("strong").inner_text() == "bold"  # Markdown still rendered
+    assert page.evaluate("window.pwned") is None
+
+
+def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemon) -> None:
+    from tests.test_reasoning import TEMPLATE, TOOLS
+
+    r = httpx.post(f"{ui_daemon.url}/api/create", json={
+        "model": "thinker", "from": CHAT, "template": TEMPLATE, "stream": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    page = tab.open()
+    page.reload()  # the picker lists the new model
+    page.get_by_label("Model", exact=True).select_option("thinker:latest")
+    think = page.get_by_label("Think")
+    think.wait_for()
+    assert think.is_checked()  # a thinking model thinks unless told not to
+    call = ('"Checking. <tool_call>{\\"name\\": \\"get_weather\\", \\"arguments\\": '
+            '{\\"city\\": \\"Paris\\"}}</tool_call>"')
+    tab.rewrite_chat(tools=TOOLS, options={"temperature": 0, "num_predict": 80},
+                     grammar=f'root ::= [a-z]{{3,8}} " " [a-z]{{3,8}} "</think>" {call}')
+    tab.send("Weather in Paris?", model="thinker:latest")
+    answer = tab.answer()
+    answer.locator(".note").wait_for(timeout=60_000)
+    folded = answer.locator("details.thinking")
+    assert folded.count() == 1 and folded.get_attribute("open") is None
+    assert not answer.locator(".thinking-text").is_visible()
+    folded.locator("summary").click()
+    assert answer.locator(".thinking-text").inner_text().count(" ") == 1
+    assert answer.locator(".content").inner_text().strip() == "Checking."
+    assert answer.locator(".tool-call code").inner_text() == 'get_weather({"city":"Paris"})'
+
+
+def test_stop_ends_the_answer_and_frees_the_slot(browser: Any, ui_daemon: Daemon,
+                                                 tmp_path: Path) -> None:
+    chat, live = Page(browser, ui_daemon.url), Page(browser, ui_daemon.url)
+    page = chat.open()
+    chat.rewrite_chat(options={"ignore_eos": True, "num_predict": 4000, "temperature": 0})
+    chat.send("Tell me a long story.")
+    content = chat.answer().locator(".content")
+    wait_for(lambda: len(content.inner_text()) > 20, timeout=60)
+    # Meanwhile, in another tab, the live view shows the busy slot.
+    view = live.open("live")
+    card = view.locator(f'article[data-model="{CHAT}"]')
+    card.locator('[data-field="busy"]').filter(has_text="1").wait_for(timeout=20_000)
+    wait_for(lambda: float(card.locator('[data-field="rate"]').inner_text()) > 0, timeout=20)
+    assert card.locator('[data-field="context"]').inner_text() == "1024"
+    assert card.locator('[data-field="processor"]').inner_text() == "100% CPU"
+    points = 20 if SHOTS else 2  # the README's picture shows a stretch of the rate chart
+    wait_for(lambda: int(card.locator("canvas").get_attribute("data-points") or 0) >= points,
+             timeout=points + 20)
+    screenshot(view, "ui-live.png", tmp_path)
+    assert busy_slots(ui_daemon) == 1
+    page.get_by_role("button", name="Stop").click()
+    chat.answer().locator(".note").filter(has_text="Stopped").wait_for()
+    wait_for(lambda: busy_slots(ui_daemon) == 0, timeout=10)
+    length = len(content.inner_text())
+    page.wait_for_timeout(1500)
+    assert len(content.inner_text()) == length  # stopped growing
+    card.locator('[data-field="busy"]').filter(has_text="0").wait_for(timeout=10_000)
+    assert page.get_by_role("button", name="Send").is_visible()
+    chat.close()
+    live.close()
+
+
+def test_an_image_on_a_text_model_is_refused_with_the_apis_message(tab: Page,
+                                                                  ui_daemon: Daemon) -> None:
+    png = tiny_png()
+    direct = httpx.post(f"{ui_daemon.url}/api/chat", json={
+        "model": CHAT, "stream": True,
+        "messages": [{"role": "user", "content": "What is this?",
+                      "images": [base64.b64encode(png).decode()]}]})
+    assert direct.status_code == 400
+    message = direct.json()["error"]
+    page = tab.open()
+    page.locator("#attach").set_input_files(
+        files=[{"name": "dot.png", "mimeType": "image/png", "buffer": png}])
+    page.get_by_label("Attached images").locator("img").wait_for()
+    tab.send("What is this?")
+    alert = page.get_by_role("log").get_by_role("alert")
+    alert.wait_for(timeout=30_000)
+    assert alert.inner_text() == message
+    assert page.get_by_role("log").locator("article.user img").count() == 1  # kept, marked
+    tab.errors = [e for e in tab.errors if "status of 400" not in e]  # the refusal itself
+
+
+def model_file(path: Path) -> Path:
+    """A well-formed GGUF of 4 MB that no store holds yet (the starters' blobs would be found
+    in the store, and a pull that downloads nothing shows no progress)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_file_type(0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "a", "b", "c"])
+    w.add_token_scores([0.0, 1.0, 2.0, 3.0])
+    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", np.random.default_rng(7).random((1024, 1024),
+                                                                        dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) -> None:
+    from corral.registry import manifest as mt
+    from tests.registry_server import FakeRegistry
+
+    reg = FakeRegistry()
+    reg.add_model("library", "pulled", "latest", [(mt.MODEL, model_file(tmp_path / "m.gguf")),
+                                                   (mt.TEMPLATE, b"{{ .Prompt }}")])
+    reg.faults.blob_delay = 0.03  # 64 KiB pieces: slow enough that the bar is seen moving
+    try:
+        page = tab.open("models")
+        name = f"{reg.host}/library/pulled:latest"
+        page.get_by_label("Model to pull").fill(name)
+        page.get_by_label("Plain HTTP registry").check()
+        page.get_by_role("button", name="Pull").click()
+        bar = page.locator("#pull-progress")
+        wait_for(lambda: 0 < float(bar.get_attribute("value") or 0) < float(
+            bar.get_attribute("max") or 1), timeout=30)  # part-way
+        page.get_by_role("status").filter(has_text="success").wait_for(timeout=60_000)
+        page.get_by_role("button", name=f"Show {name}").click()
+        details = page.get_by_label("Model details")
+        details.get_by_text("completion").wait_for()
+        assert details.locator("h2").inner_text() == name and "null" not in details.inner_text()
+        screenshot(page, "ui-models.png", tmp_path)
+        delete = page.get_by_role("button", name=f"Delete {name}")
+        delete.click()
+        assert delete.inner_text() == "Confirm delete"
+        delete.click()
+        page.get_by_role("button", name=f"Show {name}").wait_for(state="detached")
+        assert page.get_by_role("button", name=f"Show {CHAT}").is_visible()
+    finally:
+        reg.close()
+
+
+def test_a_daemon_with_an_api_key_is_asked_for_it_once(browser: Any, starter_store: Store,
+                                                       tmp_path: Path) -> None:
+    d = start_daemon(starter_store, tmp_path / "keyed", API_KEY="s3cret")
+    try:
+        assert httpx.get(f"{d.url}/api/tags").status_code == 401
+        tab = Page(browser, d.url)
+        page = tab.open()
+        page.get_by_label("API key").fill("s3cret")
+        page.get_by_role("button", name="Use key").click()
+        page.locator(f'#model option[value="{CHAT}"]').wait_for(state="attached")
+        page.goto(f"{d.url}/ui#models")  # a reload within the tab: not asked again
+        page.get_by_role("button", name=f"Show {CHAT}").wait_for()
+        assert not page.get_by_label("API key").is_visible()
+        tab.close(expected_errors=("status of 401",))
+    finally:
+        d.shutdown()
