@@ -338,6 +338,12 @@ class Settings:
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
+def llama_lib_path() -> str | None:
+    """llama-cpp-python's own LLAMA_CPP_LIB_PATH: its shared libraries, when they are built
+    apart from the package (a CUDA build made on the spot, as the GPU check does)."""
+    return os.environ.get("LLAMA_CPP_LIB_PATH") or None
+
+
 def load_settings(environ: Mapping[str, str] | None = None, warn: bool = True) -> Settings:
     """Read every setting once. Invalid values warn and fall back to the default."""
     env = os.environ if environ is None else environ

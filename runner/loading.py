@@ -54,8 +54,11 @@ def load(config: LoadConfig) -> Loaded:
     adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
     if config.projector:
         adapters += os.path.getsize(config.projector)
+    # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
+    # asks; the estimate (and so `ps`) must say so too.
+    num_gpu = config.num_gpu if memory.gpu_backend_present() or rpc_free else 0
     est = memory.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
-                          config.num_gpu, config.kv_cache_type, config.n_batch,
+                          num_gpu, config.kv_cache_type, config.n_batch,
                           adapters=adapters)
     rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     cfg = EngineConfig(

@@ -144,14 +144,16 @@ _GPU_BACKENDS = ("cuda", "hip", "vulkan", "metal", "sycl", "opencl", "musa", "ca
 
 
 def gpu_backend_present() -> bool:
-    """Whether the installed llama.cpp ships a GPU backend library beside its own."""
+    """Whether the installed llama.cpp ships a GPU backend library beside its own (in the
+    package, or where LLAMA_CPP_LIB_PATH points llama-cpp-python instead)."""
     import importlib.util
 
+    from corral.config import llama_lib_path
+
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    for root in spec.submodule_search_locations:
-        lib = os.path.join(root, "lib")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    libs = [os.path.join(root, "lib") for root in roots] + [p for p in [llama_lib_path()] if p]
+    for lib in libs:
         names = os.listdir(lib) if os.path.isdir(lib) else []
         if any(n.startswith(f"libggml-{b}") or n.startswith(f"ggml-{b}")
                for n in names for b in _GPU_BACKENDS):

@@ -39,6 +39,17 @@ def test_load_report(runner: RunnerProcess) -> None:
     assert report["bos"] == "<bos>" and report["eos"] == "<eos>"
 
 
+def test_num_gpu_without_a_gpu_reports_every_layer_on_the_cpu(starter_gguf: Path) -> None:
+    # llama.cpp keeps the layers on the CPU when there is no device to offload to; the
+    # report (and so `ps`) must not claim a split it did not make.
+    proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=1, num_ctx=256, num_gpu=9))
+    proc.start(timeout=120)
+    try:
+        assert proc.report["gpu_layers"] == 0 and proc.report["size_vram"] == 0
+    finally:
+        proc.stop()
+
+
 def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
     lines = list(runner.completion({"prompt": "The capital of France is", "options": GREEDY}))
     assert lines[-1]["done"] and lines[-1]["eval_count"] == 16

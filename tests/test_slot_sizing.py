@@ -77,3 +77,17 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     assert scheduler(small, KV_POOL="1")._pool_tokens(r, opts, 16) < 16 * 4096
     assert scheduler(big)._pool_tokens(r, opts, 16) == 0  # default mode: no pool
 
+
+
+def test_a_gpu_backend_is_found_where_llama_cpp_lib_path_points(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU check builds llama.cpp on the spot and points llama-cpp-python at it; the
+    # memory fit must see that build's CUDA backend, or it keeps every layer on the CPU.
+    from corral.runner import memory
+
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    if memory.gpu_backend_present():
+        pytest.skip("this install's llama.cpp has a GPU backend of its own")
+    (tmp_path / "libggml-cuda.so").write_bytes(b"")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+    assert memory.gpu_backend_present()
