@@ -55,8 +55,12 @@ class Run:
         self.levels = [1, 4] if args.cpu else [1, 4, 16, 64]
         self.knee = [2, 4, 8] if args.cpu else [32, 64, 128, 256]
         self.bin, self.tokenizer = args.bin, args.tokenizer
+        import importlib.util
+        spec = importlib.util.find_spec("llama_cpp")  # what the daemon and runners import too
         self.result: dict[str, Any] = {"mode": "cpu rehearsal" if args.cpu else "cuda",
                                        "build_seconds": args.build_seconds, "gpu": gpu_name(),
+                                       "bindings": spec.origin if spec else None,
+                                       "libraries": os.environ.get("LLAMA_CPP_LIB_PATH"),
                                        "checks": {}}
 
     def step(self, key: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -225,10 +229,12 @@ def half_offload(run: Run, daemon: Daemon) -> dict[str, Any]:
             "skipped": "no GPU: nvidia-smi absent, everything on the CPU" if run.cpu else None}
 
 
-def bench(url: str, model: str, levels: list[int], out: Path) -> list[dict[str, Any]]:
+def bench(url: str, model: str, levels: list[int], out: Path,
+          per_client: int = 4) -> list[dict[str, Any]]:
     """`corral bench` over /v1 (what both servers speak), prompts of 32 tokens, 64 out."""
     subprocess.run([sys.executable, "-m", "corral.cli", "bench", model, "--api", "openai",
                     "--base-url", url, "--concurrency", ",".join(map(str, levels)),
+                    "--per-client", str(per_client),
                     "--max-tokens", "64", "--prompt-tokens", "32", "--seed", "1",
                     "--json", str(out)], check=True, timeout=1800, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
@@ -311,7 +317,7 @@ def knee(run: Run) -> dict[str, Any]:
     whose doubling still added 10%."""
     daemon = Daemon(run, "knee", MAX_SLOTS=str(max(run.knee)), NUM_PARALLEL="0")
     try:
-        levels = bench(daemon.url, NAME, run.knee, run.out / "knee.json")
+        levels = bench(daemon.url, NAME, run.knee, run.out / "knee.json", per_client=2)
     finally:
         daemon.stop()
     cap = levels[0]["c"]

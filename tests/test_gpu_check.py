@@ -41,6 +41,9 @@ def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> 
     result = json.loads((out / "gpu_check.json").read_text())
     checks = result["checks"]
     assert result["mode"] == "cpu rehearsal" and result["gpu"] is None
+    # The bindings are the repacked Python sources, over libraries outside the package.
+    assert result["bindings"].startswith(str(prep / "build/src/llama_cpp"))
+    assert result["libraries"] and "build" not in result["libraries"]
     assert not [k for k, v in checks.items() if "error" in v]
     assert checks["model"]["parameters"] > 1e7 and checks["model"]["quantize_seconds"] >= 0
     assert checks["full_offload"]["equal"] and checks["full_offload"]["tokens"] == 32

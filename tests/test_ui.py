@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import struct
 import zlib
@@ -175,7 +176,8 @@ def test_chat_streams_an_answer_into_the_log(tab: Page, tmp_path: Path) -> None:
 
 def test_model_output_with_markup_is_shown_as_text(tab: Page) -> None:
     page = tab.open()
-    words = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
+    words = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
+             '\n```html\n<b>not bold</b>\n```\n')
     tab.rewrite_chat(grammar="root ::= " + json.dumps(words), options={"temperature": 0})
     tab.send("Say it.")
     answer = tab.answer()
@@ -184,6 +186,8 @@ def test_model_output_with_markup_is_shown_as_text(tab: Page) -> None:
     assert "<script>window.pwned = 1</script>" in content.inner_text()
     assert content.locator("script, img").count() == 0
     assert content.locator("strong").inner_text() == "bold"  # Markdown still rendered
+    assert content.locator("pre code").inner_text() == "<b>not bold</b>"  # a code block
+    assert content.locator("b").count() == 0
     assert page.evaluate("window.pwned") is None
 
 
@@ -242,6 +246,8 @@ def test_stop_ends_the_answer_and_frees_the_slot(browser: Any, ui_daemon: Daemon
     page.wait_for_timeout(1500)
     assert len(content.inner_text()) == length  # stopped growing
     card.locator('[data-field="busy"]').filter(has_text="0").wait_for(timeout=10_000)
+    until = card.locator('[data-field="until"]')
+    until.filter(has_text=re.compile(r"^\d+m \d+s$")).wait_for(timeout=10_000)  # counting down
     assert page.get_by_role("button", name="Send").is_visible()
     chat.close()
     live.close()
@@ -342,3 +348,30 @@ def test_a_daemon_with_an_api_key_is_asked_for_it_once(browser: Any, starter_sto
         tab.close(expected_errors=("status of 401",))
     finally:
         d.shutdown()
+
+
+def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path: Path) -> None:
+    import hashlib
+
+    from tests.vision_model import png_bytes, write_projector
+
+    projector = write_projector(tmp_path / "mmproj.gguf", "mlp", 576).read_bytes()
+    digest = "sha256:" + hashlib.sha256(projector).hexdigest()
+    assert httpx.post(f"{ui_daemon.url}/api/blobs/{digest}", content=projector).status_code in (
+        200, 201)
+    r = httpx.post(f"{ui_daemon.url}/api/create", timeout=120, json={
+        "model": "looker", "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
+        "parameters": {"num_predict": 12, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    page = tab.open()
+    page.reload()
+    page.locator("#attach").set_input_files(
+        files=[{"name": "one.png", "mimeType": "image/png", "buffer": png_bytes(40, 30, seed=1)}])
+    page.get_by_label("Attached images").locator("img").wait_for()
+    tab.send("What is this?", model="looker:latest")
+    answer = tab.answer()
+    answer.locator(".note").wait_for(timeout=60_000)
+    assert answer.get_by_role("alert").count() == 0
+    assert answer.locator(".content").inner_text().strip()
+    assert page.get_by_role("log").locator("article.user img").count() == 1
+    assert page.get_by_label("Attached images").locator("img").count() == 0  # sent, cleared
