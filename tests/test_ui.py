@@ -322,6 +322,9 @@ def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) ->
         details.get_by_text("completion").wait_for()
         assert details.locator("h2").inner_text() == name and "null" not in details.inner_text()
         screenshot(page, "ui-models.png", tmp_path)
+        page.get_by_role("link", name="Chat").click()  # the picker lists it without a reload
+        page.locator(f'#model option[value="{name}"]').wait_for(state="attached")
+        page.get_by_role("link", name="Models").click()
         delete = page.get_by_role("button", name=f"Delete {name}")
         delete.click()
         assert delete.inner_text() == "Confirm delete"

@@ -1,6 +1,6 @@
 // The chat view: a model picker, a transcript (role="log"), a composer, and the
 // conversations kept in this browser's localStorage.
-import { api, el, errorText, getJSON, ndjson } from "/ui/app.js";
+import { api, el, errorText, getJSON, ndjson, onView } from "/ui/app.js";
 import { render } from "/ui/markdown.js";
 import { Conversations } from "/ui/conversations.js";
 
@@ -9,8 +9,8 @@ const store = new Conversations(localStorage);
 let running = null; // { controller, message } while an answer streams
 let pending = []; // images attached to the next message: { name, data (base64), url }
 
-function thinkingBlock(message) {
-  const details = el("details", { class: "thinking" }, el("summary", { text: "Thinking" }));
+function thinkingBlock(message, open) {
+  const details = el("details", { class: "thinking", open }, el("summary", { text: "Thinking" }));
   details.append(el("div", { class: "thinking-text", text: message.thinking || "" }));
   return details;
 }
@@ -28,6 +28,8 @@ function toolCalls(message) {
 
 // One message's node; an assistant's is filled again on every streamed piece.
 function fill(node, message) {
+  // Filled again on every piece: a thinking block the reader opened stays open.
+  const open = !!node.querySelector("details.thinking[open]");
   node.replaceChildren();
   if (message.role === "user") {
     node.append(el("div", { class: "content" }, ...(message.content || "").split("\n").flatMap(
@@ -36,7 +38,7 @@ function fill(node, message) {
       node.append(el("img", { class: "thumb", alt: "attached image", src: `data:image/png;base64,${image}` }));
     }
   } else {
-    if (message.thinking) node.append(thinkingBlock(message));
+    if (message.thinking) node.append(thinkingBlock(message, open));
     const content = el("div", { class: "content" });
     content.append(render(message.content || ""));
     node.append(content);
@@ -202,5 +204,5 @@ export function startChat() {
   $("model").addEventListener("change", capabilities);
   $("attach").addEventListener("change", (event) => { attach(event.target.files); event.target.value = ""; });
   showConversation();
-  loadModels();
+  onView("chat", loadModels); // again on each visit: a pull or delete may have changed them
 }
