@@ -41,8 +41,9 @@ class Dims:
 SIZES = {"1b": Dims(2048, 16, 32, 8, 8192), "tiny": Dims(256, 2, 4, 2, 512)}
 
 
-def _value(field: gguf.ReaderField) -> tuple[object, gguf.GGUFValueType,
-                                             gguf.GGUFValueType | None]:
+def field_value(field: gguf.ReaderField) -> tuple[object, gguf.GGUFValueType,
+                                                  gguf.GGUFValueType | None]:
+    """A metadata field as GGUFWriter.add_key_value takes it: value, type, item type."""
     vtype = field.types[0]
     if vtype == gguf.GGUFValueType.ARRAY:
         sub = field.types[1]
@@ -63,7 +64,7 @@ def cut_tokenizer(src: Path, dst: Path) -> int:
     writer = gguf.GGUFWriter(str(dst), "llama")
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
-            value, vtype, sub = _value(field)
+            value, vtype, sub = field_value(field)
             writer.add_key_value(name, value, vtype, sub_type=sub)
     writer.add_name("corral gpu-check tokenizer")
     writer.write_header_to_file()
@@ -80,7 +81,7 @@ def write_model(tokenizer: Path, dst: Path, dims: Dims, seed: int = 1) -> int:
     writer = gguf.GGUFWriter(str(dst), "llama")
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
-            value, vtype, sub = _value(field)
+            value, vtype, sub = field_value(field)
             writer.add_key_value(name, value, vtype, sub_type=sub)
     head = dims.n_embd // dims.n_head
     writer.add_name(f"corral gpu-check random llama ({dims.n_embd}x{dims.n_layer})")

@@ -13,33 +13,19 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from benchmarks.gpu_model import field_value  # also what the GPU check copies fields with
+
 F16_FILE_TYPE = 1
-
-
-def _field_value(field: gguf.ReaderField) -> tuple[object, gguf.GGUFValueType,
-                                                   gguf.GGUFValueType | None]:
-    vtype = field.types[0]
-    if vtype == gguf.GGUFValueType.ARRAY:
-        sub = field.types[1]
-        if sub == gguf.GGUFValueType.STRING:
-            items: list[object] = [bytes(field.parts[i]).decode("utf-8", "replace")
-                                   for i in field.data]
-        else:
-            items = [field.parts[i].tolist()[0] for i in field.data]
-        return items, vtype, sub
-    if vtype == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace"), vtype, None
-    return field.parts[field.data[0]].tolist()[0], vtype, None
 
 
 def write_f16_copy(src: Path, dst: Path) -> Path:
     reader = gguf.GGUFReader(str(src))
-    arch = str(_field_value(reader.fields["general.architecture"])[0])
+    arch = str(field_value(reader.fields["general.architecture"])[0])
     writer = gguf.GGUFWriter(str(dst), arch)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
             continue
-        value, vtype, sub = _field_value(field)
+        value, vtype, sub = field_value(field)
         writer.add_key_value(name, value, vtype, sub_type=sub)
     writer.add_file_type(F16_FILE_TYPE)
     for t in reader.tensors:
@@ -65,7 +51,7 @@ def write_lora(base: Path, dst: Path, seed: int = 0, rank: int = 4, std: float =
     `wrong_rank` make adapters that must be refused.
     """
     reader = gguf.GGUFReader(str(base))
-    base_arch = str(_field_value(reader.fields["general.architecture"])[0])
+    base_arch = str(field_value(reader.fields["general.architecture"])[0])
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(dst), arch or base_arch)
     writer.add_string(gguf.Keys.General.TYPE, "adapter")

@@ -12,8 +12,9 @@ U32, I32, F32, STRING, ARRAY = 4, 5, 6, 8, 9
 F32_TENSOR = 0
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
-    """A small but well-formed GGUF written by the gguf package itself."""
+def write_tiny_gguf(path: Path, arch: str = "llama", padding: int = 0) -> Path:
+    """A small but well-formed GGUF written by the gguf package itself; `padding` float32s
+    of seeded random weights in one more tensor make it as big as a test needs."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(128)
@@ -27,6 +28,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama") -> Path:
     w.add_chat_template("{{ messages }}")
     w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
     w.add_tensor("blk.0.attn_q.weight", np.zeros((8, 8), dtype=np.float32))
+    if padding:
+        w.add_tensor("blk.0.ffn_up.weight", np.random.default_rng(7).random(
+            (padding // 1024, 1024), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -15,8 +15,6 @@ import json
 import os
 import re
 import shutil
-import struct
-import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,7 +23,9 @@ import pytest
 
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
+from tests.gguf_files import write_tiny_gguf
 from tests.support import start_daemon, wait_for
+from tests.vision_model import png_bytes
 
 sync_api = pytest.importorskip("playwright.sync_api")  # the test extra; absent: not a dev install
 
@@ -120,15 +120,6 @@ def screenshot(page: Any, name: str, tmp_path: Path) -> None:
 def busy_slots(daemon: Daemon) -> int:
     models = httpx.get(f"{daemon.url}/api/ps").json()["models"]
     return sum(m["slots_busy"] for m in models)
-
-
-def tiny_png() -> bytes:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-    raw = zlib.compress(b"\x00\xff\x00\x00\x00\xff\x00")  # 2x1 pixels, RGB: red, green
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", raw) + chunk(b"IEND", b""))
 
 
 def test_page_is_served_under_a_strict_policy(daemon_factory: Any) -> None:
@@ -255,7 +246,7 @@ def test_stop_ends_the_answer_and_frees_the_slot(browser: Any, ui_daemon: Daemon
 
 def test_an_image_on_a_text_model_is_refused_with_the_apis_message(tab: Page,
                                                                   ui_daemon: Daemon) -> None:
-    png = tiny_png()
+    png = png_bytes(2, 1, seed=3)
     direct = httpx.post(f"{ui_daemon.url}/api/chat", json={
         "model": CHAT, "stream": True,
         "messages": [{"role": "user", "content": "What is this?",
@@ -274,37 +265,12 @@ def test_an_image_on_a_text_model_is_refused_with_the_apis_message(tab: Page,
     tab.errors = [e for e in tab.errors if "status of 400" not in e]  # the refusal itself
 
 
-def model_file(path: Path) -> Path:
-    """A well-formed GGUF of 4 MB that no store holds yet (the starters' blobs would be found
-    in the store, and a pull that downloads nothing shows no progress)."""
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(128)
-    w.add_embedding_length(8)
-    w.add_head_count(2)
-    w.add_file_type(0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "a", "b", "c"])
-    w.add_token_scores([0.0, 1.0, 2.0, 3.0])
-    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
-    w.add_tensor("blk.0.ffn_up.weight", np.random.default_rng(7).random((1024, 1024),
-                                                                        dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) -> None:
     from corral.registry import manifest as mt
     from tests.registry_server import FakeRegistry
 
     reg = FakeRegistry()
-    reg.add_model("library", "pulled", "latest", [(mt.MODEL, model_file(tmp_path / "m.gguf")),
+    reg.add_model("library", "pulled", "latest", [(mt.MODEL, write_tiny_gguf(tmp_path / "m.gguf", padding=1 << 20)),
                                                    (mt.TEMPLATE, b"{{ .Prompt }}")])
     reg.faults.blob_delay = 0.03  # 64 KiB pieces: slow enough that the bar is seen moving
     try:
