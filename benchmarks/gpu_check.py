@@ -97,6 +97,16 @@ def gpu_used() -> int | None:
     return sum(int(x) for x in out.stdout.split()) << 20
 
 
+def gpu_processes() -> dict[int, int] | None:
+    """Bytes each process holds on the device, by nvidia-smi; None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    rows = [line.split(",") for line in out.stdout.splitlines() if "," in line]
+    return {int(pid): int(mb) << 20 for pid, mb in rows}
+
+
 class Daemon:
     """`python -m corral.server` on a free port, with its own environment."""
 
@@ -195,7 +205,7 @@ def greedy(daemon: Daemon, **options: Any) -> list[dict[str, Any]]:
 
 def full_offload(run: Run, daemon: Daemon) -> dict[str, Any]:
     ours = greedy(daemon)  # all layers on the GPU (the CPU, in the rehearsal)
-    ps = daemon.ps()
+    ps, holders = daemon.ps(), gpu_processes()
     daemon.unload()
     cpu = greedy(daemon, num_gpu=0)
     daemon.unload()
@@ -211,6 +221,9 @@ def full_offload(run: Run, daemon: Daemon) -> dict[str, Any]:
             "text": "".join(t["token"] for t in ours), "cpu_text": "".join(t["token"] for t in cpu),
             "size": ps.get("size"), "size_vram": ps.get("size_vram"),
             "all_on_gpu": (ps.get("size_vram") == ps.get("size")) if not run.cpu else None,
+            # The daemon asks NVML, not CUDA, for free memory: it should hold none itself.
+            "daemon_vram": None if holders is None else holders.get(daemon.proc.pid, 0),
+            "gpu_processes": holders,
             "skipped": "no GPU: both runs are CPU runs" if run.cpu else None}
 
 

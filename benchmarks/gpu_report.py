@@ -22,6 +22,9 @@ def _offload(checks: dict[str, Any]) -> list[str]:
                      f"{same}; within tolerance: {full['within_tolerance']} |")
         lines.append(f"| 1. `ps` | size {_mb(full['size'])}, on the GPU {_mb(full['size_vram'])}"
                      f" ({'100% GPU' if full['all_on_gpu'] else full['skipped'] or 'split'}) |")
+        if full.get("daemon_vram") is not None:
+            lines.append(f"| 1. VRAM held by the daemon process itself | "
+                         f"{_mb(full['daemon_vram']) if full['daemon_vram'] else 'none'} |")
     if half:
         error = half["estimate_error"]
         off = "" if error is None else f" (estimate {error:+.0%})"

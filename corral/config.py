@@ -344,6 +344,11 @@ def llama_lib_path() -> str | None:
     return os.environ.get("LLAMA_CPP_LIB_PATH") or None
 
 
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES, when set: which GPUs CUDA (and so llama.cpp) may use."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def load_settings(environ: Mapping[str, str] | None = None, warn: bool = True) -> Settings:
     """Read every setting once. Invalid values warn and fall back to the default."""
     env = os.environ if environ is None else environ

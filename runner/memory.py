@@ -140,12 +140,33 @@ def free_gpu_memory() -> int:
     return total_free
 
 
+def daemon_free_gpu_memory() -> int:
+    """Free VRAM as the daemon asks for it: from NVML where there is a CUDA build and a
+    driver (no CUDA context, so no VRAM held by the daemon itself), else from ggml."""
+    if not gpu_backend_present():
+        return 0
+    from corral.runner import nvml
+
+    free = nvml.free_bytes() if _has_backend("cuda") else None
+    return free_gpu_memory() if free is None else free
+
+
 _GPU_BACKENDS = ("cuda", "hip", "vulkan", "metal", "sycl", "opencl", "musa", "cann")
 
 
 def gpu_backend_present() -> bool:
     """Whether the installed llama.cpp ships a GPU backend library beside its own (in the
     package, or where LLAMA_CPP_LIB_PATH points llama-cpp-python instead)."""
+    names = _library_names()
+    return any(_has_backend(b, names) for b in _GPU_BACKENDS)
+
+
+def _has_backend(backend: str, names: list[str] | None = None) -> bool:
+    names = _library_names() if names is None else names
+    return any(n.startswith((f"libggml-{backend}", f"ggml-{backend}")) for n in names)
+
+
+def _library_names() -> list[str]:
     import importlib.util
 
     from corral.config import llama_lib_path
@@ -153,9 +174,4 @@ def gpu_backend_present() -> bool:
     spec = importlib.util.find_spec("llama_cpp")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
     libs = [os.path.join(root, "lib") for root in roots] + [p for p in [llama_lib_path()] if p]
-    for lib in libs:
-        names = os.listdir(lib) if os.path.isdir(lib) else []
-        if any(n.startswith(f"libggml-{b}") or n.startswith(f"ggml-{b}")
-               for n in names for b in _GPU_BACKENDS):
-            return True
-    return False
+    return [n for lib in libs if os.path.isdir(lib) for n in os.listdir(lib)]

@@ -49,7 +49,7 @@ class Scheduler:
                  runner_factory: Callable[[LoadConfig], Runner],
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
-                 free_vram: Callable[[], int] = memory.free_gpu_memory,
+                 free_vram: Callable[[], int] = memory.daemon_free_gpu_memory,
                  inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path),
                  cores: int = 0) -> None:
         self.settings = settings

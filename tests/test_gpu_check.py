@@ -47,6 +47,7 @@ def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> 
     assert not [k for k, v in checks.items() if "error" in v]
     assert checks["model"]["parameters"] > 1e7 and checks["model"]["quantize_seconds"] >= 0
     assert checks["full_offload"]["equal"] and checks["full_offload"]["tokens"] == 32
+    assert checks["full_offload"]["daemon_vram"] is None  # no nvidia-smi here
     assert checks["half_offload"]["split_gpu"] == 0  # no device: nothing claimed on one
     growth = checks["corral"]["growth"]
     assert growth["grew"] and growth["shrank"] and growth["idle"]["slots"] == 1
@@ -64,7 +65,8 @@ def test_table_shows_a_cuda_runs_readings(error: float | None) -> None:
         "model": {"parameters": 1.07e9, "write_seconds": 9.0, "quantize_seconds": 20.0},
         "full_offload": {"tokens": 32, "equal": False, "first_difference": 17,
                          "cpu_margin_there": 0.02, "within_tolerance": True, "size": 9e8,
-                         "size_vram": 9e8, "all_on_gpu": True, "skipped": None},
+                         "size_vram": 9e8, "all_on_gpu": True, "skipped": None,
+                         "daemon_vram": 0},
         "half_offload": {"num_gpu": 8, "split_gpu": 0.45, "estimate_vram": 4e8,
                          "nvidia_smi_vram": 4.2e8, "estimate_error": error},
         "corral": {"levels": [{"c": 1, "tok_s": 300.0, "ttft_p50_ms": 9, "failed": 0}],
@@ -78,6 +80,7 @@ def test_table_shows_a_cuda_runs_readings(error: float | None) -> None:
     text = table(result)
     assert "NVIDIA H200" in text and "CUDA build 250 s" in text
     assert "differ at token 17" in text and "100% GPU" in text
+    assert "| 1. VRAM held by the daemon process itself | none |" in text
     assert "| 1 | 300.0 | 320.0 | 0.94x | 9 ms | 8 ms |" in text
     assert "measured 32 (guessed 32)" in text and "busiest 16 slots" in text
     assert ("(estimate +4%)" in text) == (error is not None)

@@ -91,3 +91,17 @@ def test_a_gpu_backend_is_found_where_llama_cpp_lib_path_points(
     (tmp_path / "libggml-cuda.so").write_bytes(b"")
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
     assert memory.gpu_backend_present()
+
+
+def test_the_daemon_asks_nvml_only_for_cuda_and_falls_back_without_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.runner import memory, nvml
+
+    assert nvml.free_bytes(str(tmp_path / "no-such-libnvidia-ml.so")) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert nvml.free_bytes() is None  # NVML would count GPUs that CUDA may not use
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    if memory.gpu_backend_present():
+        pytest.skip("this install's llama.cpp has a GPU backend of its own")
+    assert memory.daemon_free_gpu_memory() == 0  # a CPU build: nothing asked of any GPU
