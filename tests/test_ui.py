@@ -165,10 +165,12 @@ def test_chat_streams_an_answer_into_the_log(tab: Page, tmp_path: Path) -> None:
     assert log.locator("article.user").last.inner_text().strip() == "Name three colors."
 
 
-def test_model_output_with_markup_is_shown_as_text(tab: Page) -> None:
+def test_model_output_with_markup_is_shown_as_text(tab: Page, tmp_path: Path) -> None:
     page = tab.open()
     words = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
-             '\n```html\n<b>not bold</b>\n```\n')
+             ' [run](javascript:window.pwned=3) [docs](https://example.com/a)'
+             '\n```html\n<b>not bold</b>\n```\n'
+             '| tag | safe |\n|---|---|\n| <i>x</i> | yes |\n')
     tab.rewrite_chat(grammar="root ::= " + json.dumps(words), options={"temperature": 0})
     tab.send("Say it.")
     answer = tab.answer()
@@ -178,8 +180,14 @@ def test_model_output_with_markup_is_shown_as_text(tab: Page) -> None:
     assert content.locator("script, img").count() == 0
     assert content.locator("strong").inner_text() == "bold"  # Markdown still rendered
     assert content.locator("pre code").inner_text() == "<b>not bold</b>"  # a code block
-    assert content.locator("b").count() == 0
+    assert content.locator("b, i").count() == 0
+    [link] = content.locator("a").all()  # only the https one became a link
+    assert link.get_attribute("href") == "https://example.com/a" and link.inner_text() == "docs"
+    assert "noopener" in (link.get_attribute("rel") or "")
+    assert "[run](javascript:window.pwned=3)" in content.inner_text()
+    assert content.locator("table td").all_inner_texts() == ["<i>x</i>", "yes"]  # a table
     assert page.evaluate("window.pwned") is None
+    screenshot(page, "ui-markup.png", tmp_path)
 
 
 def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemon) -> None:

@@ -1,9 +1,9 @@
 // Markdown for a model's answers, built as DOM nodes whose text is only ever set with
 // textContent. No string of the model's becomes HTML, so there is nothing to sanitize:
 // "<script>" in an answer is shown as those characters. The subset is what chat models
-// write: fenced code, headings, lists, quotes, rules, paragraphs, and inline code,
-// bold, italics and links (http, https and mailto only). A fence still open while
-// the answer streams is shown as code up to the end.
+// write: fenced code (with a Copy button), tables, headings, lists, quotes, rules,
+// paragraphs, and inline code, bold, italics and links (http, https and mailto only).
+// A fence still open while the answer streams is shown as code up to the end.
 
 const SAFE_LINK = /^(https?:|mailto:)/i;
 const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*\n]+)\*\*|__([^_\n]+)__|\*([^*\s][^*\n]*)\*|_([^_\s][^_\n]*)_|\[([^\]\n]+)\]\(([^)\s]+)\)/g;
@@ -52,7 +52,15 @@ function codeBlock(lang, lines) {
   const code = document.createElement("code");
   if (lang) code.dataset.lang = lang;
   code.textContent = lines.join("\n");
-  pre.append(code);
+  const copy = document.createElement("button");
+  copy.type = "button";
+  copy.className = "copy";
+  copy.textContent = "Copy";
+  copy.addEventListener("click", () => {
+    navigator.clipboard.writeText(code.textContent).then(() => { copy.textContent = "Copied"; },
+      () => { copy.textContent = "Copy failed"; });
+  });
+  pre.append(copy, code);
   return pre;
 }
 
@@ -62,6 +70,30 @@ const BULLET = /^\s{0,3}([-*+])\s+(.*)$/;
 const NUMBER = /^\s{0,3}(\d{1,9})[.)]\s+(.*)$/;
 const QUOTE = /^\s{0,3}>\s?(.*)$/;
 const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
+const TABLE_RULE = /^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$/;
+
+function cells(line) {
+  return line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => c.trim());
+}
+
+// A GFM table: a header row, a rule of dashes, then rows while lines hold a "|".
+function table(lines, i) {
+  const node = document.createElement("table");
+  const head = node.createTHead().insertRow();
+  for (const cell of cells(lines[i])) {
+    const th = document.createElement("th");
+    inline(th, cell);
+    head.append(th);
+  }
+  const body = node.createTBody();
+  i += 2;
+  while (i < lines.length && lines[i].includes("|") && lines[i].trim()) {
+    const row = body.insertRow();
+    for (const cell of cells(lines[i])) inline(row.insertCell(), cell);
+    i++;
+  }
+  return [node, i];
+}
 
 function list(lines, i, pattern, ordered) {
   const node = document.createElement(ordered ? "ol" : "ul");
@@ -101,6 +133,10 @@ export function render(source) {
       while (i < lines.length && !lines[i].trim().startsWith(fence)) body.push(lines[i++]);
       i++; // the closing fence, or past the end while it streams
       out.append(codeBlock(m[2], body));
+    } else if (line.includes("|") && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1])) {
+      const [node, next] = table(lines, i);
+      out.append(node);
+      i = next;
     } else if ((m = line.match(HEADING))) {
       const h = document.createElement(`h${Math.min(m[1].length + 2, 6)}`);
       inline(h, m[2]);
@@ -128,7 +164,8 @@ export function render(source) {
     } else {
       const body = [];
       while (i < lines.length && lines[i].trim() && !FENCE.test(lines[i]) && !HEADING.test(lines[i])
-             && !BULLET.test(lines[i]) && !NUMBER.test(lines[i]) && !QUOTE.test(lines[i])) {
+             && !BULLET.test(lines[i]) && !NUMBER.test(lines[i]) && !QUOTE.test(lines[i])
+             && !(lines[i].includes("|") && TABLE_RULE.test(lines[i + 1] || ""))) {
         body.push(lines[i++]);
       }
       const p = document.createElement("p");
