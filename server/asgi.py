@@ -30,9 +30,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from corral.config import Settings
 from corral.errors import (BadRequest, CorralError, Forbidden, MethodNotAllowed, NotFound, Shape,
                            Unauthorized)
-from corral.server.ui import is_page
 from corral.server.http import (Handler, Request, Route, error_response, host_allowed,
                          origin_pattern, too_large)
+from corral.server.ui import is_page
 
 log = logging.getLogger("corral.http")
 
@@ -122,8 +122,7 @@ class Dispatcher:
         method, path = scope["method"], scope["path"]
         headers = Headers(scope=scope)
         key = self.settings.api_key
-        if key and not (path == "/" and method in ("GET", "HEAD")) and not is_page(
-                method, path) and not (
+        if key and needs_key(method, path) and not (
                 headers.get("authorization") == f"Bearer {key}"
                 or headers.get("x-api-key") == key):
             return await send_error(send, Unauthorized("unauthorized"), shape_of(path))
@@ -150,6 +149,11 @@ class Dispatcher:
                                            lambda m: anyio.from_thread.run(send_now, m),
                                            limiter=self.limiter)
             tasks.cancel_scope.cancel()
+
+
+def needs_key(method: str, path: str) -> bool:
+    """Everything but the root (clients check that it answers) and the page's own files."""
+    return not ((path == "/" and method in ("GET", "HEAD")) or is_page(method, path))
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
