@@ -218,6 +218,38 @@ def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemo
     assert answer.locator(".tool-call code").inner_text() == 'get_weather({"city":"Paris"})'
 
 
+def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: Daemon) -> None:
+    """Picking a thinking model, then a text model, before the first one's details arrive:
+    the page must not send `think` to the text model (it would refuse it with a 400)."""
+    from tests.test_reasoning import TEMPLATE
+
+    r = httpx.post(f"{ui_daemon.url}/api/create", json={
+        "model": "thinker", "from": CHAT, "template": TEMPLATE, "stream": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    held: list[Any] = []
+
+    def hold_thinker(route: Any) -> None:
+        if json.loads(route.request.post_data or "{}").get("model") == "thinker:latest":
+            held.append(route)  # answered below, after the text model's
+        else:
+            route.continue_()
+    page = tab.open()
+    page.route("**/api/show", hold_thinker)
+    picker = page.get_by_label("Model", exact=True)
+    page.locator('#model option[value="thinker:latest"]').wait_for(state="attached")
+    picker.select_option("thinker:latest")
+    wait_for(lambda: held or page.evaluate("0"), timeout=10)  # evaluate lets handlers run
+    picker.select_option(CHAT)
+    page.wait_for_timeout(300)  # the text model's details arrive first
+    held[0].continue_()
+    page.wait_for_timeout(300)
+    assert not page.get_by_label("Think").is_visible()
+    tab.rewrite_chat(options={"temperature": 0, "num_predict": 4})
+    tab.send("Hi")
+    tab.answer().locator(".note").wait_for(timeout=60_000)
+    assert tab.answer().get_by_role("alert").count() == 0
+
+
 def test_stop_ends_the_answer_and_frees_the_slot(browser: Any, ui_daemon: Daemon,
                                                  tmp_path: Path) -> None:
     chat, live = Page(browser, ui_daemon.url), Page(browser, ui_daemon.url)
@@ -299,6 +331,7 @@ def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) ->
         page.get_by_role("link", name="Chat").click()  # the picker lists it without a reload
         page.locator(f'#model option[value="{name}"]').wait_for(state="attached")
         page.get_by_role("link", name="Models").click()
+        page.locator("#model-rows[aria-busy]").wait_for(state="detached")  # drawn again
         delete = page.get_by_role("button", name=f"Delete {name}")
         delete.click()
         assert delete.inner_text() == "Confirm delete"

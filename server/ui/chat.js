@@ -94,6 +94,9 @@ async function capabilities() {
   try {
     const response = await api("/api/show", { method: "POST", body: { model } });
     const caps = response.ok ? (await response.json()).capabilities || [] : [];
+    // An answer for a model picked before this one may come last: only the current one's
+    // counts, or a text model would be sent `think` and refuse it.
+    if ($("model").value !== model) return;
     think.parentElement.hidden = !caps.includes("thinking");
     think.checked = caps.includes("thinking");
   } catch (_) { /* the send reports what is wrong */ }

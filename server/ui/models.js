@@ -8,14 +8,24 @@ function when(iso) {
   return Number.isNaN(date.getTime()) ? "" : date.toLocaleString();
 }
 
+let refreshes = 0;
+
+// Only the latest refresh draws the table (an earlier answer may come last), and the
+// table says it is busy meanwhile.
 async function refresh() {
   const rows = $("model-rows");
+  const mine = ++refreshes;
+  rows.setAttribute("aria-busy", "true");
+  let drawn;
   try {
     const { models = [] } = await getJSON("/api/tags");
-    rows.replaceChildren(...models.map(row));
+    drawn = models.map(row);
   } catch (error) {
-    rows.replaceChildren(el("tr", {}, el("td", { colspan: "7", class: "error", role: "alert", text: error.message })));
+    drawn = [el("tr", {}, el("td", { colspan: "7", class: "error", role: "alert", text: error.message }))];
   }
+  if (mine !== refreshes) return;
+  rows.replaceChildren(...drawn);
+  rows.removeAttribute("aria-busy");
 }
 
 function row(model) {
