@@ -117,6 +117,15 @@ def screenshot(page: Any, name: str, tmp_path: Path) -> None:
     assert (folder / name).stat().st_size > 1000
 
 
+def create_thinker(daemon: Daemon) -> None:
+    """`thinker`: the chat starter under a template that thinks (tests/test_reasoning.py)."""
+    from tests.test_reasoning import TEMPLATE
+
+    r = httpx.post(f"{daemon.url}/api/create", json={
+        "model": "thinker", "from": CHAT, "template": TEMPLATE, "stream": False}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def busy_slots(daemon: Daemon) -> int:
     models = httpx.get(f"{daemon.url}/api/ps").json()["models"]
     return sum(m["slots_busy"] for m in models)
@@ -191,11 +200,9 @@ def test_model_output_with_markup_is_shown_as_text(tab: Page, tmp_path: Path) ->
 
 
 def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemon) -> None:
-    from tests.test_reasoning import TEMPLATE, TOOLS
+    from tests.test_reasoning import TOOLS
 
-    r = httpx.post(f"{ui_daemon.url}/api/create", json={
-        "model": "thinker", "from": CHAT, "template": TEMPLATE, "stream": False}, timeout=60)
-    assert r.status_code == 200, r.text
+    create_thinker(ui_daemon)
     page = tab.open()
     page.reload()  # the picker lists the new model
     page.get_by_label("Model", exact=True).select_option("thinker:latest")
@@ -221,11 +228,7 @@ def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemo
 def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: Daemon) -> None:
     """Picking a thinking model, then a text model, before the first one's details arrive:
     the page must not send `think` to the text model (it would refuse it with a 400)."""
-    from tests.test_reasoning import TEMPLATE
-
-    r = httpx.post(f"{ui_daemon.url}/api/create", json={
-        "model": "thinker", "from": CHAT, "template": TEMPLATE, "stream": False}, timeout=60)
-    assert r.status_code == 200, r.text
+    create_thinker(ui_daemon)
     held: list[Any] = []
 
     def hold_thinker(route: Any) -> None:
