@@ -101,8 +101,9 @@ install_wheels() {  # $1 python, $2 target folder, then extra pip flags
 }
 
 configure() {  # $1 build dir, then extra CMake flags
-  local dir="$1"; shift
-  cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/cmake" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  local dir="$1" generator=Ninja; shift
+  command -v ninja >/dev/null 2>&1 || generator="Unix Makefiles"  # slower, but it builds
+  cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/cmake" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON "$@"
