@@ -49,7 +49,9 @@ class Run:
     """The settings of one run, and its result, written out after every step."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.cpu, self.out, self.work = args.cpu, args.out, args.out / "work"
+        # The models and the benchmarks' raw files stay in `work`: the device tool brings
+        # back at most 8 files from $OUT, so only the results and the logs go there.
+        self.cpu, self.out, self.work = args.cpu, args.out, args.work or args.out / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.size = "tiny" if args.cpu else "1b"
         self.levels = [1, 4] if args.cpu else [1, 4, 16, 64]
@@ -282,7 +284,7 @@ def corral_levels(run: Run, daemon: Daemon) -> dict[str, Any]:
     idle, idle_vram = daemon.ps(), gpu_used()
     poller = Poller(daemon)
     poller.start()
-    levels = bench(daemon.url, NAME, run.levels, run.out / "corral.json")
+    levels = bench(daemon.url, NAME, run.levels, run.work / "corral.json")
     poller.stop_event.set()
     poller.join()
     from corral.runner.growth import SHRINK_AFTER
@@ -317,7 +319,7 @@ def llama_server(run: Run) -> dict[str, Any]:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc)
-        levels = bench(f"http://127.0.0.1:{port}", NAME, run.levels, run.out / "llama-server.json")
+        levels = bench(f"http://127.0.0.1:{port}", NAME, run.levels, run.work / "llama-server.json")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -330,7 +332,7 @@ def knee(run: Run) -> dict[str, Any]:
     whose doubling still added 10%."""
     daemon = Daemon(run, "knee", MAX_SLOTS=str(max(run.knee)), NUM_PARALLEL="0")
     try:
-        levels = bench(daemon.url, NAME, run.knee, run.out / "knee.json", per_client=2)
+        levels = bench(daemon.url, NAME, run.knee, run.work / "knee.json", per_client=2)
     finally:
         daemon.stop()
     cap = levels[0]["c"]
@@ -360,6 +362,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bin", type=Path, default=None, help="where llama-server is")
+    parser.add_argument("--work", type=Path, default=None, help="models and raw files")
     parser.add_argument("--build-seconds", type=float, default=None)
     parser.add_argument("--cpu", action="store_true", help="the rehearsal: no CUDA")
     run = Run(parser.parse_args())

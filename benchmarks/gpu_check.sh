@@ -11,7 +11,8 @@
 #       llama.cpp with CUDA for the detected architecture only (libllama, its ggml
 #       libraries and llama-server; ninja on every core), installs the wheels into a
 #       folder on PYTHONPATH, then runs benchmarks/gpu_check.py: the model is made there,
-#       and the checks write gpu_check.json and gpu_check.md under $OUT. Ten minutes at
+#       and the checks write gpu_check.json and gpu_check.md under $OUT (six files in
+#       all with the logs; /tmp/corral-gpu-check/out when $OUT is unset). Ten minutes at
 #       most: the checks get what the build left, and each writes its result at once.
 #   benchmarks/gpu_check.sh run --cpu     the rehearsal, here: the same steps without
 #       CUDA. The repacked sources are configured (not built), the bindings come from the
@@ -71,7 +72,7 @@ wheels() {
 travelling_bytes() {
   local tracked
   tracked="$(cd "$REPO" && git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n1 | cut -f1)"
-  echo $((tracked + $(du -sb "$PREP" --exclude=build --exclude=out | cut -f1)))
+  echo $((tracked + $(du -sb "$PREP" | cut -f1)))
 }
 
 prepare() {
@@ -114,7 +115,9 @@ run() {
   [ "${1:-}" = --cpu ] && cpu=1
   [ -f "$PREP/llama-src.tar.gz" ] && [ -f "$PREP/tokenizer.gguf" ] \
     || die "nothing prepared in $PREP; run benchmarks/gpu_check.sh prepare first"
-  local out="${OUT:-$PREP/out}" build="$PREP/build" py lib bin="" build_seconds
+  # Built outside benchmarks/.gpu, so that folder stays what the device tool carries.
+  local build="${GPU_CHECK_BUILD:-${TMPDIR:-/tmp}/corral-gpu-check}" py lib bin="" build_seconds
+  local out="${OUT:-$build/out}"
   rm -rf "$build" && mkdir -p "$out" "$build/src"
   tar -xzf "$PREP/llama-src.tar.gz" -C "$build/src"
   if [ "$cpu" = 1 ]; then
@@ -150,7 +153,7 @@ run() {
   [ "$left" -gt 60 ] || die "no time left for the checks after the build"
   say "checks, with ${left} s left"
   timeout --signal=TERM "$left" "$py" "$REPO/benchmarks/gpu_check.py" --tokenizer "$PREP/tokenizer.gguf" \
-    --out "$out" ${bin:+--bin "$bin"} ${build_seconds:+--build-seconds "$build_seconds"} \
+    --out "$out" --work "$build/work" ${bin:+--bin "$bin"} ${build_seconds:+--build-seconds "$build_seconds"} \
     $([ "$cpu" = 1 ] && echo --cpu)
 }
 

@@ -23,8 +23,9 @@ from gpu_report import table  # noqa: E402
 
 
 def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> None:
-    prep, out = tmp_path / "gpu", tmp_path / "out"
-    env = dict(os.environ, GPU_CHECK_DIR=str(prep), GPU_CHECK_CHAT=str(chat_gguf), OUT=str(out))
+    prep, out, build = tmp_path / "gpu", tmp_path / "out", tmp_path / "build"
+    env = dict(os.environ, GPU_CHECK_DIR=str(prep), GPU_CHECK_CHAT=str(chat_gguf), OUT=str(out),
+               GPU_CHECK_BUILD=str(build))
     env.pop("CORRAL_HOST", None)
     prepared = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "prepare"],
                               env=env, capture_output=True, text=True, timeout=900)
@@ -37,12 +38,13 @@ def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> 
     ran = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "run", "--cpu"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    assert (prep / "build/site312/pydantic").is_dir()  # the wheels install as for 3.12
+    assert (build / "site312/pydantic").is_dir()  # the wheels install as for 3.12
+    assert not (prep / "build").exists()  # what travels stays as prepared
     result = json.loads((out / "gpu_check.json").read_text())
     checks = result["checks"]
     assert result["mode"] == "cpu rehearsal" and result["gpu"] is None
     # The bindings are the repacked Python sources, over libraries outside the package.
-    assert result["bindings"].startswith(str(prep / "build/src/llama_cpp"))
+    assert result["bindings"].startswith(str(build / "src/llama_cpp"))
     assert result["libraries"] and "build" not in result["libraries"]
     assert not [k for k, v in checks.items() if "error" in v]
     assert checks["model"]["parameters"] > 1e7 and checks["model"]["quantize_seconds"] >= 0
@@ -57,6 +59,9 @@ def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> 
     assert "skipped" in peer or [lv["c"] for lv in peer["levels"]] == [1, 4]
     assert checks["auto_cap"]["measured_cap"] in (2, 4, 8)
     assert "| 1 |" in (out / "gpu_check.md").read_text()
+    # The device tool brings back at most 8 files from $OUT, none of them a model.
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and max(p.stat().st_size for p in files) < 16 << 20
 
 
 @pytest.mark.parametrize("error", [None, 0.04])
