@@ -22,7 +22,6 @@ suite); the GPU-only readings are recorded as skipped, with the reason.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -109,14 +108,18 @@ def gpu_processes() -> dict[int, int] | None:
     return {int(pid): int(mb) << 20 for pid, mb in rows}
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Daemon:
     """`python -m corral.server` on a free port, with its own environment."""
 
     def __init__(self, run: Run, tag: str, **env: str) -> None:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         full = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}",
                     CORRAL_MODELS=str(run.work / "models"), CORRAL_NOPRUNE="1",
@@ -165,11 +168,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float) -> bool:
 
 
 def make_model(run: Run, tokenizer: Path, daemon: Daemon) -> dict[str, Any]:
+    from corral.registry.store import file_sha256
     f16 = run.work / "random-f16.gguf"
     t0 = time.perf_counter()
     params = write_model(tokenizer, f16, SIZES[run.size])
     written = time.perf_counter() - t0
-    digest = "sha256:" + _sha256(f16)
+    digest = file_sha256(f16)
     with f16.open("rb") as f:
         httpx.post(f"{daemon.url}/api/blobs/{digest}", content=f, timeout=600).raise_for_status()
     t1 = time.perf_counter()
@@ -179,14 +183,6 @@ def make_model(run: Run, tokenizer: Path, daemon: Daemon) -> dict[str, Any]:
     f16.unlink()
     return {"parameters": params, "size": run.size, "write_seconds": round(written, 1),
             "quantize_seconds": round(time.perf_counter() - t1, 1), "path": str(model_path(run))}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_path(run: Run) -> Path:
@@ -307,10 +303,7 @@ def llama_server(run: Run) -> dict[str, Any]:
     exe = run.bin / "llama-server" if run.bin else None
     if exe is None or not exe.exists():
         return {"skipped": "no llama-server here (benchmarks/build_llama_server.sh builds one)"}
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     slots = max(run.levels)
     cmd = [str(exe), "-m", str(model_path(run)), "--port", str(port), "-np", str(slots),
            "--kv-unified", "-c", str(slots * 1024), "-ngl", "0" if run.cpu else "999"]

@@ -58,14 +58,17 @@ def field_value(field: gguf.ReaderField) -> tuple[object, gguf.GGUFValueType,
     return field.parts[field.data[0]].tolist()[0], vtype, None
 
 
-def cut_tokenizer(src: Path, dst: Path) -> int:
-    """Copy every `tokenizer.*` field of `src` into a GGUF with no tensors; its size."""
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), "llama")
+def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             value, vtype, sub = field_value(field)
             writer.add_key_value(name, value, vtype, sub_type=sub)
+
+
+def cut_tokenizer(src: Path, dst: Path) -> int:
+    """Copy every `tokenizer.*` field of `src` into a GGUF with no tensors; its size."""
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    copy_tokenizer(gguf.GGUFReader(str(src)), writer)
     writer.add_name("corral gpu-check tokenizer")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -79,10 +82,7 @@ def write_model(tokenizer: Path, dst: Path, dims: Dims, seed: int = 1) -> int:
     reader = gguf.GGUFReader(str(tokenizer))
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     writer = gguf.GGUFWriter(str(dst), "llama")
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            value, vtype, sub = field_value(field)
-            writer.add_key_value(name, value, vtype, sub_type=sub)
+    copy_tokenizer(reader, writer)
     head = dims.n_embd // dims.n_head
     writer.add_name(f"corral gpu-check random llama ({dims.n_embd}x{dims.n_layer})")
     writer.add_context_length(dims.n_ctx)

@@ -147,10 +147,10 @@ class Engine:
                     self._embeds.step(self.embedder)
                     self._embedded_at, self._transient = self.clock(), True
                 self._admit()
+                active = sum(s.state is not SlotState.IDLE for s in self.slots)
                 if self.resizer is not None:
-                    self.resizer.tick(sum(s.state is not SlotState.IDLE for s in self.slots),
-                                      len(self._waiting), self.clock())
-                if any(s.state is not SlotState.IDLE for s in self.slots):
+                    self.resizer.tick(active, len(self._waiting), self.clock())
+                if active:
                     t0 = self.clock()
                     self._step()
                     self.step_time += self.clock() - t0

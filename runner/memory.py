@@ -116,6 +116,10 @@ def free_gpu_memory() -> int:
     """Free bytes summed over GPU devices that ggml reports; 0 on a CPU-only build."""
     if not gpu_backend_present():
         return 0  # without importing llama_cpp: the daemon's first load waits for this
+    return _ggml_free()
+
+
+def _ggml_free() -> int:
     try:
         import llama_cpp as L
 
@@ -143,21 +147,22 @@ def free_gpu_memory() -> int:
 def daemon_free_gpu_memory() -> int:
     """Free VRAM as the daemon asks for it: from NVML where there is a CUDA build and a
     driver (no CUDA context, so no VRAM held by the daemon itself), else from ggml."""
-    if not gpu_backend_present():
+    names = _library_names()
+    if not gpu_backend_present(names):
         return 0
     from corral.runner import nvml
 
-    free = nvml.free_bytes() if _has_backend("cuda") else None
-    return free_gpu_memory() if free is None else free
+    free = nvml.free_bytes() if _has_backend("cuda", names) else None
+    return _ggml_free() if free is None else free
 
 
 _GPU_BACKENDS = ("cuda", "hip", "vulkan", "metal", "sycl", "opencl", "musa", "cann")
 
 
-def gpu_backend_present() -> bool:
+def gpu_backend_present(names: list[str] | None = None) -> bool:
     """Whether the installed llama.cpp ships a GPU backend library beside its own (in the
     package, or where LLAMA_CPP_LIB_PATH points llama-cpp-python instead)."""
-    names = _library_names()
+    names = _library_names() if names is None else names
     return any(_has_backend(b, names) for b in _GPU_BACKENDS)
 
 

@@ -5,13 +5,15 @@ import { startLive } from "/ui/live.js";
 
 const KEY = "corral.key";
 
+export const $ = (id) => document.getElementById(id);
+
 // Asked once per tab: sessionStorage, so the key leaves with the tab.
 let asking = null;
 function askKey() {
   if (asking) return asking;
-  const dialog = document.getElementById("key-dialog");
-  const form = document.getElementById("key-form");
-  const input = document.getElementById("api-key");
+  const dialog = $("key-dialog");
+  const form = $("key-form");
+  const input = $("api-key");
   asking = new Promise((resolve) => {
     form.addEventListener("submit", (event) => {
       event.preventDefault();
@@ -109,7 +111,7 @@ export function onView(name, callback) { listeners[name] = callback; }
 function show() {
   const name = views.includes(location.hash.slice(1)) ? location.hash.slice(1) : "chat";
   for (const view of views) {
-    document.getElementById(`view-${view}`).hidden = view !== name;
+    $(`view-${view}`).hidden = view !== name;
     const link = document.querySelector(`nav a[data-view="${view}"]`);
     if (view === name) link.setAttribute("aria-current", "page");
     else link.removeAttribute("aria-current");
@@ -125,7 +127,7 @@ async function start() {
   show();
   try {
     const version = await getJSON("/api/version");
-    document.getElementById("version").textContent = `v${version.corral || version.version}`;
+    $("version").textContent = `v${version.corral || version.version}`;
   } catch (_) { /* the views report their own errors */ }
 }
 

@@ -1,10 +1,9 @@
 // The chat view: a model picker, a transcript (role="log"), a composer, and the
 // conversations kept in this browser's localStorage.
-import { api, el, errorText, getJSON, ndjson, onView } from "/ui/app.js";
+import { $, api, el, errorText, getJSON, ndjson, onView } from "/ui/app.js";
 import { render } from "/ui/markdown.js";
 import { Conversations } from "/ui/conversations.js";
 
-const $ = (id) => document.getElementById(id);
 const store = new Conversations(localStorage);
 let running = null; // { controller, message } while an answer streams
 let pending = []; // images attached to the next message: { name, data (base64), url }

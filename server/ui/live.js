@@ -1,8 +1,7 @@
 // The live view: loaded models from /api/ps, slots, queue and the token rate from /metrics,
 // polled once a second while the view is open.
-import { api, el, formatBytes, getJSON, onView } from "/ui/app.js";
+import { $, api, el, formatBytes, getJSON, onView } from "/ui/app.js";
 
-const $ = (id) => document.getElementById(id);
 const WINDOW = 60; // seconds of rate history in the chart
 const history = new Map(); // model -> { last: [time, sampled], rates: [tokens/s] }
 let timer = null;

@@ -1,7 +1,6 @@
 // The models view: pull by name with a progress bar, delete, and a model's details.
-import { api, el, errorText, formatBytes, getJSON, ndjson, onView } from "/ui/app.js";
+import { $, api, el, errorText, formatBytes, getJSON, ndjson, onView } from "/ui/app.js";
 
-const $ = (id) => document.getElementById(id);
 
 function when(iso) {
   const date = new Date(iso);
