@@ -86,7 +86,7 @@ def test_help_lists_every_variable() -> None:
 
 
 def test_no_other_module_reads_the_environment() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1] / "corral"
     offenders = []
     for pkg in ("api", "cli", "registry", "runner"):
         for path in (root / pkg).rglob("*.py"):

@@ -14,7 +14,16 @@ from corral.errors import CorralError
 from corral.server.daemon import run
 
 
+USAGE = """usage: python -m corral.server [--preload MODEL]
+
+Runs the Corral daemon in the foreground (settings from CORRAL_* variables, see
+`corral serve --help`). --preload starts loading MODEL's runner at once."""
+
+
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
     preload = argv[argv.index("--preload") + 1] if "--preload" in argv[:-1] else None
     try:
         run(load_settings(), preload)
