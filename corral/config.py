@@ -171,6 +171,14 @@ def _parse_count(value: str) -> int:
     return n
 
 
+def parse_size(value: str) -> int:
+    """Bytes, as a count or with a unit: 512MiB, 2GB and 2g are binary multiples."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", value.strip().lower())
+    if not m:
+        raise ValueError("must be a size such as 0, 512MiB or 4GiB")
+    return int(float(m.group(1)) * (1 << 10 * (" kmgt".index(m.group(2) or " "))))
+
+
 def _parse_context(value: str) -> int:
     n = int(value)
     if n < 4 or n > 1 << 24:
@@ -203,10 +211,6 @@ def _parse_debug(value: str) -> int:
     if value.isdigit():
         return int(value)
     return 1 if parse_bool(value) else 0
-
-
-def _parse_optional_bool(value: str) -> bool | None:
-    return parse_bool(value)
 
 
 def _parse_path(value: str) -> Path:
@@ -266,7 +270,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("ORIGINS", "origins", (), "", "extra allowed CORS origins, comma separated",
          _parse_origins),
     Spec("FLASH_ATTENTION", "flash_attention", None, "auto", "force flash attention on or off",
-         _parse_optional_bool),
+         parse_bool),
     Spec("KV_CACHE_TYPE", "kv_cache_type", "f16", "f16", "KV cache type: f16, q8_0, q4_0",
          _parse_kv_type),
     Spec("NOPRUNE", "noprune", False, "false", "do not prune unused blobs on start", parse_bool),
@@ -300,6 +304,10 @@ SPECS: tuple[Spec, ...] = (
          _parse_rpc_servers),
     Spec("MAX_GRAMMAR_BYTES", "max_grammar_bytes", 64 << 10, "65536",
          "largest grammar or JSON schema in `format`, bytes", _parse_count),
+    Spec("CACHE_RAM", "cache_ram", None, "auto", "host RAM for each model's prompt cache "
+         "(0: off; auto: an eighth of RAM, at most 4GiB)", parse_size),
+    Spec("CACHE_DISK", "cache_disk", 0, "0", "disk for the prompt cache under the state "
+         "directory, so prompts stay warm across unloads and restarts (0: off)", parse_size),
 )
 
 
@@ -335,6 +343,8 @@ class Settings:
     max_image_pixels: int
     rpc_servers: tuple[str, ...]
     max_grammar_bytes: int
+    cache_ram: int | None
+    cache_disk: int
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
 

@@ -25,7 +25,7 @@ def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
     prompt = list(range(100 * seq, 100 * seq + cached + pending))
     s.cached = prompt[:cached]
     seq_ = Sequence(Job(prompt=prompt))
-    s.assign(seq_, cached)
+    s.assign(seq_, prompt[:cached])
     seq_.start(NoSampler(), 10, prompt, cached, now=started)  # type: ignore[arg-type]
     if state is SlotState.DECODE:
         s.cached, seq_.pending = prompt, []
@@ -73,5 +73,7 @@ def test_idle_slots_and_a_full_batch_add_nothing() -> None:
 
 
 def test_planning_needs_no_llama_cpp() -> None:
-    code = "import sys, runner.batchplan; sys.exit('llama_cpp' in sys.modules)"
+    # The step's policies are pure: planning, scheduling and the prompt cache's bookkeeping.
+    code = ("import sys, corral.runner.batchplan, corral.runner.scheduler, "
+            "corral.runner.promptcache; sys.exit('llama_cpp' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -109,7 +109,7 @@ def _state(streams: int, at: int, cells: int, seq: int = 0) -> bytes:
 
 
 def test_restream_rewrites_the_stream_count_and_nothing_else() -> None:
-    from corral.runner.growth import restream
+    from corral.runner.seqstate import restream
 
     one = _state(streams=1, at=0, cells=2, seq=5)
     assert restream(one, 1, 5) == one

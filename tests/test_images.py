@@ -13,7 +13,8 @@ from corral.cli.images import extract_images, mentions_image
 from corral.config import load_settings
 from corral.errors import BadRequest
 from corral.runner.batchplan import plan_step, text_run
-from corral.runner.imagefeed import align_keep, check_images as check_spans
+from corral.runner.admission import align_keep
+from corral.runner.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
 from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
 from corral.runner.sequence import Sequence

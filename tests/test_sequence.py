@@ -19,7 +19,7 @@ class CountingSampler:
 def running(prompt: list[int], keep: int = 0) -> tuple[Slot, Sequence, CountingSampler]:
     slot, seq, sampler = Slot(seq=3, num_ctx=64, cached=prompt[:keep]), Sequence(Job(prompt)), \
         CountingSampler()
-    slot.assign(seq, keep)
+    slot.assign(seq, prompt[:keep])
     seq.start(sampler, 10, prompt, keep, now=1.0)  # type: ignore[arg-type]
     return slot, seq, sampler
 
@@ -36,7 +36,7 @@ def test_a_preempted_sequence_moves_whole_to_another_slot() -> None:
     seq.preempt()
     assert seq.state is SeqState.PREEMPTED and seq.sampler is sampler and sampler.freed == 0
     other = Slot(seq=5, num_ctx=64)
-    other.assign(seq, 0)
+    other.assign(seq, [])
     seq.resume(seq.job.prompt + seq.generated, keep=0)
     # The same object carries on: its progress was never copied out and back.
     assert other.sequence is seq and seq.pending == [1, 2, 3, 4, 7, 8] and seq.last_token == 8

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 from corral.errors import ContextOverflow
 from corral.runner.jobs import Job
+
+if TYPE_CHECKING:
+    from corral.runner.vision import ImageSpan
 
 
 def fit_prompt(job: Job, generated: list[int], num_ctx: int) -> list[int]:
@@ -31,3 +36,12 @@ def generation_limit(job: Job, n_prompt: int, num_ctx: int) -> int:
     if job.num_predict < 0:
         return 10 * num_ctx
     return max(job.num_predict, 0)
+
+
+def align_keep(spans: Sequence["ImageSpan"], keep: int) -> int:
+    """A cached prefix may end inside an image only if its tokens attend causally;
+    otherwise the whole image is decoded again, together."""
+    for span in spans:
+        if span.non_causal and span.start < keep < span.end:
+            return span.start
+    return keep

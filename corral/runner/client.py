@@ -169,6 +169,13 @@ class RunnerProcess:
         except (_httpx().HTTPError, RunnerError):
             pass
 
+    def clear_cache(self) -> None:
+        """Drop the runner's prompt cache from RAM: the memory is wanted for a model."""
+        try:
+            self._client().post("/cache/clear", json={}, timeout=2.0)
+        except (_httpx().HTTPError, RunnerError):
+            pass
+
     def cancel(self, job_id: str) -> None:
         try:
             self._call("/cancel", {"id": job_id})

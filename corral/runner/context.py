@@ -41,6 +41,11 @@ class EngineConfig:
     # can change in the last bits with load; on, decoding is 4-13% slower here.
     deterministic: bool = False
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUFs and their scales
+    # The prompt cache (runner.promptcache): bytes of host RAM for the KV of sequences
+    # that left the context, and of disk under cache_dir for those that outlive it.
+    cache_ram: int = 0
+    cache_disk: int = 0
+    cache_dir: str = ""
 
 
 class LlamaContext:

@@ -10,16 +10,15 @@ clears a context's whole KV buffer when it is made (a second and 1.5 GB for sixt
 slots of a 135M model here), whether or not a second request ever comes. A context
 of one stream loads in a tenth of that. When requests run at once, the next context
 is made on a builder thread while the current one goes on decoding; then, between
-two steps, the engine copies every cached sequence across with
-`llama_state_seq_get_data`/`set_data` (bit-exact KV: greedy output is unchanged)
-and frees the old context. Nobody waits longer than that copy, except the requests
+two steps, the engine copies every cached sequence across (runner.seqstate: bit-exact
+KV, so greedy output is unchanged) and frees the old context; an idle slot's cache that
+a smaller context has no room for goes to the prompt cache (runner.promptcache). Nobody waits longer than that copy, except the requests
 that needed the new streams, which wait for the build. Sizes are powers of two from
 the start size to the memory-fit cap, so a burst of sixteen takes one step.
 """
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import logging
 import threading
@@ -30,6 +29,7 @@ import llama_cpp as L
 
 from corral.errors import RunnerError
 from corral.runner.jobs import Resized
+from corral.runner.seqstate import copy_sequence
 from corral.runner.slot import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -99,94 +99,20 @@ class Capacity:
             self.cap = self.streams
 
 
-def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) -> bool:
-    """One sequence's KV cells from one context to another (of `streams` streams), bit
-    for bit."""
-    size = L.llama_state_seq_get_size(src, src_seq)
-    buf = (ctypes.c_uint8 * size)()
-    n = L.llama_state_seq_get_data(src, buf, size, src_seq)
-    # string_at copies the bytes in one go: slicing a ctypes array makes a list of ints,
-    # one Python object a byte, on the engine thread that every stream waits for.
-    data = restream(ctypes.string_at(buf, n), streams, dst_seq) if n > 0 else None
-    if data is None:
-        return False
-    out = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    return L.llama_state_seq_set_data(dst, out, len(data), dst_seq) > 0
-
-
-def restream(state: bytes, streams: int, seq: int) -> bytes | None:
-    """A sequence's state, written by a context of some number of KV streams, as one of
-    `streams` streams would have written it for sequence `seq`; None if it does not parse.
-
-    llama.cpp refuses a state whose stream count differs from its own ("n_stream
-    mismatch"), though a single sequence only ever fills one stream's entry: the others
-    are empty counts, and restoring puts the cells in the destination sequence's own
-    stream whichever entry they came in. The layout (llama.cpp as pinned): a header
-    [tag u32][sequence u32], then per memory section (one, or two for a sliding-window
-    model) [n_stream u32] and per stream [cell_count u32] and, for the stream with
-    cells, its cells (position, sequence ids) and its K and V rows. The rows are
-    skipped by the sizes the section itself records, and the parse must end exactly at
-    the end, so a layout this does not know is refused rather than misread."""
-    if len(state) < 8:
-        return None
-    out, at = bytearray(state[:4] + seq.to_bytes(4, "little")), 8
-    try:
-        while at < len(state):
-            n_stream = _u32(state, at)
-            at += 4
-            entry = b""
-            for _ in range(n_stream):
-                start, cells = at, _u32(state, at)
-                at += 4
-                if cells:
-                    if entry:
-                        return None  # two streams with cells: not one sequence's state
-                    at = _skip_cells(state, at, cells)
-                    entry = state[start:at]
-            out += streams.to_bytes(4, "little") + entry
-            out += b"\0\0\0\0" * (streams - (1 if entry else 0))
-    except (IndexError, ValueError):
-        return None
-    return bytes(out) if at == len(state) else None
-
-
-def _u32(data: bytes, at: int) -> int:
-    if at + 4 > len(data):
-        raise IndexError("state ends early")
-    return int.from_bytes(data[at:at + 4], "little")
-
-
-def _skip_cells(state: bytes, at: int, cells: int) -> int:
-    """Past one stream's cells: (pos, n_seq_id, the ids) each, then
-    v_trans, n_layer, each layer's K rows, each layer's V rows (or V elements)."""
-    for _ in range(cells):
-        n_seq = _u32(state, at + 4)
-        if n_seq > 1:
-            raise ValueError("a cell shared by sequences: not a single sequence's state")
-        at += 8 + 4 * n_seq
-    v_trans, n_layer = _u32(state, at), _u32(state, at + 4)
-    at += 8
-    for _ in range(n_layer):  # K: type i32, row size u64, rows
-        at += 12 + cells * int.from_bytes(state[at + 4:at + 12], "little")
-    for _ in range(n_layer):
-        if v_trans:  # type i32, element size u32, n_embd u32, elements
-            at += 12 + cells * _u32(state, at + 4) * _u32(state, at + 8)
-        else:  # type i32, row size u64, rows
-            at += 12 + cells * int.from_bytes(state[at + 4:at + 12], "little")
-    if at > len(state):
-        raise IndexError("state ends early")
-    return at
-
-
-def carry(slots: list[Slot], old: Any, new: Any, streams: int, num_ctx: int) -> list[Slot] | None:
+def carry(slots: list[Slot], old: Any, new: Any, streams: int, num_ctx: int,
+          save: Callable[[Slot], None] | None = None) -> list[Slot] | None:
     """The slots of a context of `streams` streams, with every running sequence and as
     many recently used caches as fit copied across; None when the running ones do not fit.
-    Slot ids are renumbered in order: a sequence's KV moves to its new id."""
+    The caches left behind go to `save` first (from the old context). Slot ids are
+    renumbered in order: a sequence's KV moves to its new id."""
     busy = [s for s in slots if s.state is not SlotState.IDLE]
     idle = sorted((s for s in slots if s.state is SlotState.IDLE and s.cached),
                   key=lambda s: -s.last_used)
     if len(busy) > streams:
         return None
+    if save is not None:
+        for left in (busy + idle)[streams:]:
+            save(left)
     out: list[Slot] = []
     for old_slot in (busy + idle)[:streams]:
         seq_id = len(out)
@@ -227,13 +153,14 @@ class Resizer:
             ctx = None
         self.post(Resized(ctx, streams))
 
-    def apply(self, resized: Resized, slots: list[Slot], num_ctx: int,
-              now: float) -> list[Slot] | None:
-        """The new slots, the context adopted; None when nothing changed."""
+    def apply(self, resized: Resized, slots: list[Slot], num_ctx: int, now: float,
+              save: Callable[[Slot], None] | None = None) -> list[Slot] | None:
+        """The new slots, the context adopted; None when nothing changed. Idle caches the
+        new context has no room for go to `save`."""
         if resized.ctx is None:
             self.capacity.failed()
             return None
-        moved = carry(slots, self.llama.ctx, resized.ctx, resized.streams, num_ctx)
+        moved = carry(slots, self.llama.ctx, resized.ctx, resized.streams, num_ctx, save)
         if moved is None:  # more are running than a smaller context holds: not now
             self.llama.discard(resized.ctx)
             self.capacity.failed()

@@ -11,7 +11,7 @@ batch, with causal attention off for that decode only.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp as L
 
@@ -43,15 +43,6 @@ def check_images(job: "Job", n_vocab: int, n_batch: int) -> None:
     for i, t in enumerate(job.prompt):
         if t >= n_vocab or (t < 0 and not owned[i]):
             raise BadRequest("prompt contains invalid token ids")
-
-
-def align_keep(spans: Sequence["ImageSpan"], keep: int) -> int:
-    """A cached prefix may end inside an image only if its tokens attend causally;
-    otherwise the whole image is decoded again, together."""
-    for span in spans:
-        if span.non_causal and span.start < keep < span.end:
-            return span.start
-    return keep
 
 
 def waiting(slots: list[Slot]) -> Slot | None:

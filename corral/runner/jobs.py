@@ -1,7 +1,7 @@
 """The engine's typed boundary: the job a caller submits, the commands the engine
 thread reads, and the events a job's caller reads back.
 
-    caller --Submit/Embed/Stop--> engine thread --Token*, then Done or Failed--> job.events
+    caller --Submit/Embed/Stop/SetThreads/ClearCache--> engine thread --Token*, then Done or Failed--> job.events
     growth builder --Resized--> engine thread
 """
 
@@ -128,4 +128,9 @@ class SetThreads:
     n: int
 
 
-Command = Union[Submit, Embed, Stop, Resized, SetThreads]
+@dataclass(frozen=True)
+class ClearCache:
+    """Drop the prompt cache's RAM: the daemon wants the memory for another model."""
+
+
+Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache]

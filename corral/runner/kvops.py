@@ -1,4 +1,5 @@
-"""What the engine does to one sequence's KV cells, beside decoding into them."""
+"""What the engine does to one sequence's KV cells, beside decoding into them: drop them,
+shift them, save them to the prompt cache, and fill them from it or from another slot."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Any
 
 import llama_cpp as L
 
+from corral.runner import seqstate
+from corral.runner.promptcache import MIN_TOKENS, PrefixCaches
+from corral.runner.scheduler import Placement, Source
 from corral.runner.slot import Slot, SlotState
 
 
@@ -52,3 +56,44 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
         else:
             drop(mem, slot)
     return evicted
+
+
+# ---- prefixes from elsewhere: the prompt cache and other slots ---------------------------
+
+def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0) -> None:
+    """Before a slot's cached tokens past `keep` are overwritten: if enough would be lost
+    and no cache entry holds them yet, copy the slot's state into the prompt cache."""
+    tokens = slot.reusable()
+    if len(tokens) - keep < MIN_TOKENS or not caches.wanted(tokens):
+        return
+    data = seqstate.get(ctx, slot.seq)
+    if data is not None:
+        caches.keep(tokens, data)
+
+
+def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int) -> int:
+    """Put the placement's prefix into its slot's KV; returns the tokens it holds after
+    (0 when a copy failed: the prompt is then prefilled whole). The slot's own cache
+    goes to the prompt cache first if the placement overwrites it."""
+    slot = p.slot
+    save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0)
+    if p.source in (Source.NONE, Source.REUSE):
+        if p.keep and L.llama_memory_seq_rm(mem, slot.seq, p.keep, -1):
+            return p.keep
+        L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+        return 0
+    branch = p.donor is not None
+    data = seqstate.get(ctx, p.donor.seq) if p.donor is not None else caches.fetch(p.entry,
+                                                                                    p.disk)
+    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    # A partial removal fails on memories that cannot roll back (recurrent models).
+    if data is not None and seqstate.put(ctx, data, slot.seq, streams) \
+            and L.llama_memory_seq_rm(mem, slot.seq, p.keep, -1):
+        if branch:
+            caches.tokens_shared += p.keep
+        else:
+            caches.restored(p.entry, p.disk, p.keep, data)
+        return p.keep
+    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    caches.refused(p.entry)
+    return 0

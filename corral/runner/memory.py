@@ -85,6 +85,20 @@ CPU_MAX_SLOTS = 16  # aggregate decode on a CPU stops growing near 8 streams; 16
 GPU_MAX_SLOTS = 32  # see the README's GPU notes
 
 
+CACHE_RAM_MAX = 4 << 30
+
+
+def prompt_cache_budget(setting: int | None, total_ram: int) -> int:
+    """Host RAM for one model's prompt cache: CORRAL_CACHE_RAM, or an eighth of the
+    machine's RAM up to 4 GiB. An eighth leaves a laptop of 16 GiB 14 for models and
+    everything else, and 2 GiB keeps about 90 conversations of 1,200 tokens warm on a
+    270M model or 16 on a 1B one (llama-server keeps 8 GiB by default, sized for a
+    server); past 4 GiB a cache mostly keeps prompts nobody sends again."""
+    if setting is not None:
+        return setting
+    return min(total_ram // 8, CACHE_RAM_MAX) if total_ram > 0 else 0
+
+
 def memory_margin(budget: int) -> int:
     """Memory auto sizing leaves free: a tenth, and at least 512 MiB, for everything else."""
     return max(budget // 10, 512 << 20)

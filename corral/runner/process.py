@@ -12,6 +12,7 @@ port and load report), then serves:
     POST /tokenize, /detokenize
     POST /cancel                  {"id"}
     POST /threads                 {"n"}: the daemon's share of the cores, from now on
+    POST /cache/clear             drop the prompt cache's RAM (memory is wanted elsewhere)
     POST /shutdown
 """
 
@@ -216,6 +217,9 @@ class Handler(BaseHTTPRequestHandler):
             elif route == "/threads":
                 self.service.engine.set_threads(int(body.get("n", 0)))
                 self._send(200, {"threads": int(body.get("n", 0))})
+            elif route == "/cache/clear":
+                self.service.engine.clear_cache()
+                self._send(200, {"status": "cleared"})
             elif route == "/cancel":
                 self._send(200, {"cancelled": self.service.cancel(str(body.get("id", "")))})
             elif route == "/shutdown":

@@ -5,13 +5,15 @@
 
 It holds at most one Sequence (runner.sequence), which carries the request's
 progress; the slot knows only the tokens whose KV it holds. An IDLE slot keeps
-them cached, so the next request that shares a prefix prefills only the rest.
+them cached, so the next request that shares a prefix prefills only the rest; when
+another prompt takes the slot, they go to the prompt cache (runner.promptcache).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
 
 from corral.runner.jobs import Job
 from corral.runner.sequence import DoneReason, Sequence
@@ -73,11 +75,12 @@ class Slot:
     def t_start(self) -> float:
         return self.sequence.t_start if self.sequence is not None else 0.0
 
-    def assign(self, sequence: Sequence, keep: int) -> None:
-        """IDLE -> PREFILL: the sequence runs here; `keep` cached tokens are its prefix."""
+    def assign(self, sequence: Sequence, prefix: list[int]) -> None:
+        """IDLE -> PREFILL: the sequence runs here; its KV holds `prefix` already (kept
+        from this slot's cache, or copied in from another slot or the prompt cache)."""
         self.transition(SlotState.PREFILL)
         self.sequence = sequence
-        self.cached = self.cached[:keep]
+        self.cached = list(prefix)
         self.tainted = False
 
     def vacate(self, now: float) -> Sequence | None:
@@ -88,7 +91,7 @@ class Slot:
         return sequence
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

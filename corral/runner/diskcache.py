@@ -1,0 +1,212 @@
+"""The prompt cache's disk tier (CORRAL_CACHE_DISK): KV states that outlive the process.
+
+Host memory goes with the runner, so after keep-alive unloads a model, or the daemon
+restarts, a conversation would start from nothing. When the runner stops, and when the
+RAM cache evicts for room, entries are written here, under the state directory; a
+lookup that finds a longer prefix here than in RAM reads it back.
+
+Each file is one entry: a magic line, a JSON header (the namespace, the tokens, the
+data's length and SHA-256) and the state. The namespace is a hash of everything that
+changes the KV besides the tokens: the model file, adapters, KV type, context and
+kernel parameters, the llama.cpp version. An entry whose namespace differs, whose
+header does not parse, whose data is short or whose hash does not match is removed
+and never loaded: llama.cpp trusts the bytes it is given. Files are written to a
+temporary name and renamed, so a crash leaves no half entry under a real name; the
+oldest (by last use) go first when the tier is over its size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from corral.runner.promptcache import PrefixCaches, PromptCache
+from corral.runner.slot import common_prefix
+
+if TYPE_CHECKING:
+    from corral.runner.context import EngineConfig
+
+log = logging.getLogger("corral.diskcache")
+MAGIC = b"CORRAL-KV 1\n"
+MAX_HEADER = 4 << 20  # a header lists tokens as JSON; far more than any num_ctx needs
+
+
+def namespace(identity: dict[str, Any]) -> str:
+    """A stable name for everything besides the tokens that the KV depends on."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class DiskEntry:
+    tokens: tuple[int, ...]
+    path: Path
+    size: int  # bytes on disk
+    used: float  # last use (the file's mtime)
+
+
+class DiskTier:
+    def __init__(self, root: Path, budget: int, space: str) -> None:
+        self.dir = root / space
+        self.budget, self.space = budget, space
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.entries: list[DiskEntry] = []
+        self.rejected = 0  # files removed as corrupt, truncated or foreign
+        for path in sorted(self.dir.glob("*.kv")):
+            entry = self._index(path)
+            if entry is not None:
+                self.entries.append(entry)
+        for stray in self.dir.glob("*.tmp"):  # a write that a crash cut short
+            stray.unlink(missing_ok=True)
+        self._evict()
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[DiskEntry | None, int]:
+        best, best_n = None, 0
+        for entry in self.entries:
+            n = common_prefix(entry.tokens, tokens)
+            if n > best_n:
+                best, best_n = entry, n
+        return best, best_n
+
+    def load(self, entry: DiskEntry) -> bytes | None:
+        """The entry's state, verified; None (and the file removed) when it is not whole."""
+        try:
+            with entry.path.open("rb") as f:
+                header = _read_header(f)
+                data = f.read()
+        except (OSError, ValueError) as exc:
+            self._reject(entry.path, f"unreadable: {exc}")
+            return None
+        if (header.get("space") != self.space or header.get("size") != len(data)
+                or hashlib.sha256(data).hexdigest() != header.get("sha256")):
+            self._reject(entry.path, "its data does not match its header")
+            return None
+        os.utime(entry.path)
+        entry.used = entry.path.stat().st_mtime
+        return data
+
+    def save(self, tokens: Sequence[int], data: bytes) -> bool:
+        key = tuple(tokens)
+        if not data or len(data) > self.budget or any(
+                e.tokens[:len(key)] == key for e in self.entries):
+            return False
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+        path, tmp = self.dir / f"{name}.kv", self.dir / f"{name}.tmp"
+        header = json.dumps({"space": self.space, "tokens": list(key), "size": len(data),
+                             "sha256": hashlib.sha256(data).hexdigest()}).encode()
+        try:
+            with tmp.open("wb") as f:
+                f.write(MAGIC + len(header).to_bytes(4, "little") + header)
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full disk costs the entry, never the request
+            log.warning("could not write a prompt cache entry: %s", exc)
+            tmp.unlink(missing_ok=True)
+            return False
+        # Shorter entries this one extends hold nothing it does not.
+        for old in [e for e in self.entries if e.tokens == key[:len(e.tokens)]]:
+            self._drop(old)
+        self.entries.append(DiskEntry(key, path, path.stat().st_size, path.stat().st_mtime))
+        self._evict()
+        return True
+
+    def _index(self, path: Path) -> DiskEntry | None:
+        try:
+            with path.open("rb") as f:
+                header = _read_header(f)
+            st = path.stat()
+        except (OSError, ValueError) as exc:
+            self._reject(path, f"unreadable: {exc}")
+            return None
+        tokens = header.get("tokens")
+        if header.get("space") != self.space or not isinstance(tokens, list) \
+                or not all(isinstance(t, int) for t in tokens):
+            self._reject(path, "not an entry of this model and configuration")
+            return None
+        return DiskEntry(tuple(tokens), path, st.st_size, st.st_mtime)
+
+    def _reject(self, path: Path, why: str) -> None:
+        log.warning("removing prompt cache file %s: %s", path.name, why)
+        self.rejected += 1
+        path.unlink(missing_ok=True)
+        self.entries = [e for e in self.entries if e.path != path]
+
+    def _drop(self, entry: DiskEntry) -> None:
+        entry.path.unlink(missing_ok=True)
+        self.entries.remove(entry)
+
+    def _evict(self) -> None:
+        """CORRAL_CACHE_DISK bounds the whole tier, every model's entries together: the
+        least recently used go first, whichever model they belong to."""
+        others = [p for p in self.dir.parent.glob("*/*.kv") if p.parent != self.dir]
+        total = self.size + sum(_size(p) for p in others)
+        candidates = [(e.used, e.size, e) for e in self.entries] + [
+            (_mtime(p), _size(p), p) for p in others]
+        for _, size, victim in sorted(candidates, key=lambda c: c[0]):
+            if total <= self.budget:
+                break
+            total -= size
+            if isinstance(victim, DiskEntry):
+                self._drop(victim)
+            else:
+                victim.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _read_header(f: Any) -> dict[str, Any]:
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a prompt cache file")
+    n = int.from_bytes(f.read(4), "little")
+    if n <= 0 or n > MAX_HEADER:
+        raise ValueError("bad header length")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise ValueError("truncated header")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("bad header")
+    return header
+
+
+def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
+    """The engine's prompt cache: RAM always (a budget of 0 turns it off), and the disk
+    tier when CORRAL_CACHE_DISK gives it room, namespaced by what the KV depends on."""
+    disk = None
+    if cfg.cache_disk > 0 and cfg.cache_dir:
+        import llama_cpp
+
+        def file_id(path: str) -> list[Any]:
+            st = os.stat(path)
+            return [os.path.basename(path), st.st_size, st.st_mtime_ns]
+
+        identity = {"model": file_id(model_path), "kv": cfg.kv_cache_type,
+                    "flash_attn": cfg.flash_attn, "deterministic": cfg.deterministic,
+                    "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_cpp.__version__,
+                    "adapters": [file_id(a) + [s] for a, s in cfg.adapters]}
+        try:
+            disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity))
+        except OSError as exc:
+            log.warning("prompt cache disk tier off: %s", exc)
+    return PrefixCaches(PromptCache(cfg.cache_ram), disk)

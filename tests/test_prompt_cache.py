@@ -1,0 +1,223 @@
+"""The prompt cache's policies, without llama.cpp: which entry a prompt restores, what is
+evicted, what the disk tier refuses, which keys never match, and when the scheduler
+branches from a running slot or holds a sequence for a prefix about to be computed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from corral.runner.diskcache import DiskTier, caches_for
+from corral.runner.context import EngineConfig
+from corral.runner.jobs import Job
+from corral.runner.promptcache import MIN_TOKENS, PrefixCaches, PromptCache
+from corral.runner.scheduler import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
+from corral.runner.sequence import Sequence
+from corral.runner.slot import Slot, SlotState
+from tests.gguf_files import write_tiny_gguf
+
+A = list(range(100, 300))  # 200 tokens
+B = list(range(500, 700))
+
+
+def test_the_longest_common_prefix_wins() -> None:
+    cache = PromptCache(budget=10_000)
+    cache.add(A[:100], b"x" * 10)
+    cache.add(B, b"y" * 10)
+    entry, n = cache.lookup(A[:150] + [1, 2, 3])
+    assert entry is not None and entry.tokens == tuple(A[:100]) and n == 100
+    entry, n = cache.lookup(B[:120] + A)
+    assert entry is not None and entry.tokens == tuple(B) and n == 120
+    assert cache.lookup(A[:MIN_TOKENS - 1] + B) == (None, 0)  # too short to be worth a copy
+
+
+def test_eviction_is_least_recently_used_within_the_byte_budget() -> None:
+    cache = PromptCache(budget=30)
+    prompts = [[k] * 40 for k in range(4)]
+    for p in prompts[:3]:
+        assert cache.add(p, b"z" * 10)
+    entry, _ = cache.lookup(prompts[0])
+    assert entry is not None
+    cache.restored(entry, 40)  # the oldest is used again, so the second is now the oldest
+    assert cache.add(prompts[3], b"z" * 10)
+    held = [e.tokens[0] for e in cache.entries]
+    assert sorted(held) == [0, 2, 3] and cache.size == 30 and cache.stats.evicted == 1
+    assert not cache.add([9] * 40, b"z" * 31)  # bigger than the whole budget: never kept
+    assert cache.describe()["cache_hits"] == 1 and cache.describe()["cache_bytes"] == 30
+
+
+def test_an_entry_extended_by_a_longer_one_goes_and_a_covered_one_is_not_saved() -> None:
+    cache = PromptCache(budget=1000)
+    cache.add(A[:80], b"a")
+    cache.add(A, b"b")  # the same conversation a turn later
+    assert [len(e.tokens) for e in cache.entries] == [200]
+    assert not cache.worth_saving(A[:150]) and not cache.add(A[:150], b"c")
+    assert PromptCache(budget=0).worth_saving(A) is False  # off
+
+
+def test_spilled_entries_go_to_the_disk_tier(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20, "space")
+    caches = PrefixCaches(PromptCache(budget=15), disk)
+    caches.keep(A, b"a" * 10)
+    caches.keep(B, b"b" * 10)  # evicts A from RAM, to disk
+    hit = caches.lookup(A + [1])
+    assert hit.entry is None and hit.disk is not None and hit.n == len(A)
+    assert caches.fetch(None, hit.disk) == b"a" * 10
+
+
+def test_the_disk_tier_survives_a_restart_and_refuses_corrupt_entries(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, 1 << 20, "space")
+    assert disk.save(A, b"state-a" * 100) and disk.save(B, b"state-b" * 100)
+    again = DiskTier(tmp_path, 1 << 20, "space")  # a restarted runner indexes what is there
+    found, n = again.lookup(A + [7])
+    assert found is not None and n == len(A) and again.load(found) == b"state-a" * 100
+    # A flipped byte in the data: the hash no longer matches, so it is removed, not loaded.
+    found, _ = again.lookup(B)
+    assert found is not None
+    raw = bytearray(found.path.read_bytes())
+    raw[-1] ^= 0xFF
+    found.path.write_bytes(bytes(raw))
+    assert again.load(found) is None and not found.path.exists()
+    assert again.lookup(B) == (None, 0) and again.rejected == 1
+    # A truncated file and a header from elsewhere are removed when indexed.
+    found, _ = again.lookup(A)
+    assert found is not None
+    found.path.write_bytes(found.path.read_bytes()[:20])
+    (tmp_path / "space" / "junk.kv").write_bytes(b"not a cache file at all")
+    third = DiskTier(tmp_path, 1 << 20, "space")
+    assert third.entries == [] and third.rejected == 2
+    assert list((tmp_path / "space").iterdir()) == []
+
+
+def test_an_entry_of_another_namespace_is_never_loaded(tmp_path: Path) -> None:
+    DiskTier(tmp_path, 1 << 20, "one").save(A, b"a" * 50)
+    (tmp_path / "one" / next((tmp_path / "one").iterdir()).name).rename(
+        tmp_path / "two.kv")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two.kv").rename(tmp_path / "two" / "moved.kv")
+    other = DiskTier(tmp_path, 1 << 20, "two")  # the header still names "one"
+    assert other.entries == [] and other.rejected == 1
+
+
+def test_the_disk_budget_holds_every_model_together(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, 4000, "first")
+    first.save(A, b"a" * 1500)  # with its header, about 2.5 kB on disk
+    second = DiskTier(tmp_path, 4000, "second")
+    second.save(B, b"b" * 1500)  # together over the budget: the other model's oldest goes
+    files = sorted(p.parent.name for p in tmp_path.glob("*/*.kv"))
+    assert files == ["second"]
+
+
+def keys(tmp_path: Path, **changes: object) -> str:
+    model = tmp_path / "model.gguf"
+    if not model.exists():
+        write_tiny_gguf(model)
+    cfg = EngineConfig(cache_ram=1, cache_disk=1 << 20, cache_dir=str(tmp_path / "kv"),
+                       **changes)  # type: ignore[arg-type]
+    caches = caches_for(str(model), cfg)
+    assert caches.disk is not None
+    return caches.disk.space
+
+
+def test_keys_that_must_not_match(tmp_path: Path) -> None:
+    base = keys(tmp_path)
+    assert keys(tmp_path) == base  # stable: a restart finds its entries
+    adapter = tmp_path / "lora.gguf"
+    write_tiny_gguf(adapter)
+    assert keys(tmp_path, kv_cache_type="q8_0") != base
+    assert keys(tmp_path, adapters=((str(adapter), 1.0),)) != base
+    assert keys(tmp_path, adapters=((str(adapter), 0.5),)) != keys(
+        tmp_path, adapters=((str(adapter), 1.0),))
+    assert keys(tmp_path, flash_attn=True) != base
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other)
+    os.utime(other, ns=(1, 1))
+    cfg = EngineConfig(cache_ram=1, cache_disk=1 << 20, cache_dir=str(tmp_path / "kv"))
+    other_caches = caches_for(str(other), cfg)
+    assert other_caches.disk is not None and other_caches.disk.space != base
+
+
+def test_images_are_part_of_the_key() -> None:
+    # An image is a run of one placeholder id derived from its hash (runner.vision):
+    # another image stops the match where it starts.
+    cache = PromptCache(budget=1000)
+    text = list(range(1, 60))
+    cache.add(text + [-11] * 40 + [5, 6], b"s")
+    _, n = cache.lookup(text + [-22] * 40 + [5, 6])
+    assert n == len(text)  # the text before it, never the other image's KV
+    _, n = cache.lookup(text + [-11] * 40 + [9])
+    assert n == len(text) + 40
+
+
+def busy(seq_id: int, cached: list[int], pending: list[int]) -> Slot:
+    slot = Slot(seq=seq_id, num_ctx=4096)
+    seq = Sequence(Job(prompt=cached + pending))
+    slot.assign(seq, cached)
+    seq.start(object(), 10, cached + pending, len(cached), now=1.0)  # type: ignore[arg-type]
+    return slot
+
+
+def waiting(prompt: list[int]) -> Sequence:
+    return Sequence(Job(prompt=prompt))
+
+
+def test_a_sequence_waits_for_a_shared_prefix_being_prefilled_then_branches() -> None:
+    shared = list(range(1000, 1000 + 2 * HOLD_MIN))
+    leader = busy(0, shared[:10], shared[10:] + [1, 2, 3])
+    idle = Slot(seq=1, num_ctx=4096)
+    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
+    follower = waiting(shared + [7, 8, 9])
+    sched.add(follower)
+    assert sched.next([leader, idle]) is None  # held: the leader is computing its prefix
+    leader.cached = shared + [1]  # the leader's prefill covered the shared part
+    leader.sequence.pending = [2, 3]  # type: ignore[union-attr]
+    p = sched.next([leader, idle])
+    assert isinstance(p, Placement) and p.source is Source.BRANCH
+    assert p.donor is leader and p.slot is idle and p.keep == len(shared)
+    assert not sched.waiting
+
+
+def test_an_unrelated_sequence_is_not_held_behind_one_that_is() -> None:
+    shared = list(range(1000, 1000 + 2 * HOLD_MIN))
+    leader = busy(0, [], shared)
+    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
+    sched.add(waiting(shared + [1]))
+    sched.add(waiting([5] * 50))
+    p = sched.next([leader, Slot(seq=1, num_ctx=4096)])
+    assert isinstance(p, Placement) and p.seq.job.prompt == [5] * 50
+
+
+def test_restore_beats_reuse_only_by_a_real_gain() -> None:
+    ram = PromptCache(budget=1 << 20)
+    ram.add(A, b"a")
+    sched = Scheduler(4096, PrefixCaches(ram))
+    slot = Slot(seq=0, num_ctx=4096, cached=A[:200 - MIN_GAIN + 1])
+    sched.add(waiting(A + [1]))
+    p = sched.next([slot])
+    assert isinstance(p, Placement) and p.source is Source.REUSE  # the gain is too small
+    slot = Slot(seq=0, num_ctx=4096, cached=B)
+    sched.add(waiting(A + [1]))
+    p = sched.next([slot])
+    assert isinstance(p, Placement) and p.source is Source.RESTORE and p.keep == len(A)
+    assert p.entry is not None and p.slot is slot
+
+
+def test_a_prefix_never_ends_inside_the_prompt() -> None:
+    ram = PromptCache(budget=1 << 20)
+    ram.add(A, b"a")
+    sched = Scheduler(4096, PrefixCaches(ram))
+    sched.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
+    p = sched.next([Slot(seq=0, num_ctx=4096)])
+    assert isinstance(p, Placement) and p.keep == len(A) - 1
+
+
+@pytest.mark.parametrize("state", [SlotState.PREFILL, SlotState.DECODE])
+def test_a_tainted_slot_is_never_a_donor(state: SlotState) -> None:
+    donor = busy(0, A, [] if state is SlotState.DECODE else [1])
+    donor.tainted = True  # a context shift ran: its KV is not what a prefill would give
+    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
+    sched.add(waiting(A + [2]))
+    p = sched.next([donor, Slot(seq=1, num_ctx=4096)])
+    assert isinstance(p, Placement) and p.source is Source.NONE

@@ -1,0 +1,162 @@
+"""The prompt cache on the real model: a restored or shared prefix gives the same greedy
+output as computing it, and what is counted as evaluated is what was evaluated.
+
+The baselines come from an engine without the cache, where each prompt's prefix stays
+in the slot that computed it: a restored or branched prefix is those KV bits, copied,
+so with batch-invariant kernels (deterministic=True) the answers must be the same.
+They are compared with a kept prefix rather than a prompt prefilled whole because
+llama.cpp's CPU kernels give a row's logits in the last bits by the size of the chunk it
+was prefilled in: 269 tokens then 11 is not always 280 at once, cache or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from corral.runner.context import EngineConfig
+from corral.runner.engine import Engine
+from corral.runner.jobs import Done, Job, SamplingParams, Token
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0)
+NUM_CTX = 1024
+DOC_A = ("The river rises in the northern hills, where snow melts each spring and feeds a "
+         "hundred small streams. ") * 12
+DOC_B = ("A baker wakes before dawn, lights the oven, and shapes the dough that rose through "
+         "the night into loaves. ") * 12
+
+
+def config(**kw: object) -> EngineConfig:
+    settings: dict = {"n_slots": 1, "num_ctx": NUM_CTX, "deterministic": True, **kw}
+    return EngineConfig(**settings)
+
+
+def collect(job: Job) -> tuple[str, dict]:
+    pieces = []
+    while True:
+        event = job.events.get(timeout=300)
+        if isinstance(event, Token):
+            pieces.append(event.text)
+        elif isinstance(event, Done):
+            return "".join(pieces), event.stats
+        else:
+            raise AssertionError(event)
+
+
+def ask(engine: Engine, prompt: list[int], n: int = 8) -> tuple[str, dict]:
+    return collect(engine.submit(Job(prompt=list(prompt), params=GREEDY, num_predict=n)))
+
+
+def turns(engine: Engine) -> dict[str, list[int]]:
+    tok = engine.tokenize
+    a1, b1 = tok(DOC_A + "Question: where does the river rise?"), tok(DOC_B + "Question: when?")
+    more = tok(" Answer in one word. Then: what feeds it?", add_special=False)
+    return {"a1": a1, "b1": b1, "a2": a1 + more, "b2": b1 + more}
+
+
+@pytest.fixture(scope="module")
+def baseline(starter_gguf: Path) -> Iterator[dict[str, str]]:
+    """Each prompt's greedy answer on one slot without the cache, in an order where each
+    second turn finds its first turn's prefix kept in the slot: a1, a1 again (all but its
+    last token kept), a2, b1, b2."""
+    engine = Engine(str(starter_gguf), config())
+    engine.start()
+    try:
+        prompts = turns(engine)
+        out = {"a1": ask(engine, prompts["a1"])[0], "a1 again": ask(engine, prompts["a1"])[0]}
+        out.update({name: ask(engine, prompts[name])[0] for name in ("a2", "b1", "b2")})
+        yield out
+    finally:
+        engine.stop()
+
+
+def test_alternating_conversations_restore_their_prompts(starter_gguf: Path,
+                                                         baseline: dict[str, str]) -> None:
+    engine = Engine(str(starter_gguf), config(cache_ram=256 << 20))
+    engine.start()
+    try:
+        prompts = turns(engine)
+        answers = {}
+        evaluated = {}
+        for name in ("a1", "b1", "a2", "b2"):  # one slot: each turn evicts the other
+            answers[name], stats = ask(engine, prompts[name])
+            evaluated[name] = stats["prompt_eval_count"]
+        status = engine.status()
+    finally:
+        engine.stop()
+    assert answers == {n: baseline[n] for n in answers}
+    # The second turns prefill only what the first turns did not hold.
+    assert evaluated["a2"] == len(prompts["a2"]) - len(prompts["a1"])
+    assert evaluated["b2"] == len(prompts["b2"]) - len(prompts["b1"])
+    assert status["cache_hits"] == 2
+    assert status["cache_tokens_restored"] == len(prompts["a1"]) + len(prompts["b1"])
+    assert 0 < status["cache_bytes"] <= 256 << 20 and status["cache_entries"] >= 1
+
+
+def burst(engine: Engine, names: list[str]) -> tuple[list[str], list[dict], dict]:
+    prompts = turns(engine)
+    jobs = [engine.submit(Job(prompt=list(prompts[n]), params=GREEDY, num_predict=8))
+            for n in names]  # all queued before the engine thread starts
+    engine.start()
+    try:
+        results = [collect(job) for job in jobs]
+        return [text for text, _ in results], [s for _, s in results], engine.status()
+    finally:
+        engine.stop()
+
+
+def test_requests_at_once_branch_from_the_one_computing_their_prefix(
+        starter_gguf: Path, baseline: dict[str, str]) -> None:
+    """Four slots, four requests with one document: the first prefills it, the others
+    wait for that and branch from it; each answer is what it is alone."""
+    engine = Engine(str(starter_gguf), config(n_slots=4))
+    prompts = turns(engine)
+    names = ["a1", "a2", "a1", "a2"]
+    texts, stats, status = burst(engine, names)
+    assert texts == [baseline[n] for n in ("a1", "a2", "a1 again", "a2")]
+    n = len(prompts["a1"])
+    assert [s["prompt_eval_count"] for s in stats] == [n, len(prompts["a2"]) - n, 1,
+                                                       len(prompts["a2"]) - n]
+    assert status["cache_tokens_shared"] == 3 * n - 1  # a prompt keeps one token to decode
+
+
+def test_a_burst_at_an_idle_model_computes_its_shared_prefix_once(
+        starter_gguf: Path, baseline: dict[str, str]) -> None:
+    """Elastic KV holds one slot while idle: the burst waits for the shared prefix while
+    the context grows, however the two race, and never computes it twice."""
+    engine = Engine(str(starter_gguf), config(n_slots=4, start_slots=1))
+    prompts = turns(engine)
+    names = ["a1", "a2", "a1", "a2"]
+    texts, stats, _ = burst(engine, names)
+    assert texts == [baseline[n] for n in ("a1", "a2", "a1 again", "a2")]
+    computed = sum(s["prompt_eval_count"] for s in stats)
+    assert computed <= 1.2 * len(prompts["a2"]), computed  # a1 is a prefix of a2
+
+
+def test_the_disk_tier_keeps_a_prompt_across_a_restart(starter_gguf: Path, tmp_path: Path,
+                                                       baseline: dict[str, str]) -> None:
+    disk = {"cache_disk": 512 << 20, "cache_dir": str(tmp_path)}
+    first = Engine(str(starter_gguf), config(cache_ram=64 << 20, **disk))
+    first.start()
+    prompts = turns(first)
+    assert ask(first, prompts["a1"])[0] == baseline["a1"]
+    first.stop()  # an unload: what the slot held is written to disk
+    second = Engine(str(starter_gguf), config(cache_ram=64 << 20, **disk))
+    second.start()
+    try:
+        text, stats = ask(second, prompts["a2"])
+    finally:
+        second.stop()
+    assert text == baseline["a2"]
+    assert stats["prompt_eval_count"] == len(prompts["a2"]) - len(prompts["a1"])
+    # Another KV type is another key: nothing is restored across it.
+    third = Engine(str(starter_gguf), config(cache_ram=64 << 20, kv_cache_type="q8_0", **disk))
+    third.start()
+    try:
+        _, stats = ask(third, prompts["a2"])
+    finally:
+        third.stop()
+    assert stats["prompt_eval_count"] == len(prompts["a2"])
