@@ -48,6 +48,15 @@ class FakeRunner:
     def set_threads(self, n: int) -> None:
         self.threads.append(n)
 
+    cache_bytes = 0  # what its prompt cache holds in RAM
+    cleared = False
+
+    def health(self) -> dict[str, Any]:
+        return {"cache_bytes": self.cache_bytes}
+
+    def clear_cache(self) -> None:
+        self.cleared, self.cache_bytes = True, 0
+
 
 class Clock:
     def __init__(self) -> None:
@@ -161,6 +170,27 @@ def test_eviction_prefers_idle_with_shortest_keep_alive(tmp_path: Path, clock: C
     s.release(acquire(s, b, keep_alive=60))
     acquire(s, c)
     assert set(s.loaded) == {a.digest, c.digest}
+    s.stop()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_prompt_caches_are_dropped_before_any_model_is_evicted(tmp_path: Path, clock: Clock,
+                                                                cached: bool) -> None:
+    a, b = record(tmp_path, "a"), record(tmp_path, "b")
+    need = b.model_path.stat().st_size
+    settings = load_settings({"CORRAL_NUM_PARALLEL": "1"})
+    s = Scheduler(settings, FakeRunner, clock=clock, free_memory=lambda: need - 1,
+                  free_vram=lambda: 0)
+    first = acquire(s, a)
+    s.release(first)
+    runner = first.runner
+    assert isinstance(runner, FakeRunner)
+    runner.cache_bytes = need if cached else 0  # free memory only counting the cache
+    acquire(s, b)
+    if cached:  # the cache went, and the model stayed
+        assert runner.cleared and set(s.loaded) == {a.digest, b.digest}
+    else:
+        assert set(s.loaded) == {b.digest}
     s.stop()
 
 

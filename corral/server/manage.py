@@ -111,6 +111,9 @@ def show(inf: Inference) -> Any:
             out["license"] = "\n".join(record.licenses)
         if record.messages:
             out["messages"] = record.messages
+        loaded = [m for m in inf.scheduler.running() if m.record.digest == record.digest]
+        if loaded:  # a Corral extension: the loaded model's prompt cache
+            out["prompt_cache"] = prompt_cache(_health(loaded[0]))
         handler.send_json(200, out)
     return route
 
@@ -173,19 +176,40 @@ def delete(inf: Inference) -> Any:
     return route
 
 
-def _sizes(entry: Any) -> tuple[int, int, int, int]:
+def _health(entry: Any) -> dict[str, Any]:
+    try:
+        return dict(entry.runner.health())
+    except (CorralError, AttributeError):
+        return {}
+
+
+def _sizes(entry: Any, health: dict[str, Any]) -> tuple[int, int, int, int]:
     """(bytes the model holds now, bytes it may grow to, slots now, slots busy). Elastic KV
-    holds one slot's worth while idle and grows as requests run at once (runner.growth)."""
+    holds one slot's worth while idle and grows as requests run at once (runner.growth);
+    the prompt cache's RAM counts too, so that nothing the model holds is missing here."""
     report = entry.runner.report if entry.runner is not None else {}
     cap, cap_slots = int(report.get("size", 0)), int(report.get("slots", 1))
-    try:
-        health = entry.runner.health()
-    except (CorralError, AttributeError):
-        health = {}
     slots = int(health.get("slots", cap_slots))
     per_slot = int(report.get("kv_per_slot", 0))
-    return (cap - per_slot * max(cap_slots - slots, 0), cap, slots,
+    cache = int(health.get("cache_bytes", 0))
+    return (cap - per_slot * max(cap_slots - slots, 0) + cache, cap + cache, slots,
             int(health.get("busy_slots", 0)))
+
+
+CACHE_FIELDS = {"cache_bytes": "bytes", "cache_budget": "budget", "cache_entries": "entries",
+                "cache_hits": "hits", "cache_tokens_restored": "tokens_restored",
+                "cache_tokens_shared": "tokens_shared", "cache_disk_bytes": "disk_bytes",
+                "cache_disk_entries": "disk_entries"}
+
+
+# /metrics names the counters among them as counters.
+METRIC = {"cache_hits": "cache_hits_total", "cache_tokens_restored": "cache_tokens_restored_total",
+          "cache_tokens_shared": "cache_tokens_shared_total"}
+
+
+def prompt_cache(health: dict[str, Any]) -> dict[str, int]:
+    """A Corral extension in ps and show: what the model's prompt cache holds and did."""
+    return {short: int(health[key]) for key, short in CACHE_FIELDS.items() if key in health}
 
 
 def ps(inf: Inference) -> Any:
@@ -201,7 +225,8 @@ def ps(inf: Inference) -> Any:
             else:  # busy: the timer starts when the last request ends
                 expires = now + entry.keep_alive
             name = entry.record.name.display()
-            size, cap, slots, busy = _sizes(entry)
+            health = _health(entry)
+            size, cap, slots, busy = _sizes(entry, health)
             models.append({"name": name, "model": name, "size": size,
                            "digest": entry.record.digest, "details": entry.record.details(),
                            "expires_at": rfc3339(expires, utc=False),
@@ -210,7 +235,8 @@ def ps(inf: Inference) -> Any:
                            # Corral extensions: what elastic KV may grow to, slots now
                            # and how many of them are busy (the page's live view).
                            "size_cap": cap, "slots": slots, "slots_busy": busy,
-                           "slots_cap": int(report.get("slots", slots))})
+                           "slots_cap": int(report.get("slots", slots)),
+                           "prompt_cache": prompt_cache(health)})
             if report.get("size_rpc"):  # a Corral extension: bytes on RPC workers
                 models[-1]["size_rpc"] = int(report["size_rpc"])
         models.sort(key=lambda m: str(m["expires_at"]), reverse=True)
@@ -237,6 +263,8 @@ def metrics(inf: Inference) -> Any:
             try:
                 assert entry.runner is not None
                 health = entry.runner.health()
+                values.update({METRIC.get(key, key): health[key] for key in CACHE_FIELDS
+                               if key in health})
                 values.update({"queue_depth": health.get("waiting", 0),
                                "busy_slots": health.get("busy_slots", 0),
                                "kv_cells_used": health.get("kv_used", 0),

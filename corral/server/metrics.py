@@ -91,7 +91,16 @@ class Metrics:
                                          "they are made (a live rate; generated_tokens_total "
                                          "counts at each request's end).",
                  "preemptions_total": "Sequences preempted because the KV pool was full "
-                                      "(pool mode), since the model loaded."}
+                                      "(pool mode), since the model loaded.",
+                 "cache_bytes": "Host RAM the prompt cache holds.",
+                 "cache_budget": "Host RAM the prompt cache may hold.",
+                 "cache_entries": "Prompt cache entries in RAM.",
+                 "cache_hits_total": "Prompts restored from the prompt cache.",
+                 "cache_tokens_restored_total": "Prompt tokens restored from the prompt cache "
+                                                "instead of evaluated.",
+                 "cache_tokens_shared_total": "Prompt tokens copied from another running "
+                                              "request's KV instead of evaluated.",
+                 "cache_disk_bytes": "Disk the prompt cache's disk tier holds."}
         rows = list(gauges())
         for key, help_text in names.items():
             family(key, "counter" if key.endswith("_total") else "gauge", help_text)

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from corral.config import FOREVER, Settings
+from corral.config import FOREVER, Settings, state_dir
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import LOAD_OPTIONS
 from corral.process import physical_cores
@@ -32,16 +32,24 @@ log = logging.getLogger("corral.scheduler")
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
 
 
-def physical_memory_available() -> int:
-    """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
+def _meminfo(key: str) -> int:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def physical_memory_available() -> int:
+    """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
+    return _meminfo("MemAvailable")
+
+
+def physical_memory_total() -> int:
+    return _meminfo("MemTotal")
 
 
 class Scheduler:
@@ -50,6 +58,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
                  free_vram: Callable[[], int] = memory.daemon_free_gpu_memory,
+                 total_memory: Callable[[], int] = physical_memory_total,
                  inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path),
                  cores: int = 0) -> None:
         self.settings = settings
@@ -57,6 +66,7 @@ class Scheduler:
         self.clock = clock
         self.free_memory = free_memory
         self.free_vram = free_vram
+        self.total_memory = total_memory
         self.inspect = inspect  # the daemon passes its store's cached reader
         self.cores = cores or physical_cores()  # what the busy runners share
         self.loaded: dict[str, Loaded] = {}
@@ -203,6 +213,8 @@ class Scheduler:
         budget = self._budget()
         if budget <= 0:
             return 1
+        if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
+            budget -= self._cache_ram()
         return memory.slots_that_fit(info, int(opts["num_ctx"]), budget, cap,
                                      self.settings.kv_cache_type)
 
@@ -230,8 +242,10 @@ class Scheduler:
         need = record.model_path.stat().st_size if record.model_path.exists() else 0
         while True:
             live = [m for m in self.loaded.values() if m.state is not ModelState.UNLOADING]
-            fits = len(live) < limit and (not live or need <= self._spare_memory())
+            fits = len(live) < limit and (not live or need <= self._spare_memory(live))
             if fits:
+                if live and need > self._budget():
+                    self._clear_caches(live)  # prompt caches go before any model does
                 return not any(m.state is ModelState.UNLOADING for m in self.loaded.values())
             idle = [m for m in live if m.refcount == 0 and m.state is ModelState.READY]
             if not idle:
@@ -244,9 +258,21 @@ class Scheduler:
         """Free memory where the model's KV goes: VRAM on a GPU, else RAM (<= 0: unknown)."""
         return self.free_vram() or self.free_memory()
 
-    def _spare_memory(self) -> int:
+    def _spare_memory(self, live: list[Loaded]) -> int:
+        """Free memory, with the loaded models' prompt caches counted as free: they are
+        dropped before any model is evicted (in host RAM, so only for a CPU load)."""
         free = self._budget()
-        return free if free > 0 else 1 << 62
+        if free <= 0:
+            return 1 << 62
+        return free if self.free_vram() else free + sum(_cache_bytes(m) for m in live)
+
+    def _clear_caches(self, live: list[Loaded]) -> None:
+        for m in live:
+            if m.runner is not None and _cache_bytes(m):
+                m.runner.clear_cache()
+
+    def _cache_ram(self) -> int:
+        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory())
 
     def _load(self, entry: Loaded) -> None:
         with self._load_lock:  # one load at a time
@@ -263,6 +289,8 @@ class Scheduler:
                 deterministic=self.settings.deterministic,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
                 projector=str(entry.record.projector) if entry.record.projector else None,
+                cache_ram=self._cache_ram(), cache_disk=self.settings.cache_disk,
+                cache_dir=str(state_dir() / "kvcache"),
                 rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
             runner = self.runner_factory(config)
             try:
@@ -348,6 +376,14 @@ class Scheduler:
                 entry.runner.stop(timeout=5)
         with self.cond:
             self.loaded.clear()
+
+
+def _cache_bytes(entry: Loaded) -> int:
+    """Bytes the model's prompt cache holds in RAM now (0 when unknown)."""
+    try:
+        return int(entry.runner.health().get("cache_bytes", 0)) if entry.runner else 0
+    except CorralError:
+        return 0
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
