@@ -195,7 +195,12 @@ def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
     tier when CORRAL_CACHE_DISK gives it room, namespaced by what the KV depends on."""
     disk = None
     if cfg.cache_disk > 0 and cfg.cache_dir:
-        import llama_cpp
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:  # the runner imports llama_cpp's bindings alone, without its __version__
+            llama_version = version("llama-cpp-python")
+        except PackageNotFoundError:
+            llama_version = "unknown"
 
         def file_id(path: str) -> list[Any]:
             st = os.stat(path)
@@ -203,7 +208,7 @@ def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
 
         identity = {"model": file_id(model_path), "kv": cfg.kv_cache_type,
                     "flash_attn": cfg.flash_attn, "deterministic": cfg.deterministic,
-                    "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_cpp.__version__,
+                    "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_version,
                     "adapters": [file_id(a) + [s] for a, s in cfg.adapters]}
         try:
             disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity))
