@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from corral.runner.diskcache import DiskTier, caches_for
+from corral.runner.caches import PrefixCaches, caches_for
+from corral.runner.diskcache import DiskTier
 from corral.runner.context import EngineConfig
 from corral.runner.jobs import Job
-from corral.runner.promptcache import MIN_TOKENS, PrefixCaches, PromptCache
+from corral.runner.promptcache import MIN_TOKENS, PromptCache
 from corral.runner.scheduler import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
 from corral.runner.sequence import Sequence
 from corral.runner.slot import Slot, SlotState

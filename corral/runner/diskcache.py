@@ -23,13 +23,9 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-from corral.runner.promptcache import PrefixCaches, PromptCache
 from corral.runner.slot import common_prefix
-
-if TYPE_CHECKING:
-    from corral.runner.context import EngineConfig
 
 log = logging.getLogger("corral.diskcache")
 MAGIC = b"CORRAL-KV 1\n"
@@ -188,30 +184,3 @@ def _read_header(f: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ValueError("bad header")
     return header
-
-
-def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
-    """The engine's prompt cache: RAM always (a budget of 0 turns it off), and the disk
-    tier when CORRAL_CACHE_DISK gives it room, namespaced by what the KV depends on."""
-    disk = None
-    if cfg.cache_disk > 0 and cfg.cache_dir:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:  # the runner imports llama_cpp's bindings alone, without its __version__
-            llama_version = version("llama-cpp-python")
-        except PackageNotFoundError:
-            llama_version = "unknown"
-
-        def file_id(path: str) -> list[Any]:
-            st = os.stat(path)
-            return [os.path.basename(path), st.st_size, st.st_mtime_ns]
-
-        identity = {"model": file_id(model_path), "kv": cfg.kv_cache_type,
-                    "flash_attn": cfg.flash_attn, "deterministic": cfg.deterministic,
-                    "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_version,
-                    "adapters": [file_id(a) + [s] for a, s in cfg.adapters]}
-        try:
-            disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity))
-        except OSError as exc:
-            log.warning("prompt cache disk tier off: %s", exc)
-    return PrefixCaches(PromptCache(cfg.cache_ram), disk)

@@ -33,7 +33,7 @@ from corral.runner import imagefeed, kvops, native, seqstate
 from corral.runner.admission import generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
 from corral.runner.context import EngineConfig, LlamaContext
-from corral.runner.diskcache import caches_for
+from corral.runner.caches import caches_for
 from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, Resizer

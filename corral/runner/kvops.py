@@ -8,7 +8,8 @@ from typing import Any
 import llama_cpp as L
 
 from corral.runner import seqstate
-from corral.runner.promptcache import MIN_TOKENS, PrefixCaches
+from corral.runner.caches import PrefixCaches
+from corral.runner.promptcache import MIN_TOKENS
 from corral.runner.scheduler import Placement, Source
 from corral.runner.slot import Slot, SlotState
 

@@ -23,12 +23,9 @@ one runner process, and an image's tokens are placeholders derived from its hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from corral.runner.slot import common_prefix
-
-if TYPE_CHECKING:
-    from corral.runner.diskcache import DiskEntry, DiskTier
 
 # Shorter prefixes are cheaper to prefill than to copy in and out of llama.cpp.
 MIN_TOKENS = 32
@@ -134,82 +131,3 @@ class PromptCache:
         return {"cache_bytes": self.size, "cache_budget": self.budget,
                 "cache_entries": len(self.entries), "cache_hits": self.stats.hits,
                 "cache_tokens_restored": self.stats.tokens_restored}
-
-
-@dataclass(frozen=True)
-class Hit:
-    """Where a prompt's longest cached prefix is: a RAM entry or a disk entry."""
-
-    n: int
-    entry: Entry | None = None
-    disk: "DiskEntry | None" = None
-
-
-class PrefixCaches:
-    """The RAM cache and its optional disk tier as the engine sees them: one lookup, one
-    place to keep a state, and the accounting of what was restored and shared."""
-
-    def __init__(self, ram: PromptCache, disk: "DiskTier | None" = None) -> None:
-        self.ram, self.disk = ram, disk
-        self.tokens_shared = 0  # prompt tokens branched from another running slot
-        if disk is not None:
-            ram.spill = lambda e: disk.save(e.tokens, e.data)
-
-    def lookup(self, tokens: Sequence[int]) -> Hit:
-        entry, n = self.ram.lookup(tokens)
-        hit = Hit(n, entry=entry)
-        if self.disk is not None:
-            found, n = self.disk.lookup(tokens)
-            if found is not None and n > hit.n and n >= self.ram.min_tokens:
-                hit = Hit(n, disk=found)
-        return hit
-
-    def wanted(self, tokens: Sequence[int]) -> bool:
-        """Whether a state of these tokens is worth copying out of llama.cpp."""
-        if len(tokens) < self.ram.min_tokens:
-            return False
-        return self.ram.worth_saving(tokens) or (
-            self.disk is not None and self.ram.budget == 0)
-
-    def keep(self, tokens: Sequence[int], data: bytes) -> None:
-        if not self.ram.add(tokens, data) and self.disk is not None \
-                and len(data) > self.ram.budget:
-            self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk
-
-    def fetch(self, entry: Entry | None, disk: "DiskEntry | None") -> bytes | None:
-        if entry is not None:
-            return entry.data
-        return self.disk.load(disk) if self.disk is not None and disk is not None else None
-
-    def restored(self, entry: Entry | None, disk: "DiskEntry | None", n: int,
-                 data: bytes | None) -> None:
-        if entry is None and disk is not None and data is not None:
-            self.ram.add(disk.tokens, data)  # read once from disk, then served from RAM
-            entry, _ = self.ram.lookup(disk.tokens)
-        if entry is not None:
-            self.ram.restored(entry, n)
-        else:
-            self.ram.stats.hits += 1
-            self.ram.stats.tokens_restored += n
-
-    def refused(self, entry: Entry | None) -> None:
-        if entry is not None:
-            self.ram.remove(entry)
-
-    def flush(self, states: list[tuple[list[int], bytes]]) -> int:
-        """At unload: the given slot states and every RAM entry, newest first, go to the
-        disk tier (when there is one); returns how many were written."""
-        if self.disk is None:
-            return 0
-        written = 0
-        for tokens, data in states:
-            written += self.disk.save(tokens, data)
-        for entry in sorted(self.ram.entries, key=lambda e: -e.used):
-            written += self.disk.save(entry.tokens, entry.data)
-        return written
-
-    def describe(self) -> dict[str, int]:
-        out = {**self.ram.describe(), "cache_tokens_shared": self.tokens_shared}
-        if self.disk is not None:
-            out.update(cache_disk_bytes=self.disk.size, cache_disk_entries=len(self.disk.entries))
-        return out

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from corral.errors import CorralError
 from corral.runner.admission import align_keep, fit_prompt
-from corral.runner.promptcache import Entry, PrefixCaches
+from corral.runner.caches import PrefixCaches
+from corral.runner.promptcache import Entry
 from corral.runner.sequence import SeqState
 from corral.runner.slot import Slot, SlotState, common_prefix
 
