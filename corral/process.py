@@ -110,3 +110,23 @@ def physical_cores() -> int:
         return max(1, min(count, allowed) if allowed else count)
     except OSError:
         return max(1, (os.cpu_count() or 2) // 2)
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def physical_memory_available() -> int:
+    """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
+    return _meminfo("MemAvailable")
+
+
+def physical_memory_total() -> int:
+    return _meminfo("MemTotal")

@@ -20,7 +20,7 @@ from corral.errors import CorralError
 
 if TYPE_CHECKING:
     from corral.api.client import Client
-    from corral.cli.repl import RunOptions
+    from corral.cli.runoptions import RunOptions
 
 EXTENSIONS = r"(?:png|jpe?g|gif|bmp|webp)"
 _START = r"(?:~|\.{1,2})?/"

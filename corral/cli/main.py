@@ -12,6 +12,7 @@ from corral.process import package_parent
 from corral.api.client import Client
 from corral.cli import tables
 from corral.cli.progress import show_progress
+from corral.cli.runoptions import RunOptions
 from corral.config import Settings, describe_settings, load_settings, parse_duration
 from corral.errors import CorralError
 from corral.version import corral_version
@@ -248,7 +249,7 @@ def run(model: str,
     if not sys.stdin.isatty():
         piped = sys.stdin.read()
         text = f"{text}\n\n{piped}".strip() if text else piped
-    opts = repl.RunOptions(model=model, verbose=verbose, format=format or None,
+    opts = RunOptions(model=model, verbose=verbose, format=format or None,
                            keep_alive=keep_alive, think=_think_flag(think),
                            hide_thinking=hidethinking, wordwrap=not nowordwrap,
                            history=not settings().nohistory)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rich.console import Console
 
 from corral.api.client import Client, ClientError
 from corral.cli.images import attach
+from corral.cli.runoptions import RunOptions
 from corral.cli.tables import verbose_stats
 from corral.config import state_dir
 from corral.errors import CorralError, InvalidOption
@@ -46,21 +46,6 @@ SHOW_HELP = """Available Commands:
   /show parameters   Show parameters for this model
   /show system       Show system message
   /show template     Show prompt template"""
-
-
-@dataclass
-class RunOptions:
-    model: str
-    verbose: bool = False
-    format: str | None = None
-    keep_alive: str | None = None
-    think: bool | str | None = None
-    hide_thinking: bool = False
-    wordwrap: bool = True
-    history: bool = True
-    options: dict[str, Any] = field(default_factory=dict)
-    system: str | None = None
-    vision: bool | None = None  # the model's vision capability, asked once when needed
 
 
 def _request(opts: RunOptions, **body: Any) -> dict[str, Any]:

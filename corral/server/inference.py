@@ -1,10 +1,6 @@
-"""What every route shares: model lookup, capabilities, options, grammars, templates,
-holding a model, embeddings, and the entry to the one generation path (`run`).
-
-A request counts itself in with the scheduler, holds its model for the duration,
-cancels its runner job when the client goes away, and always releases the model,
-whatever happens.
-"""
+"""What routes share: model lookup, capabilities, options, grammars, templates and
+embeddings. The one generation path is server.pipeline.run, which calls down into this
+module and never the other way; holding a model belongs to the scheduler."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import json
 import logging
 import time
 import uuid
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.config import parse_duration
@@ -26,12 +21,10 @@ from corral.registry.store import Store
 from corral.server.harmony import uses_harmony
 from corral.server.images import check_images
 from corral.server.metrics import Metrics
-from corral.server.scheduler import Loaded, Scheduler
+from corral.server.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from corral.server.prompt import PromptBuilder
-    from corral.server.pipeline.request import Event, Request
-    from corral.server.pipeline.run import OnDisconnect
 
 log = logging.getLogger("corral.inference")
 
@@ -138,24 +131,11 @@ class Inference:
         except CorralError:
             return ""
 
-    @contextmanager
-    def hold(self, record: ModelRecord, options: dict[str, Any],
-             keep_alive: float | None) -> Iterator[Loaded]:
-        """Count the request in, hold a ready model, and always release it."""
-        ticket = self.scheduler.admit(record)
-        entry = self.scheduler.acquire(ticket, record, options, keep_alive)
-        try:
-            self.scheduler.share_cores()  # it may have just become busy
-            yield entry
-        finally:
-            self.scheduler.release(entry)
-            self.scheduler.share_cores()
-
     def load_only(self, record: ModelRecord, options: dict[str, Any],
                   keep_alive: float | None) -> float:
         """Schedule the model without generating; returns the load time in seconds."""
         start = time.perf_counter()
-        with self.hold(record, options, keep_alive):
+        with self.scheduler.hold(record, options, keep_alive):
             pass
         return time.perf_counter() - start
 
@@ -172,7 +152,7 @@ class Inference:
         start = time.perf_counter()
         merged = self.options(record, options)
         job_id = uuid.uuid4().hex
-        with self.hold(record, merged, keep_alive) as entry:
+        with self.scheduler.hold(record, merged, keep_alive) as entry:
             load = time.perf_counter() - start
             runner = entry.runner
             assert runner is not None
@@ -254,13 +234,6 @@ class Inference:
             raise
         except Exception as exc:  # noqa: BLE001 - a template that does not compile
             raise BadRequest(f"invalid chat template: {exc}") from None
-
-    def run(self, request: Request, on_disconnect: OnDisconnect | None = None
-            ) -> Iterator[Event]:
-        """The one generation path (server.pipeline.run): checked now, then events."""
-        from corral.server.pipeline.run import run
-
-        return run(self, request, on_disconnect)
 
 
 @functools.lru_cache(maxsize=32)

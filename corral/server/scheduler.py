@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from corral.config import FOREVER, Settings, state_dir
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import LOAD_OPTIONS
-from corral.process import physical_cores
+from corral.process import physical_cores, physical_memory_available, physical_memory_total
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import memory
@@ -30,26 +31,6 @@ __all__ = ["Loaded", "ModelState", "Runner", "Scheduler", "Ticket"]
 log = logging.getLogger("corral.scheduler")
 
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
-
-
-def _meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def physical_memory_available() -> int:
-    """Bytes of RAM available for a CPU load (MemAvailable), or 0 if unknown."""
-    return _meminfo("MemAvailable")
-
-
-def physical_memory_total() -> int:
-    return _meminfo("MemTotal")
 
 
 class Scheduler:
@@ -167,6 +148,19 @@ class Scheduler:
                 else:
                     entry.expires_at = self.clock() + entry.keep_alive
             self.cond.notify_all()
+
+    @contextmanager
+    def hold(self, record: ModelRecord, options: dict[str, Any],
+             keep_alive: float | None) -> Iterator[Loaded]:
+        """Count a request in, hold a ready model for it, and always release it; the
+        cores are shared again as the set of busy models changes."""
+        entry = self.acquire(self.admit(record), record, options, keep_alive)
+        try:
+            self.share_cores()  # it may have just become busy
+            yield entry
+        finally:
+            self.release(entry)
+            self.share_cores()
 
     def share_cores(self) -> None:
         """Tell each runner its share of the cores when the set of busy ones changed. A

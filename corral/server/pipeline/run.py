@@ -180,7 +180,7 @@ def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterato
     options = dict(plan.options)
     if index and int(options.get("seed", -1)) >= 0:
         options["seed"] = int(options["seed"]) + index  # n choices, n different samples
-    with inf.hold(plan.record, options, plan.request.keep_alive) as entry:
+    with inf.scheduler.hold(plan.record, options, plan.request.keep_alive) as entry:
         runner = entry.runner
         assert runner is not None
         cancels.add(lambda: runner.cancel(job_id))
@@ -265,7 +265,7 @@ def render_only(inf: Inference, request: Request, jinja: str | None = None, bos:
                                   and (request.raw or request.template))
     builder = inf.jinja_builder(jinja, bos, eos) if jinja else None
     if not go and builder is None:  # the GGUF's Jinja template needs the model's BOS/EOS
-        with inf.hold(plan.record, plan.options, request.keep_alive) as entry:
+        with inf.scheduler.hold(plan.record, plan.options, request.keep_alive) as entry:
             report = entry.runner.report if entry.runner is not None else {}
     shown = render(inf, plan, report, builder)
     return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,

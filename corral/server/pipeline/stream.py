@@ -17,6 +17,7 @@ from corral.api.wire import Wire, parse
 from corral.errors import CorralError, Shape
 from corral.server.http import Handler, Request
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
+from corral.server.pipeline.run import run
 
 if TYPE_CHECKING:
     from corral.server.inference import Inference
@@ -93,6 +94,6 @@ def generation(inf: Inference, shape: Shape, record: type[W], to_request: Callab
         request = to_request(wire)
         if nothing_to_do is not None and nothing_to_do(wire, request, handler):
             return
-        respond(handler, inf.run(request, req.on_disconnect), renderer(wire, request),
+        respond(handler, run(inf, request, req.on_disconnect), renderer(wire, request),
                 bool(getattr(wire, "stream", False)))
     return route
