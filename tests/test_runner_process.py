@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
 
 from corral.errors import RunnerError
@@ -16,6 +17,9 @@ from corral.registry.gguf import inspect_gguf
 from corral.runner import memory
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.wire import CompletionJob
+
+job = CompletionJob.from_json  # a job as the daemon sends it
 
 pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 
@@ -51,15 +55,15 @@ def test_num_gpu_without_a_gpu_reports_every_layer_on_the_cpu(starter_gguf: Path
 
 
 def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
-    lines = list(runner.completion({"prompt": "The capital of France is", "options": GREEDY}))
+    lines = list(runner.completion(job({"prompt": "The capital of France is", "options": GREEDY})))
     assert lines[-1]["done"] and lines[-1]["eval_count"] == 16
     assert lines[-1]["prompt_tokens"] == len(runner.tokenize("The capital of France is",
                                                              add_special=True))
     text = "".join(line.get("content", "") for line in lines)
     assert text.strip()
     # Text the daemon rendered with a BOS of its own: the tokenizer adds none.
-    chat = list(runner.completion({"prompt": "<bos>User: Hi\nAssistant:", "add_bos": False,
-                                   "options": {**GREEDY, "stop": ["User:"]}}))
+    chat = list(runner.completion(job({"prompt": "<bos>User: Hi\nAssistant:", "add_bos": False,
+                                   "options": {**GREEDY, "stop": ["User:"]}})))
     assert chat[-1]["done"] and chat[-1]["prompt_eval_count"] > 0
     assert chat[-1]["context"][:1] == runner.tokenize("<bos>", add_special=False)
 
@@ -79,8 +83,8 @@ def test_embed_normalised(runner: RunnerProcess) -> None:
 
 
 def test_cancel_by_id(runner: RunnerProcess) -> None:
-    stream = runner.completion({"prompt": "Once upon a time", "id": "job-1",
-                                "options": {"temperature": 0, "num_predict": 500}})
+    stream = runner.completion(job({"prompt": "Once upon a time", "id": "job-1",
+                                "options": {"temperature": 0, "num_predict": 500}}))
     first = next(stream)  # no back-channel ahead of the reply: the daemon rendered it
     assert "content" in first
     runner.cancel("job-1")
@@ -90,16 +94,20 @@ def test_cancel_by_id(runner: RunnerProcess) -> None:
 
 
 def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
-    with pytest.raises(Exception):
-        list(runner.completion({"prompt": "x", "options": {"temperature": "hot"}}))
+    # What crosses the wire is checked where it lands: a 400, and the runner lives on.
+    for body in ({"prompt": "x", "options": {"temperature": "hot"}}, {"prompt": 3},
+                 {"prompt": "x", "context": ["a"]}, {"prompt": "x", "add_bos": "yes"},
+                 {"prompt": "x", "frobnicate": 1}):
+        r = httpx.post(f"http://127.0.0.1:{runner.port}/completion", json=body, timeout=30)
+        assert r.status_code == 400 and "error" in r.json(), (body, r.text)
     assert runner.alive()
 
 
 def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:
     proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=1, num_ctx=256))
     proc.start(timeout=120)
-    stream = proc.completion({"prompt": "Once upon a time",
-                              "options": {"temperature": 0, "num_predict": 5000}})
+    stream = proc.completion(job({"prompt": "Once upon a time",
+                              "options": {"temperature": 0, "num_predict": 5000}}))
     next(stream)
     killer = threading.Timer(0.2, os.kill, args=(proc.pid, signal.SIGKILL))
     killer.start()

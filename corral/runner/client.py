@@ -15,6 +15,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator
 from corral.process import package_parent
 from corral.errors import RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.wire import CompletionJob
 
 if TYPE_CHECKING:
     import httpx
@@ -133,10 +134,10 @@ class RunnerProcess:
             raise from_wire(resp.status_code, data)
         return dict(data)
 
-    def completion(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def completion(self, job: CompletionJob) -> Iterator[dict[str, Any]]:
         """Stream the runner's lines; ends with a `done` line or raises RunnerError."""
         try:
-            with self._client().stream("POST", "/completion", json=body) as resp:
+            with self._client().stream("POST", "/completion", json=job.to_json()) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise from_wire(resp.status_code, resp.json())

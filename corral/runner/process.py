@@ -5,9 +5,8 @@ only this process. It prints one JSON line on stdout when it is ready (its
 port and load report), then serves:
 
     GET  /health                  engine status
-    POST /completion              {"prompt": text rendered by the daemon, "add_bos", "images",
-                                  "context", ...} -> NDJSON: {"content"} lines, then a final
-                                  {"done": true, ...}
+    POST /completion              a CompletionJob (runner.wire) -> NDJSON: {"content"} lines,
+                                  then a final {"done": true, ...}
     POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
     POST /tokenize, /detokenize
     POST /cancel                  {"id"}
@@ -33,11 +32,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
-from corral.options import coerce_options
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import Loaded, Pending, load
+from corral.runner.wire import CompletionJob
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan, Vision
@@ -58,45 +57,41 @@ class RunnerService:
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
 
-    def prompt_tokens(self, body: dict[str, Any]) -> tuple[list[int], list["ImageSpan"]]:
+    def prompt_tokens(self, wire: CompletionJob) -> tuple[list[int], list["ImageSpan"]]:
         """The prompt's tokens and its images' spans. The daemon rendered the text; each
         image sits at a media marker in it, in the order of `images`."""
-        text = body.get("prompt")
-        if not isinstance(text, str):
-            raise BadRequest("prompt must be a string")
-        images = _decode(body.get("images") or [])
+        images = _decode(list(wire.images))
         if images and self.vision is None:
             raise BadRequest("this model does not support images")
-        add_bos = body.get("add_bos", True) is not False
-        context = [int(t) for t in body.get("context") or []]
+        context = list(wire.context)
         spans: list[ImageSpan] = []
         if images:
             assert self.vision is not None
-            ids, spans = self.vision.prepare(text, images, add_bos and not context)
+            ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context)
             spans = [span.shifted(len(context)) for span in spans]
         else:
-            ids = self.engine.tokenize(text, add_special=add_bos and not context)
+            ids = self.engine.tokenize(wire.prompt, add_special=wire.add_bos and not context)
         tokens = context + ids
         if not tokens:
             raise BadRequest("empty prompt")
         return tokens, spans
 
-    def job(self, body: dict[str, Any]) -> Job:
-        options = coerce_options(body.get("options"))
-        tokens, spans = self.prompt_tokens(body)
+    def job(self, wire: CompletionJob) -> Job:
+        options = wire.options
+        tokens, spans = self.prompt_tokens(wire)
         job = Job(
             prompt=tokens,
             params=SamplingParams.from_options(options),
             num_predict=int(options.get("num_predict", -1)),
             stop=list(options.get("stop", [])),
             num_keep=int(options.get("num_keep", 4)),
-            grammar=body.get("grammar"),
-            truncate=bool(body.get("truncate", True)),
-            shift=bool(body.get("shift", True)),
+            grammar=wire.grammar,
+            truncate=wire.truncate,
+            shift=wire.shift,
             ignore_eos=bool(options.get("ignore_eos", False)),
-            logprobs=int(body["logprobs"]) if isinstance(body.get("logprobs"), int) else -1,
-            special=body.get("special") is True,
-            id=str(body.get("id") or ""),
+            logprobs=wire.logprobs,
+            special=wire.special,
+            id=wire.id,
             images=tuple(spans),
         )
         self.engine.submit(job)
@@ -233,7 +228,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*format_error(BadRequest(str(exc)), Shape.RUNNER))
 
     def _completion(self, body: dict[str, Any]) -> None:
-        job = self.service.job(body)
+        job = self.service.job(CompletionJob.from_json(body))
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.end_headers()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.errors import BadRequest, RunnerError
 from corral.registry.models import ModelRecord
+from corral.runner.wire import CompletionJob
 from corral.server.harmony import uses_harmony
 from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
@@ -200,7 +201,7 @@ def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterato
 
 
 def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: dict[str, Any],
-                 job_id: str) -> tuple[dict[str, Any], bool]:
+                 job_id: str) -> tuple[CompletionJob, bool]:
     """The runner's job: rendered text and images, and whether a think block is open."""
     request, shown = plan.request, render(inf, plan, report)
     grammar = plan.grammar
@@ -208,14 +209,12 @@ def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: di
         only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
         grammar = tool_grammar(plan.fmt, plan.tools, only, bool(plan.think), shown.opened)
         check_gbnf(grammar)  # a tool's schema made it: as unchecked as a request's own
-    body: dict[str, Any] = {"prompt": shown.text, "add_bos": shown.add_bos,
-                            "images": shown.images, "context": shown.context,
-                            "grammar": grammar, "options": options, "id": job_id,
-                            "truncate": request.truncate, "shift": request.shift,
-                            "special": plan.special}
-    if request.logprobs is not None:
-        body["logprobs"] = request.logprobs
-    return body, shown.opened
+    job = CompletionJob(prompt=shown.text, add_bos=shown.add_bos, images=tuple(shown.images),
+                        context=tuple(shown.context), grammar=grammar, options=options,
+                        id=job_id, truncate=request.truncate, shift=request.shift,
+                        special=plan.special,
+                        logprobs=-1 if request.logprobs is None else request.logprobs)
+    return job, shown.opened
 
 
 @dataclass(frozen=True)
@@ -273,7 +272,7 @@ def render_only(inf: Inference, request: Request, jinja: str | None = None, bos:
             "tools": [t["function"]["name"] for t in plan.tools]}
 
 
-def _stream(inf: Inference, entry: Loaded, body: dict[str, Any], parser: ReplyParser,
+def _stream(inf: Inference, entry: Loaded, body: CompletionJob, parser: ReplyParser,
             index: int, started: float, stats: dict[str, Any]) -> Iterator[Piece]:
     """The runner's lines as pieces; `stats` gets the final line's counts."""
     runner, model = entry.runner, entry.record.name.display()
