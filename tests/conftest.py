@@ -93,8 +93,9 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., "Daemon"]]:
 
     started: list[Daemon] = []
 
-    def make(store: Store | None, root: Path | None = None, **env: str) -> "Daemon":
-        d = start_daemon(store, root or tmp_path / f"daemon{len(started)}", **env)
+    def make(store: Store | None, root: Path | None = None, capacity: int | None = None,
+             **env: str) -> "Daemon":
+        d = start_daemon(store, root or tmp_path / f"daemon{len(started)}", capacity, **env)
         started.append(d)
         return d
 
