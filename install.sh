@@ -241,14 +241,18 @@ fi
 # tests/test_ui.py drives the page at /ui in Debian's chromium through Playwright.
 if [ "$MODE" = dev ] && ! command -v chromium >/dev/null 2>&1 \
     && ! command -v chromium-browser >/dev/null 2>&1; then
+  # Only the page's tests need it, so a missing browser is a warning, never the end of
+  # the install: those tests then skip, saying what is missing. `sudo -n` never asks for
+  # a password (an unattended install would hang on it); without one it just fails.
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""
-    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    [ "$(id -u)" = 0 ] || SUDO="sudo -n"
     say "installing chromium for the page's tests"
     { $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
       || { $SUDO apt-get update -q >/dev/null 2>&1 \
            && $SUDO apt-get install -y -q chromium >/dev/null 2>&1; }; } \
-      || die "could not install chromium (needed by tests/test_ui.py); install it and run again"
+      || echo "Warning: could not install chromium; tests/test_ui.py will skip until it is" \
+              "installed (sudo apt-get install chromium)" >&2
   else
     echo "Warning: no chromium on PATH; tests/test_ui.py needs one (e.g. brew install chromium)" >&2
   fi

@@ -22,7 +22,7 @@ os.environ["GGML_CPU_TILED_MM"] = "0"
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No test touches ~: models, data, state and config live under tmp_path."""
+    """No test touches ~: models, data, state, config and caches live under tmp_path."""
     for key in list(os.environ):
         if key.startswith(("CORRAL_", "OLLAMA_")):
             monkeypatch.delenv(key)
@@ -33,6 +33,9 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
     monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    # HOME too: anything that skips XDG (pip, a child's ~/.cache) must not see the user's.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+    monkeypatch.setenv("HOME", str(home))
     return tmp_path
 
 
@@ -90,8 +93,9 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., "Daemon"]]:
 
     started: list[Daemon] = []
 
-    def make(store: Store | None, root: Path | None = None, **env: str) -> "Daemon":
-        d = start_daemon(store, root or tmp_path / f"daemon{len(started)}", **env)
+    def make(store: Store | None, root: Path | None = None, capacity: int | None = None,
+             **env: str) -> "Daemon":
+        d = start_daemon(store, root or tmp_path / f"daemon{len(started)}", capacity, **env)
         started.append(d)
         return d
 
@@ -104,8 +108,20 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., "Daemon"]]:
 MODEL_FIXTURES = frozenset({"starter_store", "starter_gguf", "daemon"})
 
 
+# Read at collection, before isolated_env clears CORRAL_* for each test.
+NETWORK = os.environ.get("CORRAL_TEST_NETWORK") == "1"
+NETWORK_SKIP = pytest.mark.skip(reason="needs the package index and cmake; run with "
+                                       "CORRAL_TEST_NETWORK=1 .venv/bin/python -m pytest -m network")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark model tests by what they use, so `-m "not model"` can never run one by mistake."""
+    """Mark model tests by what they use, so `-m "not model"` can never run one by mistake.
+
+    Tests marked `network` skip unless CORRAL_TEST_NETWORK=1: a plain `pytest -q` needs
+    no network, no cmake and no cache of the user's. A skip rather than an addopts `-m`,
+    which a user's own `-m` would silently replace."""
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        if not NETWORK and item.get_closest_marker("network"):
+            item.add_marker(NETWORK_SKIP)

@@ -12,8 +12,10 @@ from corral.registry.store import Store
 from corral.server.daemon import Daemon
 
 
-def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:
-    """A daemon over a view of `store` (manifests copied, blobs linked), or an empty store."""
+def start_daemon(store: Store | None, tmp: Path, capacity: int | None = None,
+                 **env: str) -> Daemon:
+    """A daemon over a view of `store` (manifests copied, blobs linked), or an empty store;
+    `capacity` bytes at most in its blobs (a full disk, without mounting one)."""
     root = tmp / "models"
     (root / "blobs").mkdir(parents=True, exist_ok=True)
     if store is not None:
@@ -26,7 +28,7 @@ def start_daemon(store: Store | None, tmp: Path, **env: str) -> Daemon:
     settings = load_settings({"CORRAL_HOST": "127.0.0.1:0", "CORRAL_MODELS": str(root),
                               "CORRAL_NUM_PARALLEL": "2", "CORRAL_CONTEXT_LENGTH": "1024",
                               **{f"CORRAL_{k}": v for k, v in env.items()}})
-    return Daemon(settings).start()
+    return Daemon(settings, store=Store(root, capacity)).start()
 
 
 DaemonFactory = Callable[..., Daemon]  # (store, root=None, **CORRAL_settings) -> started daemon

@@ -3,7 +3,8 @@
 Everything the lent CUDA machine will run, but the CUDA build: the repack is configured
 with CMake, the wheels are installed as for Python 3.12, the random model is made and
 quantized by Corral's create, and every check runs on the tiny model. The table's GPU
-branches are checked on a result shaped like a CUDA run's.
+branches are checked on a result shaped like a CUDA run's. The rehearsal needs the
+package index and CMake, so it is marked `network` and runs only with CORRAL_TEST_NETWORK=1.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_report import table  # noqa: E402
 
 
+# pip downloads llama-cpp-python's sources and the wheels, and CMake configures them.
+@pytest.mark.network
 def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> None:
     prep, out, build = tmp_path / "gpu", tmp_path / "out", tmp_path / "build"
     env = dict(os.environ, GPU_CHECK_DIR=str(prep), GPU_CHECK_CHAT=str(chat_gguf), OUT=str(out),

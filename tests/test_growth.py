@@ -85,7 +85,9 @@ def test_a_sequence_carries_on_across_a_growth_step(elastic: object) -> None:
     engine = elastic
     assert isinstance(engine, Engine)
     solo = run(engine, PROMPTS[1], 60)[0]
-    while engine.status()["slots"] > 1:
+    deadline = time.monotonic() + 30
+    while engine.status()["slots"] > 1:  # back to one stream after shrink_after
+        assert time.monotonic() < deadline, engine.status()
         time.sleep(0.1)
     resizes = engine.resizer.resizes  # type: ignore[union-attr]
     job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), num_predict=60, params=GREEDY))

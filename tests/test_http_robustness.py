@@ -87,8 +87,10 @@ def test_chunked_json_body_is_read_and_the_connection_stays_in_step(bare: Daemon
         for _ in range(2):  # the same connection answers twice: nothing was left unread
             s.sendall(request)
             data = b""
-            while not _complete(data):
-                data += s.recv(65536)
+            while not _complete(data):  # each recv times out after 10 s
+                part = s.recv(65536)
+                assert part, data  # closed before the answer was whole
+                data += part
             status, payload = status_and_json(data)
             assert status == 404 and payload == {"error": "model 'nope:latest' not found"}
 

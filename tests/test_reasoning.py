@@ -70,6 +70,22 @@ def chat_lines(d: Daemon, **body: Any) -> list[dict[str, Any]]:
         return [json.loads(line) for line in resp.iter_lines()]
 
 
+def recording_client(d: Daemon) -> tuple[list[dict[str, Any]], ollama.Client]:
+    """The official client, and the JSON bodies it sends (its httpx client's hook)."""
+    sent: list[dict[str, Any]] = []
+
+    def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content or b"{}"))
+    return sent, ollama.Client(host=d.url, event_hooks={"request": [record]})
+
+
+def render(d: Daemon, body: dict[str, Any]) -> dict[str, Any]:
+    """The prompt the daemon renders for a request body (POST /corral/render)."""
+    r = httpx.post(d.url + "/corral/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
 def test_thinking_streams_apart_from_the_answer(daemon: Daemon) -> None:
     lines = chat_lines(daemon, think=True, grammar=THOUGHT)
     kinds = [("thinking" if m["message"].get("thinking") else "content")
@@ -84,10 +100,13 @@ def test_thinking_streams_apart_from_the_answer(daemon: Daemon) -> None:
         "model": THINKER, "messages": ASK, "options": GREEDY, "think": True,
         "grammar": THOUGHT, "stream": False}).json()
     assert whole["message"]["thinking"] == thinking and whole["message"]["content"] == content
-    client = ollama.Client(host=daemon.url)
-    generated = client.generate(model=THINKER, prompt="Weather?", think="medium",
-                                options=GREEDY, **{})  # levels reach the template as .Think
-    assert generated.response is not None
+    sent, client = recording_client(daemon)
+    generated = client.generate(model=THINKER, prompt="Weather?", think="medium", options=GREEDY)
+    # The official client sends the level, and it reaches the template as .Think: the
+    # prompt the daemon renders for that very body opens <think>.
+    assert sent[-1]["think"] == "medium" and generated.done
+    shown = render(daemon, sent[-1])
+    assert shown["prompt"].endswith("<|im_start|>assistant\n<think>") and shown["thinking_open"]
 
 
 def test_generate_splits_thinking_too(daemon: Daemon) -> None:
@@ -119,9 +138,13 @@ def test_tool_call_streams_as_soon_as_it_is_complete(daemon: Daemon) -> None:
     assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
     assert set(call["function"]["arguments"]) == {"city"}
     assert lines[-1]["done"] is True
-    reply = ollama.Client(host=daemon.url).chat(model=THINKER, messages=ASK, tools=TOOLS,
-                                                options=GREEDY, **{"format": None})
-    assert reply.message is not None
+    sent, client = recording_client(daemon)
+    reply = client.chat(model=THINKER, messages=ASK, tools=TOOLS, options=GREEDY)
+    # The official client's tools reach the template, and its typed reply reads ours.
+    assert [t["function"]["name"] for t in sent[-1]["tools"]] == ["get_weather"]
+    shown = render(daemon, sent[-1])
+    assert shown["tools"] == ["get_weather"] and "Tools: get_weather." in shown["prompt"]
+    assert reply.done and reply.message.role == "assistant"
 
 
 def test_malformed_call_text_is_content(daemon: Daemon) -> None:

@@ -21,13 +21,16 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from corral.cli.tables import processor
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
 from tests.gguf_files import write_tiny_gguf
 from tests.support import start_daemon, wait_for
 from tests.vision_model import png_bytes
 
-sync_api = pytest.importorskip("playwright.sync_api")  # the test extra; absent: not a dev install
+# The test extra; absent, this is not a dev install.
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is missing: "
+                               ".venv/bin/python -m pip install -e '.[test]'")
 
 CHAT = "smollm2:135m"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
@@ -46,10 +49,16 @@ def ui_daemon(starter_store: Store, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    assert Path(CHROMIUM).exists(), "Chromium is missing: ./install.sh --dev installs it"
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is missing: sudo apt-get install chromium (./install.sh --dev "
+                    "tries), or brew install chromium")
+    # Its own home: Chromium writes its profile and caches there, never under the user's ~.
+    home = tmp_path_factory.mktemp("chromium-home")
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / "config"),
+           "XDG_CACHE_HOME": str(home / "cache")}
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True, env=env)
         yield b
         b.close()
 
@@ -267,7 +276,11 @@ def test_stop_ends_the_answer_and_frees_the_slot(browser: Any, ui_daemon: Daemon
     card.locator('[data-field="busy"]').filter(has_text="1").wait_for(timeout=20_000)
     wait_for(lambda: float(card.locator('[data-field="rate"]').inner_text()) > 0, timeout=20)
     assert card.locator('[data-field="context"]').inner_text() == "1024"
-    assert card.locator('[data-field="processor"]').inner_text() == "100% CPU"
+    # Where the model is, as `corral ps` says it from /api/ps: CPU here, GPU on a GPU.
+    [shown] = [m for m in httpx.get(f"{ui_daemon.url}/api/ps").json()["models"]
+               if m["name"] == CHAT]
+    where = processor(shown["size"], shown["size_vram"])
+    assert card.locator('[data-field="processor"]').inner_text() == where
     points = 20 if SHOTS else 2  # the README's picture shows a stretch of the rate chart
     wait_for(lambda: int(card.locator("canvas").get_attribute("data-points") or 0) >= points,
              timeout=points + 20)
@@ -366,7 +379,7 @@ def test_a_daemon_with_an_api_key_is_asked_for_it_once(browser: Any, starter_sto
 def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path: Path) -> None:
     import hashlib
 
-    from tests.vision_model import png_bytes, write_projector
+    from tests.vision_model import write_projector
 
     projector = write_projector(tmp_path / "mmproj.gguf", "mlp", 576).read_bytes()
     digest = "sha256:" + hashlib.sha256(projector).hexdigest()
@@ -376,15 +389,28 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
         "model": "looker", "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
         "parameters": {"num_predict": 12, "temperature": 0}})
     assert r.status_code == 200, r.text
+    png = png_bytes(40, 30, seed=1)
     page = tab.open()
     page.reload()
     page.locator("#attach").set_input_files(
-        files=[{"name": "one.png", "mimeType": "image/png", "buffer": png_bytes(40, 30, seed=1)}])
+        files=[{"name": "one.png", "mimeType": "image/png", "buffer": png}])
     page.get_by_label("Attached images").locator("img").wait_for()
-    tab.send("What is this?", model="looker:latest")
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as request, \
+            page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
+        tab.send("What is this?", model="looker:latest")
     answer = tab.answer()
     answer.locator(".note").wait_for(timeout=60_000)
     assert answer.get_by_role("alert").count() == 0
     assert answer.locator(".content").inner_text().strip()
     assert page.get_by_role("log").locator("article.user img").count() == 1
     assert page.get_by_label("Attached images").locator("img").count() == 0  # sent, cleared
+    # The page sent the picture itself...
+    body = json.loads(request.value.post_data or "{}")
+    assert body["messages"][-1]["images"] == [base64.b64encode(png).decode()]
+    # ...and the model read it: the runner evaluated more tokens than the whole prompt
+    # has without the image (its usage counts every prompt token, cached or not).
+    final = json.loads(response.value.text().strip().splitlines()[-1])
+    text_only = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
+    usage = httpx.post(f"{ui_daemon.url}/v1/chat/completions", timeout=120, json={
+        "model": "looker:latest", "messages": text_only, "max_tokens": 1}).json()["usage"]
+    assert final["done"] and final["prompt_eval_count"] > usage["prompt_tokens"]

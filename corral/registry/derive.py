@@ -9,7 +9,6 @@ nothing behind.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -83,7 +82,7 @@ def quantize_layer(store: Store, model: Layer, type_name: str, requantize: bool,
 def _check_space(store: Store, source_size: int) -> None:
     # No output is larger than its F32 source; an F16 or quantized source at most doubles
     # (to F32 is not offered). Failing now beats llama.cpp failing half-way.
-    free = shutil.disk_usage(store.blobs).free
+    free = store.free_space()
     if free < source_size + (64 << 20):
         raise NoSpace(f"no space left on device: quantizing needs about "
                       f"{source_size / 1e9:.1f} GB free, {free / 1e9:.1f} GB is")

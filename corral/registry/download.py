@@ -177,6 +177,10 @@ class Downloader:
         try:
             if not parts:
                 self._clear_state(partial)
+                # A layer that cannot fit fails now, as a full disk would, not after it
+                # has downloaded as much as fits.
+                if self.store.free_space() < dl.total:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 with open(partial, "wb") as f:
                     f.truncate(dl.total)
                 parts = self._plan(dl.total)

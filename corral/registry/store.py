@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -71,8 +72,13 @@ def file_sha256(path: Path) -> str:
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, capacity: int | None = None) -> None:
+        """`capacity`: the most bytes the blobs may take, below what the disk holds (a
+        quota; the disk-full tests use it where no small filesystem can be mounted)."""
+        if capacity is not None and capacity < 0:
+            raise ValueError("a store's capacity cannot be negative")
         self.root = Path(root)
+        self.capacity = capacity
         self.blobs = self.root / "blobs"
         self.manifests = self.root / "manifests"
         # Manifest writes, copies, deletes and blob collection happen under one lock,
@@ -128,6 +134,16 @@ class Store:
             raise CorralError(f"layer {canonical_digest(digest)} is too large")
         return data
 
+    def free_space(self) -> int:
+        """Bytes the store can still take: the disk's free space, within the capacity."""
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.blobs).free
+        if self.capacity is None:
+            return free
+        with os.scandir(self.blobs) as entries:  # partial and temp files count: they are held
+            used = sum(e.stat().st_size for e in entries if e.is_file(follow_symlinks=False))
+        return max(0, min(free, self.capacity - used))
+
     def temp_path(self) -> Path:
         self.blobs.mkdir(parents=True, exist_ok=True)
         return self.blobs / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
@@ -137,11 +153,14 @@ class Store:
         want = canonical_digest(expected) if expected is not None else None
         tmp = self.temp_path()
         hasher, size = hashlib.sha256(), 0
+        room = self.free_space() if self.capacity is not None else None
         try:
             with open(tmp, "xb") as out:
                 for chunk in chunks:
                     hasher.update(chunk)
                     size += len(chunk)
+                    if room is not None and size > room:  # past the capacity: as a full disk
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                     out.write(chunk)
                 out.flush()
                 os.fsync(out.fileno())

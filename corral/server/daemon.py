@@ -75,9 +75,11 @@ class Daemon:
                  runner_factory: Callable[[LoadConfig], Runner] | None = None,
                  runner_log: IO[bytes] | None = None,
                  download_options: DownloadOptions | None = None,
-                 preload: str | None = None, push_options: PushOptions | None = None) -> None:
+                 preload: str | None = None, push_options: PushOptions | None = None,
+                 store: Store | None = None) -> None:
         self.settings = settings
-        self.store = Store(settings.models)
+        # `store`: one the caller made over settings.models, with a quota (capacity).
+        self.store = store or Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
         self.scheduler = Scheduler(settings, factory,
                                    inspect=lambda r: self.store.gguf_info(r.model_digest))
