@@ -277,16 +277,15 @@ def test_n_choices_count_their_prompt_once(daemon: Daemon, path: str, stream: bo
     assert two["total_tokens"] == two["prompt_tokens"] + two["completion_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="each choice's slot prefills the prompt itself; "
-                   "copying one prefill's KV to its siblings (seq_cp) is not built")
 def test_n_choices_evaluate_their_prompt_once(daemon: Daemon) -> None:
-    # A prompt no slot holds a prefix of, so any reuse would come from the siblings.
-    prompt = "Quartz zebras juggle seventeen violet umbrellas beneath Kyoto's midnight tram"
+    # A prompt no slot holds a prefix of, long enough to be worth copying (32 tokens and
+    # more, runner.scheduler): the second choice branches from the first, or waits for
+    # it to be computed, and prefills only the one token it must decode itself.
+    prompt = "Quartz zebras juggle seventeen violet umbrellas beneath Kyoto's midnight tram. " * 8
     before = prompt_tokens_evaluated(daemon)
     r = httpx.post(daemon.url + "/v1/completions", timeout=120, json={
         "model": CHAT, "prompt": prompt, "n": 2, "max_tokens": 2, "seed": 7}).json()
-    evaluated = r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert prompt_tokens_evaluated(daemon) - before == evaluated
+    assert prompt_tokens_evaluated(daemon) - before <= r["usage"]["prompt_tokens"] + 1
 
 
 def test_embedding_dimensions_on_v1(daemon: Daemon) -> None:

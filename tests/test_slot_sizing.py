@@ -52,7 +52,7 @@ def test_pool_tokens_fit_memory() -> None:
 def scheduler(free: int, **env: str) -> Scheduler:
     settings = load_settings({f"CORRAL_{k}": v for k, v in env.items()})
     return Scheduler(settings, FakeRunner, free_memory=lambda: free, free_vram=lambda: 0,
-                     inspect=lambda r: INFO)
+                     total_memory=lambda: 64 << 30, inspect=lambda r: INFO)
 
 
 def rec(tmp_path: Path) -> ModelRecord:
@@ -64,7 +64,13 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     r = rec(tmp_path)
     big, small = 64 << 30, 1200 * MB
     assert scheduler(big)._choose_slots(r, opts) == memory.CPU_MAX_SLOTS == 16
-    assert scheduler(small)._choose_slots(r, opts) == memory.slots_that_fit(INFO, 4096, small, 16)
+    # The prompt cache's RAM (a quarter of what is free, at most) counts in the fit.
+    cache = memory.prompt_cache_budget(None, 64 << 30, small)
+    assert cache == small // 4
+    assert scheduler(small)._choose_slots(r, opts) == memory.slots_that_fit(
+        INFO, 4096, small - cache, 16)
+    assert scheduler(small, CACHE_RAM="0")._choose_slots(r, opts) == memory.slots_that_fit(
+        INFO, 4096, small, 16)
     assert scheduler(small)._choose_slots(r, opts) < 16
     assert scheduler(big, MAX_SLOTS="6")._choose_slots(r, opts) == 6
     assert scheduler(big, NUM_PARALLEL="3")._choose_slots(r, opts) == 3  # fixed means fixed

@@ -21,6 +21,7 @@ from corral.runner.jobs import Done, Failed, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.registry.gguf import inspect_gguf
 from corral.runner.process import RunnerService, build
+from corral.runner.wire import CompletionJob
 from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt
 from tests.vision_model import png_bytes, write_projector
 
@@ -80,7 +81,8 @@ def rendered(service: RunnerService, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def submit(service: RunnerService, body: dict[str, Any], **options: Any) -> Any:
-    return service.job({**rendered(service, body), "options": {**GREEDY, **options}})
+    return service.job(CompletionJob.from_json({**rendered(service, body),
+                                                "options": {**GREEDY, **options}}))
 
 
 def run(service: RunnerService, body: dict[str, Any], **options: Any
@@ -131,7 +133,7 @@ def test_follow_up_reuses_the_image_and_does_not_encode_it_again(llava: RunnerSe
 
 def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
     text, stats = run(gemma, raw([IMG1]))
-    tokens, spans = gemma.prompt_tokens(raw([IMG1]))
+    tokens, spans = gemma.prompt_tokens(CompletionJob.from_json(raw([IMG1])))
     span = spans[0]
     assert span.non_causal and tokens[span.start] < 0
     # Cut the cached prefix in the middle of the image: the next request must decode the

@@ -88,15 +88,17 @@ GPU_MAX_SLOTS = 32  # see the README's GPU notes
 CACHE_RAM_MAX = 4 << 30
 
 
-def prompt_cache_budget(setting: int | None, total_ram: int) -> int:
+def prompt_cache_budget(setting: int | None, total_ram: int, free_ram: int = 0) -> int:
     """Host RAM for one model's prompt cache: CORRAL_CACHE_RAM, or an eighth of the
-    machine's RAM up to 4 GiB. An eighth leaves a laptop of 16 GiB 14 for models and
-    everything else, and 2 GiB keeps about 90 conversations of 1,200 tokens warm on a
-    270M model or 16 on a 1B one (llama-server keeps 8 GiB by default, sized for a
+    machine's RAM up to 4 GiB, and at most a quarter of what is free when the model
+    loads (the slots' KV comes first). An eighth leaves a laptop of 16 GiB 14 for models
+    and everything else, and 2 GiB keeps about 90 conversations of 1,200 tokens warm on
+    a 270M model or 16 on a 1B one (llama-server keeps 8 GiB by default, sized for a
     server); past 4 GiB a cache mostly keeps prompts nobody sends again."""
     if setting is not None:
         return setting
-    return min(total_ram // 8, CACHE_RAM_MAX) if total_ram > 0 else 0
+    budget = min(total_ram // 8, CACHE_RAM_MAX) if total_ram > 0 else 0
+    return min(budget, free_ram // 4) if free_ram > 0 else budget
 
 
 def memory_margin(budget: int) -> int:

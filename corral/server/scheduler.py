@@ -266,7 +266,8 @@ class Scheduler:
                 m.runner.clear_cache()
 
     def _cache_ram(self) -> int:
-        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory())
+        free = 0 if self.free_vram() else self.free_memory()  # a GPU's KV is not in RAM
+        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
 
     def _load(self, entry: Loaded) -> None:
         with self._load_lock:  # one load at a time
