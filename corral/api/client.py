@@ -1,4 +1,4 @@
-"""The HTTP client the CLI uses: the same wire types as the server, errors as CorralError.
+"""The HTTP client the CLI uses: JSON bodies as Ollama's API has them, errors as CorralError.
 
 If nothing answers on a loopback CORRAL_HOST, `ensure_daemon` starts the daemon
 in the background (api.autostart), logging to the state dir, and waits until it

@@ -1,4 +1,5 @@
-"""Wire types and formatting shared by the server and the client, as in Ollama's api/types.go."""
+"""Formatting shared by the server and the client (Go's time format); the wire records
+themselves are in api.wire."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""The llama.cpp engine (slots, batching, sampling, templates), runner process, scheduler."""
+"""The runner layer: the llama.cpp engine (slots, batching, sampling, the prompt cache), the
+runner process that serves one model, its client, and the runner wire."""

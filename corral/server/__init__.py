@@ -1,1 +1,2 @@
-"""The daemon: the HTTP layer, native, OpenAI and management routes, and the model scheduler."""
+"""The daemon: the HTTP transport, the four APIs (native, OpenAI, Anthropic, Responses) over
+one request pipeline, management routes, the page, and the model scheduler."""

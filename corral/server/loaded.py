@@ -44,8 +44,6 @@ class Loaded:
     refcount: int = 0
     keep_alive: float = 300.0
     expires_at: float | None = None  # wall clock; None while busy or forever
-    error: str | None = None
-    load_duration: float = 0.0
     reload: bool = False
     inflight: int = 0  # admitted requests, running or queued in the runner
     threads: int = 0  # its share of the cores, last told (server.threads); 0: not yet

@@ -33,8 +33,6 @@ class Kind(enum.Enum):
     CONTENT = "content"
     THINKING = "thinking"
     CALL = "call"
-    AFTER_CALL = "after_call"  # a call was sent before its closing tag came: skip to it
-    LIST = "list"  # inside a JSON list of calls, each sent as its object completes
 
 
 @dataclass(frozen=True)

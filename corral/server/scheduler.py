@@ -134,12 +134,10 @@ class Scheduler:
         else:
             self.pending -= 1
 
-    def release(self, entry: Loaded, keep_alive: float | None = None) -> None:
+    def release(self, entry: Loaded) -> None:
         with self.cond:
             entry.refcount -= 1
             entry.inflight -= 1
-            if keep_alive is not None:
-                entry.keep_alive = keep_alive
             if entry.refcount == 0 and entry.state is ModelState.READY:
                 if entry.reload or entry.keep_alive == 0:
                     self._begin_unload(entry)
@@ -271,7 +269,6 @@ class Scheduler:
 
     def _load(self, entry: Loaded) -> None:
         with self._load_lock:  # one load at a time
-            start = self.clock()
             config = LoadConfig.from_options(
                 str(entry.record.model_path), entry.options, n_slots=entry.slots,
                 flash_attn=self.settings.flash_attention,
@@ -298,7 +295,6 @@ class Scheduler:
                 raise
         with self.cond:
             entry.runner = runner
-            entry.load_duration = self.clock() - start
             entry.state = ModelState.READY
             self.cond.notify_all()
         log.info("loaded %s with %d slots", entry.record.name.display(), entry.slots)
