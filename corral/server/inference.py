@@ -18,9 +18,9 @@ from corral.registry.models import ModelRecord, Records
 from corral.registry.names import parse_name
 from corral.registry.projector import projector_problem
 from corral.registry.store import Store
-from corral.server.harmony import uses_harmony
 from corral.server.images import check_images
 from corral.server.metrics import Metrics
+from corral.server.reply import template_calls_tools, template_thinks
 from corral.server.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -92,13 +92,13 @@ def capabilities(store: Store, record: ModelRecord, template: str) -> list[str]:
         embedding = False
     vision = has_vision(store, record)
     caps.append("embedding" if embedding else "completion")
-    if ".Tools" in template or "tools" in template or "tool_call" in template:
+    if template_calls_tools(template):
         caps.append("tools")
     if ".Suffix" in template:
         caps.append("insert")
     if vision:
         caps.append("vision")
-    if "<think>" in template or ".Think" in template or uses_harmony(template):
+    if template_thinks(template):
         caps.append("thinking")
     return caps
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import random
+import re
 import string
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,12 +63,27 @@ def call_id() -> str:
     return "call_" + "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
 
 
+# `tools` used in a Jinja expression or statement, not merely written in the text.
+_JINJA_TOOLS = re.compile(r"\{[{%][^}]*\btools\b")
+
+
+def template_thinks(template: str) -> bool:
+    """A template that can open a think block: the one place this is decided."""
+    return "<think>" in template or ".Think" in template or uses_harmony(template)
+
+
+def template_calls_tools(template: str) -> bool:
+    """A template that renders tools or calls: Go's .Tools, tool calls, or Jinja reading
+    `tools` (a template that only mentions the word in its text does not)."""
+    return (".Tools" in template or "tool_call" in template or MISTRAL_TAG in template
+            or uses_harmony(template) or _JINJA_TOOLS.search(template) is not None)
+
+
 def reply_format(template: str, think: bool, tools: bool) -> Format:
     """What to look for in a reply, from the template that made the prompt."""
     if uses_harmony(template):
         return Format(tools="harmony" if tools else None, harmony=True)
-    think_tags = THINK_TAGS if think and ("<think>" in template or ".Think" in template) \
-        else None
+    think_tags = THINK_TAGS if think and template_thinks(template) else None
     kind = None
     if tools:
         kind = "tags" if "<tool_call>" in template else \

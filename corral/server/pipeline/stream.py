@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
 from corral.api.wire import Wire, parse
 from corral.errors import CorralError, Shape
-from corral.server.http import Handler, Request
+from corral.api.types import STREAM_CONTENT_TYPE as NDJSON
+from corral.server.http import Handler, Request, Route
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
 from corral.server.pipeline.run import run
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.stream")
 
 SSE = "text/event-stream"
-NDJSON = "application/x-ndjson"
 
 
 class Renderer(Protocol):
@@ -65,7 +65,6 @@ def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, strea
     writer.end()
 
 
-Route = Callable[[Request, Handler], None]
 W = TypeVar("W", bound=Wire)
 R = TypeVar("R", ChatRequest, CompletionRequest)
 
