@@ -91,8 +91,7 @@ class Scheduler:
                         raise RunnerError("server is shutting down")
                     current = self.loaded.get(record.digest)
                     if current is not None and current.state is ModelState.READY:
-                        if current.runner is not None and not current.runner.alive():
-                            self._forget(current, "runner process died")
+                        if self._forget_if_dead(current):
                             continue
                         if not _changed(current.options, load_opts):
                             current.refcount += 1
@@ -177,8 +176,16 @@ class Scheduler:
     def runner_failed(self, entry: Loaded) -> None:
         """A request saw the runner die: mark it unloaded so the next request reloads."""
         with self.cond:
-            if entry.runner is not None and not entry.runner.alive():
-                self._forget(entry, "llama runner process has terminated")
+            self._forget_if_dead(entry)
+
+    def _forget_if_dead(self, entry: Loaded) -> bool:
+        """The one check for a runner that died (lock held): a READY model whose process
+        is gone is forgotten, so the next request loads it afresh."""
+        if entry.state is ModelState.READY and entry.runner is not None \
+                and not entry.runner.alive():
+            self._forget(entry, "llama runner process has terminated")
+            return True
+        return False
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -342,10 +349,9 @@ class Scheduler:
                 now = self.clock()
                 deadlines = []
                 for entry in list(self.loaded.values()):
-                    if entry.state is ModelState.READY and entry.runner is not None \
-                            and not entry.runner.alive():
-                        self._forget(entry, "llama runner process has terminated")
-                    elif entry.refcount == 0 and entry.expires_at is not None:
+                    if self._forget_if_dead(entry):
+                        continue
+                    if entry.refcount == 0 and entry.expires_at is not None:
                         if entry.expires_at <= now:
                             self._begin_unload(entry)
                         else:
