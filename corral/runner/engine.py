@@ -24,11 +24,11 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import llama_cpp as L
 
-from corral.errors import BadRequest, CorralError, RunnerError
+from corral.errors import BadRequest, RunnerError
 from corral.runner import imagefeed, kvops, native, seqstate
 from corral.runner.admission import generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
@@ -38,7 +38,7 @@ from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, Resizer
 from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, Resized,
-                                SetThreads, Stop, Submit, Token)
+                                SetThreads, Stop, Submit)
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.postprocess import Postprocess
@@ -66,7 +66,7 @@ class Engine(Postprocess):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = self.sampled = 0  # decode steps; tokens sampled since load (a rate)
-        self.step_time = 0.0  # seconds inside _step
+        self.step_time = 0.0  # seconds inside steps
         self.native_time = 0.0  # of which in llama_decode and samplers
         if llama is None:  # else loaded already, by runner/loading.py
             native.init_backend(deterministic=config.deterministic)

@@ -25,8 +25,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import llama_cpp as L
-
 from corral.errors import RunnerError
 from corral.runner.jobs import Resized
 from corral.runner.seqstate import copy_sequence

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from corral.config import parse_duration
 from corral.errors import BadRequest, CorralError, ModelNotFound

@@ -254,5 +254,5 @@ def _tool_use(piece: Piece) -> dict[str, Any]:
 
 
 def messages(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, Shape.ANTHROPIC, MessagesRequest, parse_messages,
+    return generation(inf, MessagesRequest, parse_messages,
                       lambda wire, request: Blocks(request.model))

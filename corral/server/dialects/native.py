@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Callable, Iterator
 
-from corral.api.types import nanoseconds, rfc3339
+from corral.api.types import STREAM_CONTENT_TYPE as NDJSON, nanoseconds, rfc3339
 from corral.api.wire import parse
 from corral.api.wire.native import (ChatRequest as WireChat, EmbeddingsRequest, EmbedRequest,
                                     Final as FinalLine, GenerateRequest, Generation)
@@ -18,10 +18,9 @@ from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.inference import Inference, keep_alive_of, require_model
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event, Final
-from corral.server.pipeline.stream import NDJSON, generation, shaped
+from corral.server.pipeline.stream import generation
 from corral.server.reply import Kind, Piece
 
-native_route = shaped(Shape.OLLAMA)
 
 
 def _common(wire: Generation) -> dict[str, Any]:
@@ -155,7 +154,7 @@ def generate(inf: Inference) -> Callable[[Request, Handler], None]:
             return False
         _load_or_unload(handler, inf, wire, chat=False)
         return True
-    return generation(inf, Shape.OLLAMA, GenerateRequest, parse_generate,
+    return generation(inf, GenerateRequest, parse_generate,
                       lambda wire, request: Lines(request.model, chat=False, raw=request.raw),
                       idle)
 
@@ -166,12 +165,11 @@ def chat(inf: Inference) -> Callable[[Request, Handler], None]:
             return False
         _load_or_unload(handler, inf, wire, chat=True)
         return True
-    return generation(inf, Shape.OLLAMA, WireChat, parse_chat,
+    return generation(inf, WireChat, parse_chat,
                       lambda wire, request: Lines(request.model, chat=True), idle)
 
 
 def embed(inf: Inference) -> Callable[[Request, Handler], None]:
-    @native_route
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbedRequest, req.json())
         record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
@@ -193,7 +191,6 @@ def embed(inf: Inference) -> Callable[[Request, Handler], None]:
 
 
 def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
-    @native_route
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbeddingsRequest, req.json())
         record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
@@ -215,7 +212,6 @@ def render(inf: Inference) -> Callable[[Request, Handler], None]:
     (with `bos_token`, `eos_token`) tries a Jinja template in place of the model's."""
     from corral.server.pipeline.run import render_only
 
-    @native_route
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
         request: ChatRequest | CompletionRequest = parse_chat(parse(WireChat, body)) \

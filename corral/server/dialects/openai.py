@@ -22,10 +22,9 @@ from corral.server.images import from_data_uri
 from corral.server.inference import Inference, require_model
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
                                             Final, ToolChoice)
-from corral.server.pipeline.stream import SSE, generation, shaped
+from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
-openai_route = shaped(Shape.OPENAI)
 FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it
 EFFORTS = ("high", "medium", "low", "none")
 
@@ -318,11 +317,11 @@ def _usage_wanted(wire: Sampling) -> bool:
 
 
 def chat_completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, Shape.OPENAI, ChatCompletionRequest, parse_chat,
+    return generation(inf, ChatCompletionRequest, parse_chat,
                       lambda wire, request: ChatChunks(request.model, _usage_wanted(wire)))
 
 
 def completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, Shape.OPENAI, WireCompletion, parse_completion,
+    return generation(inf, WireCompletion, parse_completion,
                       lambda wire, request: TextChunks(request.model, _usage_wanted(wire),
                                                        wire.logprobs is not None))

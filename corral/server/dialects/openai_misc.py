@@ -9,13 +9,11 @@ from typing import Any, Callable
 from corral.api.wire import parse
 from corral.api.wire.openai import EmbeddingRequest
 from corral.errors import CorralError, ModelNotFound
-from corral.server.dialects.openai import openai_route
 from corral.server.http import Handler, Request
 from corral.server.inference import Inference
 
 
 def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbeddingRequest, req.json())
         record = inf.record(wire.model)
@@ -43,7 +41,6 @@ def _model_object(entry: Any, shown: str | None = None) -> dict[str, Any]:
 
 
 def models(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
     def route(req: Request, handler: Handler) -> None:
         entries = sorted(inf.store.list_models(), key=lambda e: -e.modified_at)
         handler.send_json(200, {"object": "list", "data": [_model_object(e) for e in entries]})
@@ -51,7 +48,6 @@ def models(inf: Inference) -> Callable[[Request, Handler], None]:
 
 
 def model(inf: Inference) -> Callable[[Request, Handler], None]:
-    @openai_route
     def route(req: Request, handler: Handler) -> None:
         name = req.path[len("/v1/models/"):]
         try:

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from corral.api.wire.responses import FunctionChoice, Response, ResponsesRequest, Usage
-from corral.errors import BadRequest, CorralError, Shape
+from corral.errors import BadRequest, CorralError
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
@@ -281,4 +281,4 @@ def _items(wire: ResponsesRequest, request: ChatRequest) -> Items:
 
 
 def responses(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, Shape.OPENAI, ResponsesRequest, parse_responses, _items)
+    return generation(inf, ResponsesRequest, parse_responses, _items)

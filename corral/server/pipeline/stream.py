@@ -14,8 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 
 from corral.api.wire import Wire, parse
-from corral.errors import CorralError, Shape
-from corral.api.types import STREAM_CONTENT_TYPE as NDJSON
+from corral.errors import CorralError
 from corral.server.http import Handler, Request, Route
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
 from corral.server.pipeline.run import run
@@ -69,25 +68,13 @@ W = TypeVar("W", bound=Wire)
 R = TypeVar("R", ChatRequest, CompletionRequest)
 
 
-def shaped(shape: Shape) -> Callable[[Route], Route]:
-    """A route whose errors take `shape`: the body its API's clients parse."""
-    def decorate(fn: Route) -> Route:
-        def route(req: Request, handler: Handler) -> None:
-            try:
-                fn(req, handler)
-            except CorralError as exc:
-                handler.respond_error(exc, shape)
-        return route
-    return decorate
-
-
-def generation(inf: Inference, shape: Shape, record: type[W], to_request: Callable[[W], R],
+def generation(inf: Inference, record: type[W], to_request: Callable[[W], R],
                renderer: Callable[[W, R], Renderer],
                nothing_to_do: Callable[[W, R, Handler], bool] | None = None) -> Route:
     """A dialect's generation route: its wire record, parsed into a request, run on the
     one path and rendered. `nothing_to_do` answers requests that generate nothing
-    (Ollama's load and unload) and says whether it did."""
-    @shaped(shape)
+    (Ollama's load and unload) and says whether it did. Errors before the stream starts
+    take the API's shape where every route's do: in the transport (asgi.run_route)."""
     def route(req: Request, handler: Handler) -> None:
         wire = parse(record, req.json())
         request = to_request(wire)
