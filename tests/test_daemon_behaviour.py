@@ -46,8 +46,11 @@ class Held:
         self._thread.start()
 
     def _read(self, d: Daemon) -> None:
+        # A queued request's headers come with its first token, after the requests ahead
+        # of it end: on a loaded machine that can take minutes, so the read waits long
+        # (the suite's per-test timeout still bounds it).
         with httpx.stream("POST", d.url + "/api/generate", json=self._body,
-                          timeout=120) as resp:
+                          timeout=httpx.Timeout(120, read=600)) as resp:
             self.status = resp.status_code
             for raw in resp.iter_lines():
                 self.lines.append(json.loads(raw))
