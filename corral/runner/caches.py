@@ -67,13 +67,8 @@ class PrefixCaches:
     def restored(self, entry: Entry | None, disk: DiskEntry | None, n: int,
                  data: bytes | None) -> None:
         if entry is None and disk is not None and data is not None:
-            self.ram.add(disk.tokens, data)  # read once from disk, then served from RAM
-            entry, _ = self.ram.lookup(disk.tokens)
-        if entry is not None:
-            self.ram.restored(entry, n)
-        else:
-            self.ram.stats.hits += 1
-            self.ram.stats.tokens_restored += n
+            entry = self.ram.add(disk.tokens, data)  # read once from disk, then from RAM
+        self.ram.restored(entry, n)
 
     def refused(self, entry: Entry | None) -> None:
         if entry is not None:

@@ -9,7 +9,6 @@ import llama_cpp as L
 
 from corral.runner import seqstate
 from corral.runner.caches import PrefixCaches
-from corral.runner.promptcache import MIN_TOKENS
 from corral.runner.scheduler import Placement, Source
 from corral.runner.slot import Slot, SlotState
 
@@ -65,7 +64,7 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0) -> None:
     """Before a slot's cached tokens past `keep` are overwritten: if enough would be lost
     and no cache entry holds them yet, copy the slot's state into the prompt cache."""
     tokens = slot.reusable()
-    if len(tokens) - keep < MIN_TOKENS or not caches.wanted(tokens):
+    if len(tokens) - keep < caches.ram.min_tokens or not caches.wanted(tokens):
         return
     data = seqstate.get(ctx, slot.seq)
     if data is not None:

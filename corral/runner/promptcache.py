@@ -85,23 +85,26 @@ class PromptCache:
     def worth_saving(self, tokens: Sequence[int]) -> bool:
         return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
-    def add(self, tokens: Sequence[int], data: bytes) -> bool:
-        """Keep a state; False when it cannot fit or is held already."""
+    def add(self, tokens: Sequence[int], data: bytes) -> Entry | None:
+        """Keep a state; None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):
-            return False
+            return None
         # Entries that are prefixes of this one are redundant now.
         self.entries = [e for e in self.entries if e.tokens != key[:len(e.tokens)]]
         self._clock += 1
-        self.entries.append(Entry(key, data, self._clock))
+        entry = Entry(key, data, self._clock)
+        self.entries.append(entry)
         self.stats.saved += 1
         self._evict(self.budget)
-        return True
+        return entry if entry in self.entries else None
 
-    def restored(self, entry: Entry, n: int) -> None:
-        """An entry's first n tokens went into a slot: it is the most recently used."""
-        self._clock += 1
-        entry.used = self._clock
+    def restored(self, entry: Entry | None, n: int) -> None:
+        """n tokens of a state went into a slot; its entry, when RAM holds it (one read
+        from disk may not fit), is the most recently used."""
+        if entry is not None:
+            self._clock += 1
+            entry.used = self._clock
         self.stats.hits += 1
         self.stats.tokens_restored += n
 
