@@ -77,3 +77,21 @@ def test_planning_needs_no_llama_cpp() -> None:
     code = ("import sys, corral.runner.batchplan, corral.runner.scheduler, "
             "corral.runner.promptcache; sys.exit('llama_cpp' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_tails_over_a_long_context_go_a_few_per_step_short_prompts_all_at_once() -> None:
+    from corral.runner.batchplan import ATTEND_BUDGET
+
+    # Sixteen 10-token questions after a shared 1,140-token document (a burst, again).
+    tails = [slot(i, SlotState.PREFILL, cached=1140, pending=10, started=i) for i in range(16)]
+    plan = plan_step(tails, n_batch=512)
+    taken = [s.seq for s, _ in plan.prefill]
+    assert taken == list(range(len(taken))) and 2 <= len(taken) < 16  # oldest first
+    assert sum(n * (1140 + 5) for _, n in plan.prefill[:-1]) < ATTEND_BUDGET
+    assert sorted(plan.sample_at) == taken  # each taken tail is whole: its first token
+    # Sixteen 32-token prompts at an empty context: batching pays, one step takes all.
+    fresh = [slot(i, SlotState.PREFILL, pending=32, started=i) for i in range(16)]
+    assert len(plan_step(fresh, n_batch=512).prefill) == 16
+    # A long prompt alone still fills the batch.
+    assert plan_step([slot(0, SlotState.PREFILL, cached=1140, pending=900)],
+                     n_batch=512).prefill[0][1] == 512

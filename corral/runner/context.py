@@ -84,7 +84,7 @@ class LlamaContext:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None
 
-    def new_context(self, streams: int) -> Any:
+    def new_context(self, streams: int, hold_gil: bool = False) -> Any:
         """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
         thread other than the engine's: it touches the model, read-only, and nothing of
         the context in use (runner.growth builds the next one this way)."""
@@ -111,7 +111,8 @@ class LlamaContext:
                                    L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
         cparams.type_k = cparams.type_v = kv_type
-        ctx = L.llama_init_from_model(self.model, cparams)
+        ctx = (native.init_context_holding_gil if hold_gil else
+               L.llama_init_from_model)(self.model, cparams)
         if not ctx:
             if self.ctx is None:  # the first one: nothing to serve with
                 L.llama_model_free(self.model)
@@ -123,12 +124,14 @@ class LlamaContext:
                 raise RunnerError("llama.cpp could not apply the adapters")
         return ctx
 
-    def adopt(self, ctx: Any, streams: int) -> None:
-        """Engine thread: serve from `ctx` from now on; the old context is freed."""
-        L.llama_free(self.ctx)
-        self.ctx, self.streams = ctx, streams
+    def adopt(self, ctx: Any, streams: int) -> Any:
+        """Engine thread: serve from `ctx` from now on; returns the old context, which the
+        caller frees (discard) or keeps (runner.reserve)."""
+        old, self.ctx, self.streams = self.ctx, ctx, streams
         self.mem = L.llama_get_memory(ctx)
         self.n_ctx = int(L.llama_n_ctx(ctx))
+        L.llama_set_n_threads(ctx, self.n_threads, self.n_threads)  # made before a change?
+        return old
 
     def set_threads(self, n: int) -> int:
         """Engine thread: decode with `n` threads from now on, in later contexts too."""

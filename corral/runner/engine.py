@@ -36,7 +36,8 @@ from corral.runner.context import EngineConfig, LlamaContext
 from corral.runner.caches import caches_for
 from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
-from corral.runner.growth import Capacity, Resizer
+from corral.runner.growth import Capacity, GrowthState, Resizer
+from corral.runner.reserve import Reserve
 from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, Resized,
                                 SetThreads, Stop, Submit)
 from corral.runner.sampling import for_job
@@ -85,8 +86,11 @@ class Engine(Postprocess):
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
+        # The cap's context is made ahead, uncommitted, where the KV is host memory.
+        reserve = Reserve(llama, config.n_slots) if not config.n_gpu_layers else None
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
-                               self._commands.put) if llama.streams < config.n_slots else None
+                               self._commands.put, reserve) \
+            if llama.streams < config.n_slots else None
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self.caches = caches_for(model_path, config)
         self.scheduler = Scheduler(self.num_ctx, self.caches, self.pool)
@@ -210,6 +214,14 @@ class Engine(Postprocess):
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
         and every few seconds under load, when the engine may never be idle."""
+        # runner.reserve: once a model has served, at its first rest, with no build on
+        # the builder thread (whose new mappings would be taken for the reserve's).
+        resizer = self.resizer
+        if idle and resizer is not None and resizer.reserve is not None \
+                and resizer.reserve.pending and self.sampled \
+                and resizer.capacity.state is GrowthState.STEADY \
+                and self.llama.streams < resizer.reserve.streams:
+            resizer.reserve.build()
         now = self.clock()
         if idle and self.embedder.ctx is not None and now - self._embedded_at > EMBED_KEEP:
             self.embedder.free()
@@ -335,4 +347,6 @@ class Engine(Postprocess):
             self.caches.flush([(t, d) for t, d in states if d is not None])
         self.embedder.free()
         self.feed.free()
+        if self.resizer is not None:
+            self.resizer.free()
         self.llama.free()

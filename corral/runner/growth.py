@@ -14,7 +14,9 @@ two steps, the engine copies every cached sequence across (runner.seqstate: bit-
 KV, so greedy output is unchanged) and frees the old context; an idle slot's cache that
 a smaller context has no room for goes to the prompt cache (runner.promptcache). Nobody waits longer than that copy, except the requests
 that needed the new streams, which wait for the build. Sizes are powers of two from
-the start size to the memory-fit cap, so a burst of sixteen takes one step.
+the start size to the memory-fit cap, so a burst of sixteen takes one step. Where
+runner.reserve has made the cap's context ahead (uncommitted), growth to the cap takes
+it instead of building, and a shrink gives it back.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from corral.runner.slot import Slot, SlotState
 
 if TYPE_CHECKING:
     from corral.runner.context import LlamaContext
+    from corral.runner.reserve import Reserve
 
 log = logging.getLogger("corral.growth")
 
@@ -131,8 +134,8 @@ class Resizer:
     and moves the sequences across when the new context arrives (engine thread)."""
 
     def __init__(self, llama: LlamaContext, capacity: Capacity,
-                 post: Callable[[Resized], None]) -> None:
-        self.llama, self.capacity, self.post = llama, capacity, post
+                 post: Callable[[Resized], None], reserve: Reserve | None = None) -> None:
+        self.llama, self.capacity, self.post, self.reserve = llama, capacity, post, reserve
         self.resizes = 0
 
     def tick(self, busy: int, waiting: int, now: float) -> None:
@@ -145,7 +148,10 @@ class Resizer:
 
     def _build(self, streams: int) -> None:
         try:
-            ctx = self.llama.new_context(streams)
+            ctx = None
+            if self.reserve is not None and streams == self.reserve.streams:
+                ctx = self.reserve.take()  # made while idle: no build in the burst
+            ctx = ctx or self.llama.new_context(streams)
         except RunnerError as exc:
             log.warning("could not grow the KV cache to %d sequences: %s", streams, exc.message)
             ctx = None
@@ -160,10 +166,22 @@ class Resizer:
             return None
         moved = carry(slots, self.llama.ctx, resized.ctx, resized.streams, num_ctx, save)
         if moved is None:  # more are running than a smaller context holds: not now
-            self.llama.discard(resized.ctx)
+            self._let_go(resized.ctx)
             self.capacity.failed()
             return None
-        self.llama.adopt(resized.ctx, resized.streams)
+        old = self.llama.adopt(resized.ctx, resized.streams)
+        self._let_go(old)
         self.capacity.built(now)
         self.resizes += 1
         return moved
+
+    def _let_go(self, ctx: Any) -> None:
+        """A context the engine no longer serves from: the reserve's goes back to it."""
+        if self.reserve is not None and self.reserve.owns(ctx):
+            self.reserve.put_back(ctx)
+        else:
+            self.llama.discard(ctx)
+
+    def free(self) -> None:
+        if self.reserve is not None:
+            self.reserve.free()

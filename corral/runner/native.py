@@ -15,6 +15,7 @@ import llama_cpp as L
 from corral.process import apply_native_defaults, trim_malloc
 
 _log_hook: Any = None
+_init_holding_gil: Any = None
 
 
 def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
@@ -32,6 +33,19 @@ def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
     _log_hook = L.llama_log_callback(_log)
     L.llama_log_set(_log_hook, ctypes.c_void_p(0))
     L.llama_backend_init()
+
+
+def init_context_holding_gil(model: Any, cparams: Any) -> Any:
+    """llama_init_from_model called without releasing the GIL (ctypes.PyDLL): while it
+    runs no other Python thread can allocate, so the large mappings that appear are this
+    context's (runner.reserve hands its KV pages back by address)."""
+    global _init_holding_gil
+    if _init_holding_gil is None:
+        fn = ctypes.PyDLL(L.llama_cpp._lib._name).llama_init_from_model
+        fn.argtypes = L.llama_init_from_model.argtypes
+        fn.restype = L.llama_init_from_model.restype
+        _init_holding_gil = fn
+    return _init_holding_gil(model, cparams)
 
 
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:

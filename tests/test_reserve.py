@@ -1,0 +1,113 @@
+"""The uncommitted reserve (runner.reserve): finding new mappings, handing back only
+zero pages, and with the real model a burst that adopts the reserve in one step,
+outputs unchanged, memory handed back when it shrinks."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from corral.runner.reserve import PAGE, appeared, release, zero_runs
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+
+def test_new_ranges_are_address_intervals_not_listing_entries() -> None:
+    before = [(0, 100, True), (500, 600, False)]
+    # The kernel merged a new mapping with the one before it, and one grew into a
+    # reserved (non-writable) range: only the addresses nothing held before count.
+    after = [(0, 300, True), (500, 600, True), (700, 720, True), (800, 1000, False)]
+    assert appeared(before, after, floor=50) == [(100, 300)]
+    assert appeared(before, after, floor=10) == [(100, 300), (700, 720)]
+    assert appeared(after, after, floor=1) == []
+
+
+def _rss(address: int, pages: int) -> int:
+    """Resident pages of [address, address + pages * PAGE) (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pages * PAGE), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@linux
+def test_only_whole_zero_pages_are_handed_back_and_they_read_as_zero() -> None:
+    pages = 64
+    # Private, as malloc maps a large buffer (Python's default here would be shared).
+    area = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    area.write(b"\0" * pages * PAGE)  # committed, as llama.cpp's clear leaves the KV
+    area[10 * PAGE + 7] = 1  # live data in pages 10 and 40
+    area[40 * PAGE] = 2
+    runs = zero_runs([(base, base + pages * PAGE)])
+    assert runs == [(base + PAGE, base + 10 * PAGE), (base + 11 * PAGE, base + 40 * PAGE),
+                    (base + 41 * PAGE, base + 63 * PAGE)]  # first and last page kept
+    assert _rss(base, pages) == pages
+    assert release(runs)
+    assert _rss(base, pages) == 4  # the two live pages, the first and the last
+    assert area[10 * PAGE + 7] == 1 and area[40 * PAGE] == 2
+    assert area[PAGE: 63 * PAGE].count(b"\0") == 62 * PAGE - 2
+    del base
+    area.close()
+
+
+def _process_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def reserved(starter_gguf: Path) -> Iterator[object]:
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
+
+    # 4 x 2,048 cells of the base starter: ~150 MB of KV, above reserve.MIN_MAPPING.
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, start_slots=1, num_ctx=2048,
+                                                 deterministic=True))
+    eng.resizer.capacity.shrink_after = 3600  # type: ignore[union-attr]  # the test says when
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def _wait(check: object, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@linux
+@pytest.mark.model
+def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
+        reserved: object) -> None:
+    from corral.runner.engine import Engine
+    from tests.test_engine import PROMPTS, run, run_together
+
+    engine = reserved
+    assert isinstance(engine, Engine) and engine.resizer is not None
+    reserve = engine.resizer.reserve
+    assert reserve is not None and reserve.pending  # nothing is made before a request
+    base = _process_rss()
+    alone = [run(engine, p, 20)[0] for p in PROMPTS]
+    assert reserve.tried.wait(60), "the reserve is made when idle"
+    assert reserve._ctx is not None, "the KV mapping was not found"
+    kv = 4 * 2048 * 18 * 1024  # bytes of f16 K and V per cell for this model, x cells
+    assert _process_rss() - base < kv // 2  # made, but not committed
+    resizes = engine.resizer.resizes
+    assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone
+    assert engine.resizer.resizes == resizes + 1 and reserve.owns(engine.llama.ctx)
+    engine.resizer.capacity.shrink_after = 0.5
+    _wait(lambda: engine.status()["slots"] == 1, "shrinks after shrink_after")
+    assert reserve._ctx is not None and not reserve.owns(engine.llama.ctx)  # put back
+    assert _process_rss() - base < kv // 2
+    engine.resizer.capacity.shrink_after = 3600
+    assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone  # cells emptied
+    assert engine.resizer.resizes == resizes + 3 and reserve.owns(engine.llama.ctx)
