@@ -101,13 +101,13 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     assert reserve._ctx is not None, "the KV mapping was not found"
     kv = 4 * 2048 * 18 * 1024  # bytes of f16 K and V per cell for this model, x cells
     assert _process_rss() - base < kv // 2  # made, but not committed
-    resizes = engine.resizer.resizes
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone
-    assert engine.resizer.resizes == resizes + 1 and reserve.owns(engine.llama.ctx)
+    # At the cap through the reserve (requests that arrive apart may build a tier first).
+    assert engine.status()["slots"] == 4 and reserve.owns(engine.llama.ctx)
     engine.resizer.capacity.shrink_after = 0.5
     _wait(lambda: engine.status()["slots"] == 1, "shrinks after shrink_after")
     assert reserve._ctx is not None and not reserve.owns(engine.llama.ctx)  # put back
     assert _process_rss() - base < kv // 2
     engine.resizer.capacity.shrink_after = 3600
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone  # cells emptied
-    assert engine.resizer.resizes == resizes + 3 and reserve.owns(engine.llama.ctx)
+    assert engine.status()["slots"] == 4 and reserve.owns(engine.llama.ctx)
