@@ -202,7 +202,8 @@ def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
 
     # One pooled client, as SDKs keep: a client built per stream costs ~40 ms of CPU
     # (its TLS context) on the cores the server is using, inside every first token.
-    http = httpx.Client(timeout=600, trust_env=False, limits=httpx.Limits(max_connections=64))
+    http = httpx.Client(timeout=600, trust_env=False,
+                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
 
     def stream() -> None:
         first = True

@@ -56,11 +56,12 @@ WORDS = ("river hill snow spring stream valley stone bridge mill town market roa
          "copper silver gold ledger letter song story council church school bell clock "
          "north south east west old new small large quiet busy early late near far").split()
 MAX_TOKENS = 8
-# One client with a pool, as the official SDKs keep: a new httpx client costs ~40 ms of
-# CPU here (its TLS context), which sixteen threads of a burst would spend on the same
-# two cores as the servers they measure, inside every TTFT.
+# One client for every request, as the official SDKs keep one: a new httpx client costs
+# ~40 ms of CPU here (its TLS context), which sixteen threads of a burst would spend on
+# the same two cores as the servers they measure, inside every TTFT. A connection per
+# request: llama-server closes idle kept-alive ones, which httpx does not retry.
 HTTP = httpx.Client(timeout=900, trust_env=False,
-                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
 
 
 def document(seed: int, words: int = 900) -> str:

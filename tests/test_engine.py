@@ -90,12 +90,13 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: Engine) -> N
 def test_second_turn_prefills_only_new_tokens(engine: Engine) -> None:
     _, first = run(engine, "User: Tell me about the moon.\nAssistant:", 16)
     followup = engine.tokenize("\nUser: And the sun?\nAssistant:", add_special=False)
-    job = engine.submit(Job(prompt=first["context"] + followup, params=GREEDY, num_predict=8))
+    job = engine.submit(Job(prompt=list(first.context) + followup, params=GREEDY,
+                            num_predict=8))
     _, kind, second = collect(job)
     assert kind == "done"
     # The first turn's last sampled token was never decoded, so it is new too.
-    assert second["prompt_eval_count"] == len(followup) + 1
-    assert second["prompt_tokens"] == len(first["context"]) + len(followup)
+    assert second.prompt_eval_count == len(followup) + 1
+    assert second.prompt_tokens == len(first.context) + len(followup)
 
 
 def test_stop_string_spanning_tokens_is_never_emitted(engine: Engine) -> None:
@@ -109,7 +110,7 @@ def test_stop_string_spanning_tokens_is_never_emitted(engine: Engine) -> None:
     assert len(stop) == 6
     text, stats = run(engine, PROMPTS[0], 24, stop=[stop])
     assert text == full[: full.index(stop)]
-    assert stats["done_reason"] == "stop"
+    assert stats.done_reason == "stop"
 
 
 def test_utf8_output_is_never_split(engine: Engine) -> None:
@@ -129,7 +130,7 @@ def test_cancel_frees_the_slot_within_two_steps(engine: Engine) -> None:
     steps_at_cancel = engine.steps
     job.cancel()
     _, kind, value = collect(job, timeout=60)
-    assert kind == "done" and value["done_reason"] == "cancel"
+    assert kind == "done" and value.done_reason == "cancel"
     assert engine.steps - steps_at_cancel <= 2
     assert engine.status()["busy_slots"] == 0
 
@@ -140,7 +141,7 @@ def test_long_prompt_truncates_or_errors(engine: Engine) -> None:
                             truncate=False))
     assert collect(job)[1] == "error"
     text, stats = run(engine, long_prompt, 4)
-    assert stats["prompt_tokens"] < 512 and stats["eval_count"] == 4
+    assert stats.prompt_tokens < 512 and stats.eval_count == 4
 
 
 def test_context_shift_or_length(starter_gguf: Path) -> None:
@@ -148,11 +149,11 @@ def test_context_shift_or_length(starter_gguf: Path) -> None:
     eng.start()
     try:
         _, shifted = run(eng, PROMPTS[1], 100)
-        assert shifted["eval_count"] == 100 and shifted["done_reason"] == "length"
+        assert shifted.eval_count == 100 and shifted.done_reason == "length"
         _, unshifted = run(eng, PROMPTS[1], 100, shift=False)
-        assert unshifted["done_reason"] == "length" and unshifted["eval_count"] < 64
+        assert unshifted.done_reason == "length" and unshifted.eval_count < 64
         _, filled = run(eng, PROMPTS[1], -2)
-        assert filled["prompt_tokens"] + filled["eval_count"] == 64
+        assert filled.prompt_tokens + filled.eval_count == 64
     finally:
         eng.stop()
 
@@ -165,7 +166,7 @@ def test_json_grammar_constrains_output(engine: Engine) -> None:
     grammar = json_schema_to_gbnf(json.dumps(schema))
     text, stats = run(engine, "The capital of France as JSON:", 40, grammar=grammar)
     assert isinstance(json.loads(text)["city"], str)
-    assert stats["done_reason"] == "stop"
+    assert stats.done_reason == "stop"
 
 
 def test_embeddings(engine: Engine) -> None:

@@ -96,8 +96,8 @@ def test_preempted_streams_resume_whole(pooled: Any) -> None:
         t.join()
     assert pooled.status()["preemptions"] > before
     for pieces, stats in results:
-        assert stats["done_reason"] == "length" and stats["eval_count"] == N
-        generated = stats["context"][-N:]
+        assert stats.done_reason == "length" and stats.eval_count == N
+        generated = stats.context[-N:]
         assert "".join(pieces) == pooled.detokenize(generated)
     status = pooled.status()
     assert status["kv_reserved"] == 256 and status["kv_used"] <= 256
@@ -108,8 +108,8 @@ def test_pool_serves_one_request_alone_like_any_engine(pooled: Any) -> None:
     job = pooled.submit(Job(prompt=pooled.tokenize("The capital of France is"), num_predict=12,
                             params=SamplingParams(temperature=0)))
     pieces, stats = collect(job)
-    assert stats["eval_count"] == len(stats["context"]) - stats["prompt_tokens"]
-    assert "".join(pieces) == pooled.detokenize(stats["context"][stats["prompt_tokens"]:])
+    assert stats.eval_count == len(stats.context) - stats.prompt_tokens
+    assert "".join(pieces) == pooled.detokenize(stats.context[stats.prompt_tokens:])
 
 
 def test_daemon_in_pool_mode_counts_preemptions(daemon_factory: Any, starter_store: Any) -> None:

@@ -83,7 +83,7 @@ def test_alternating_conversations_restore_their_prompts(starter_gguf: Path,
         evaluated = {}
         for name in ("a1", "b1", "a2", "b2"):  # one slot: each turn evicts the other
             answers[name], stats = ask(engine, prompts[name])
-            evaluated[name] = stats["prompt_eval_count"]
+            evaluated[name] = stats.prompt_eval_count
         status = engine.status()
     finally:
         engine.stop()
@@ -118,7 +118,7 @@ def test_requests_at_once_branch_from_the_one_computing_their_prefix(
     texts, stats, status = burst(engine, names)
     assert texts == [baseline[n] for n in ("a1", "a2", "a1 again", "a2")]
     n = len(prompts["a1"])
-    assert [s["prompt_eval_count"] for s in stats] == [n, len(prompts["a2"]) - n, 1,
+    assert [s.prompt_eval_count for s in stats] == [n, len(prompts["a2"]) - n, 1,
                                                        len(prompts["a2"]) - n]
     assert status["cache_tokens_shared"] == 3 * n - 1  # a prompt keeps one token to decode
 
@@ -132,7 +132,7 @@ def test_a_burst_at_an_idle_model_computes_its_shared_prefix_once(
     names = ["a1", "a2", "a1", "a2"]
     texts, stats, _ = burst(engine, names)
     assert texts == [baseline[n] for n in ("a1", "a2", "a1 again", "a2")]
-    computed = sum(s["prompt_eval_count"] for s in stats)
+    computed = sum(s.prompt_eval_count for s in stats)
     assert computed <= 1.2 * len(prompts["a2"]), computed  # a1 is a prefix of a2
 
 
@@ -151,7 +151,7 @@ def test_the_disk_tier_keeps_a_prompt_across_a_restart(starter_gguf: Path, tmp_p
     finally:
         second.stop()
     assert text == baseline["a2"]
-    assert stats["prompt_eval_count"] == len(prompts["a2"]) - len(prompts["a1"])
+    assert stats.prompt_eval_count == len(prompts["a2"]) - len(prompts["a1"])
     # Another KV type is another key: nothing is restored across it.
     third = Engine(str(starter_gguf), config(cache_ram=64 << 20, kv_cache_type="q8_0", **disk))
     third.start()
@@ -159,4 +159,4 @@ def test_the_disk_tier_keeps_a_prompt_across_a_restart(starter_gguf: Path, tmp_p
         _, stats = ask(third, prompts["a2"])
     finally:
         third.stop()
-    assert stats["prompt_eval_count"] == len(prompts["a2"])
+    assert stats.prompt_eval_count == len(prompts["a2"])

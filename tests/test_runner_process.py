@@ -17,7 +17,7 @@ from corral.registry.gguf import inspect_gguf
 from corral.runner import memory
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import CompletionJob
+from corral.runner.wire import CompletionJob, DoneLine, TokenLine
 
 job = CompletionJob.from_json  # a job as the daemon sends it
 
@@ -36,11 +36,11 @@ def runner(starter_gguf: Path) -> Iterator[RunnerProcess]:
 
 def test_load_report(runner: RunnerProcess) -> None:
     report = runner.report
-    assert report["slots"] == 2 and report["num_ctx"] == 512 and report["n_ctx"] >= 1024
-    assert report["weights"] > 200_000_000 and report["kv"] > 0
-    assert report["gpu_layers"] == 0 and report["layers"] == 18 and report["size_vram"] == 0
+    assert report.slots == 2 and report.num_ctx == 512 and report.n_ctx >= 1024
+    assert report.weights > 200_000_000 and report.kv > 0
+    assert report.gpu_layers == 0 and report.layers == 18 and report.size_vram == 0
     # The daemon renders templates; it needs the model's own BOS and EOS text for them.
-    assert report["bos"] == "<bos>" and report["eos"] == "<eos>"
+    assert report.bos == "<bos>" and report.eos == "<eos>"
 
 
 def test_num_gpu_without_a_gpu_reports_every_layer_on_the_cpu(starter_gguf: Path) -> None:
@@ -49,23 +49,26 @@ def test_num_gpu_without_a_gpu_reports_every_layer_on_the_cpu(starter_gguf: Path
     proc = RunnerProcess(LoadConfig(str(starter_gguf), n_slots=1, num_ctx=256, num_gpu=9))
     proc.start(timeout=120)
     try:
-        assert proc.report["gpu_layers"] == 0 and proc.report["size_vram"] == 0
+        assert proc.report.gpu_layers == 0 and proc.report.size_vram == 0
     finally:
         proc.stop()
 
 
 def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
     lines = list(runner.completion(job({"prompt": "The capital of France is", "options": GREEDY})))
-    assert lines[-1]["done"] and lines[-1]["eval_count"] == 16
-    assert lines[-1]["prompt_tokens"] == len(runner.tokenize("The capital of France is",
-                                                             add_special=True))
-    text = "".join(line.get("content", "") for line in lines)
+    done = lines[-1]
+    assert isinstance(done, DoneLine) and done.eval_count == 16
+    assert done.prompt_tokens == len(runner.tokenize("The capital of France is",
+                                                     add_special=True))
+    assert all(isinstance(line, TokenLine) for line in lines[:-1])
+    text = "".join(line.content for line in lines if isinstance(line, TokenLine))
     assert text.strip()
     # Text the daemon rendered with a BOS of its own: the tokenizer adds none.
     chat = list(runner.completion(job({"prompt": "<bos>User: Hi\nAssistant:", "add_bos": False,
                                    "options": {**GREEDY, "stop": ["User:"]}})))
-    assert chat[-1]["done"] and chat[-1]["prompt_eval_count"] > 0
-    assert chat[-1]["context"][:1] == runner.tokenize("<bos>", add_special=False)
+    end = chat[-1]
+    assert isinstance(end, DoneLine) and end.prompt_eval_count > 0
+    assert list(end.context[:1]) == runner.tokenize("<bos>", add_special=False)
 
 
 def test_tokenize_round_trip(runner: RunnerProcess) -> None:
@@ -86,10 +89,10 @@ def test_cancel_by_id(runner: RunnerProcess) -> None:
     stream = runner.completion(job({"prompt": "Once upon a time", "id": "job-1",
                                 "options": {"temperature": 0, "num_predict": 500}}))
     first = next(stream)  # no back-channel ahead of the reply: the daemon rendered it
-    assert "content" in first
+    assert isinstance(first, TokenLine)
     runner.cancel("job-1")
     last = list(stream)[-1]
-    assert last["done_reason"] == "cancel"
+    assert isinstance(last, DoneLine) and last.done_reason == "cancel"
     assert runner.health()["busy_slots"] == 0
 
 

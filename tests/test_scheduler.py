@@ -14,6 +14,7 @@ from corral.errors import RunnerError, ServerBusy
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.wire import LoadReport
 from corral.server.scheduler import ModelState, Scheduler
 from tests.gguf_files import write_tiny_gguf
 from tests.support import wait_for
@@ -24,12 +25,12 @@ class FakeRunner:
 
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
-        self.report: dict[str, Any] = {}
+        self.report = LoadReport()
         self.running = False
         self.stopped = False
         self.threads: list[int] = []  # every share of the cores it was told
 
-    def start(self, timeout: float) -> dict[str, Any]:
+    def start(self, timeout: float) -> LoadReport:
         if "broken" in self.config.model:
             raise RunnerError("llama runner process has terminated: boom")
         self.running = True

@@ -49,7 +49,7 @@ def test_finishing_frees_the_sampler_once_and_reports() -> None:
     seq.end(Done(seq.stats(DoneReason.STOP, now=3.0)))
     assert seq.state is SeqState.FINISHED and sampler.freed == 1 and seq.sampler is None
     event = seq.job.events.get_nowait()
-    assert isinstance(event, Done) and event.stats["prompt_tokens"] == 3
+    assert isinstance(event, Done) and event.stats.prompt_tokens == 3
     with pytest.raises(RuntimeError, match="illegal transition"):
         seq.finish()  # a finished sequence never finishes twice
 

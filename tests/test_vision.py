@@ -21,7 +21,7 @@ from corral.runner.jobs import Done, Failed, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.registry.gguf import inspect_gguf
 from corral.runner.process import RunnerService, build
-from corral.runner.wire import CompletionJob
+from corral.runner.wire import CompletionJob, DoneLine
 from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt
 from tests.vision_model import png_bytes, write_projector
 
@@ -40,7 +40,7 @@ BUILDERS: dict[int, PromptBuilder] = {}
 def serve(model: Path, projector: Path, **config: Any) -> RunnerService:
     service = build(LoadConfig(model=str(model), projector=str(projector), **config))
     BUILDERS[id(service)] = PromptBuilder(None, inspect_gguf(model).chat_template,
-                                          service.report["bos"], service.report["eos"])
+                                          service.report.bos, service.report.eos)
     service.engine.start()
     return service
 
@@ -86,11 +86,11 @@ def submit(service: RunnerService, body: dict[str, Any], **options: Any) -> Any:
 
 
 def run(service: RunnerService, body: dict[str, Any], **options: Any
-        ) -> tuple[str, dict[str, Any]]:
+        ) -> tuple[str, DoneLine]:
     return collect(submit(service, body, **options))
 
 
-def collect(job: Any) -> tuple[str, dict[str, Any]]:
+def collect(job: Any) -> tuple[str, DoneLine]:
     text = []
     while True:
         event = job.events.get(timeout=120)
@@ -115,7 +115,7 @@ def test_image_reaches_the_context_and_changes_the_answer(which: str,
     other, _ = run(service, body([IMG2]))
     # The image's tokens are in the prompt and counted (gemma3 adds its two markers).
     extra = IMAGE_TOKENS + (2 if which == "gemma" else 0)
-    assert stats["prompt_tokens"] == plain_stats["prompt_tokens"] + extra
+    assert stats.prompt_tokens == plain_stats.prompt_tokens + extra
     assert one != plain and other != one
     assert again == one
 
@@ -125,10 +125,10 @@ def test_follow_up_reuses_the_image_and_does_not_encode_it_again(llava: RunnerSe
     encoded = llava.vision.encoded
     # The same image, a different question: the prefix through the image is cached.
     _, follow = run(llava, chat([IMG1], "And what colour is it?"))
-    assert follow["prompt_eval_count"] < follow["prompt_tokens"] - IMAGE_TOKENS
+    assert follow.prompt_eval_count < follow.prompt_tokens - IMAGE_TOKENS
     assert llava.vision.encoded == encoded  # embeddings came from the cache
     # The context handed back holds no placeholder ids.
-    assert all(t >= 0 for t in follow["context"])
+    assert all(t >= 0 for t in follow.context)
 
 
 def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
@@ -145,7 +145,7 @@ def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
     L.llama_memory_seq_rm(gemma.engine.mem, slot.seq, span.start + 5, -1)
     again, stats2 = run(gemma, raw([IMG1]))
     assert again == text
-    assert stats2["prompt_eval_count"] >= len(tokens) - span.start
+    assert stats2.prompt_eval_count >= len(tokens) - span.start
 
 
 def test_image_beside_three_text_streams_changes_none(llava: RunnerService) -> None:
@@ -173,7 +173,7 @@ def test_image_fed_in_slices_answers_as_whole(chat_gguf: Path, tmp_path: Path) -
                         deterministic=True)
         try:
             text, stats = run(service, chat([IMG1]))
-            assert stats["prompt_eval_count"] == stats["prompt_tokens"]
+            assert stats.prompt_eval_count == stats.prompt_tokens
             answers.append(text)
             steps = service.engine.steps
         finally:
@@ -198,6 +198,6 @@ def test_penalties_and_grammar_beside_an_image(llava: RunnerService) -> None:
     # The penalty history takes the prompt's tokens: never an image's placeholder ids.
     text, stats = run(llava, chat([IMG1]), repeat_penalty=1.3, repeat_last_n=64,
                       presence_penalty=0.5)
-    assert stats["eval_count"] > 0 and text
+    assert stats.eval_count > 0 and text
     job = submit(llava, {**chat([IMG2]), "grammar": 'root ::= "yes" | "no"'})
     assert collect(job)[0] in ("yes", "no")

@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator
 from corral.process import package_parent
 from corral.errors import RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import CompletionJob
+from corral.runner.wire import CompletionJob, DoneLine, LoadReport, TokenLine, read_line
 
 if TYPE_CHECKING:
     import httpx
@@ -37,12 +37,12 @@ class RunnerProcess:
         self.python = python
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
-        self.report: dict[str, Any] = {}
+        self.report = LoadReport()
         self._http: httpx.Client | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, timeout: float) -> dict[str, Any]:
+    def start(self, timeout: float) -> LoadReport:
         """Start the process and wait for its ready line; returns the load report."""
         cmd = [self.python, "-m", "corral.runner", "--config", self.config.to_json()]
         root = package_parent()
@@ -75,7 +75,7 @@ class RunnerProcess:
                                            "no ready signal")
             raise RunnerError(f"llama runner process has terminated: {why}")
         self.port = int(message["port"])
-        self.report = dict(message.get("report", {}))
+        self.report = LoadReport.from_json(message.get("report") or {})
         http = _httpx()
         self._http = http.Client(base_url=f"http://127.0.0.1:{self.port}",
                                  timeout=http.Timeout(30.0, read=None), trust_env=False)
@@ -134,8 +134,8 @@ class RunnerProcess:
             raise from_wire(resp.status_code, data)
         return dict(data)
 
-    def completion(self, job: CompletionJob) -> Iterator[dict[str, Any]]:
-        """Stream the runner's lines; ends with a `done` line or raises RunnerError."""
+    def completion(self, job: CompletionJob) -> Iterator[TokenLine | DoneLine]:
+        """Stream the runner's lines, typed; ends with a DoneLine or raises RunnerError."""
         try:
             with self._client().stream("POST", "/completion", json=job.to_json()) as resp:
                 if resp.status_code >= 400:
@@ -147,8 +147,9 @@ class RunnerProcess:
                     line = json.loads(raw)
                     if "error" in line:
                         raise from_wire(None, line)
-                    yield line
-                    if line.get("done"):
+                    typed = read_line(line)
+                    yield typed
+                    if isinstance(typed, DoneLine):
                         return
         except (_httpx().HTTPError, ValueError):
             pass

@@ -38,6 +38,7 @@ from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, GrowthState, Resizer
 from corral.runner.reserve import Reserve
+from corral.runner.wire import DoneLine
 from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, Resized,
                                 SetThreads, Stop, Submit)
 from corral.runner.sampling import for_job
@@ -235,7 +236,7 @@ class Engine(Postprocess):
         waiting = self.scheduler.waiting
         for seq in [s for s in waiting if s.job.cancelled.is_set()]:
             waiting.remove(seq)
-            seq.end(Done({"done_reason": DoneReason.CANCEL.value}))
+            seq.end(Done(DoneLine(done_reason=DoneReason.CANCEL.value)))
         for slot in self.slots:
             if slot.job is not None and slot.job.cancelled.is_set():
                 self._finish(slot, DoneReason.CANCEL)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from corral.errors import CorralError
+from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan
@@ -52,7 +53,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Done:
-    stats: dict[str, Any]  # done_reason, counts and durations, the context
+    stats: DoneLine  # done_reason, counts and durations, the context
 
 
 @dataclass(frozen=True)

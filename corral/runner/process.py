@@ -36,7 +36,7 @@ from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import Loaded, Pending, load
-from corral.runner.wire import CompletionJob
+from corral.runner.wire import CompletionJob, LoadReport, TokenLine
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan, Vision
@@ -48,7 +48,7 @@ MAX_BODY = 32 << 20
 class RunnerService:
     """Turns wire requests into engine jobs; shared by all handler threads."""
 
-    def __init__(self, engine: Engine, report: dict[str, Any],
+    def __init__(self, engine: Engine, report: LoadReport,
                  vision: "Vision | None" = None) -> None:
         self.engine = engine
         self.vision = vision  # when a projector is loaded
@@ -190,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
             vision = self.service.vision
             self._send(200, {"status": "ok", **self.service.engine.status(),
                              "images_encoded": vision.encoded if vision else 0,
-                             "report": self.service.report})
+                             "report": self.service.report.to_json()})
         else:
             self._send(*format_error(NotFound("not found"), Shape.RUNNER))
 
@@ -236,11 +236,9 @@ class Handler(BaseHTTPRequestHandler):
             while True:
                 event = job.events.get()
                 if isinstance(event, Token):
-                    line: dict[str, Any] = {"content": event.text}
-                    if event.logprobs:
-                        line["logprobs"] = event.logprobs
+                    line = TokenLine(event.text, tuple(event.logprobs or ())).to_json()
                 elif isinstance(event, Done):
-                    line = {"done": True, **event.stats}
+                    line = event.stats.to_json()
                 else:
                     line = format_error(event.error, Shape.RUNNER)[1]
                 self.wfile.write(json.dumps(line).encode() + b"\n")
@@ -271,19 +269,17 @@ def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
         "utf-8", "replace")
     eos = native.token_bytes(engine.vocab, L.llama_vocab_eos(engine.vocab), True).decode(
         "utf-8", "replace")
-    report = {
-        "weights": est.weights, "kv": est.kv, "compute": est.compute,
-        "gpu_layers": est.gpu_layers, "layers": est.layers,
-        "size": est.total, "size_vram": est.gpu_bytes - loaded.rpc_bytes,
-        "size_rpc": loaded.rpc_bytes, "rpc_servers": list(config.rpc_servers),
-        "num_ctx": engine.num_ctx, "n_ctx": engine.n_ctx, "slots": config.n_slots,
+    report = LoadReport(
+        weights=est.weights, kv=est.kv, compute=est.compute,
+        gpu_layers=est.gpu_layers, layers=est.layers,
+        size=est.total, size_vram=est.gpu_bytes - loaded.rpc_bytes,
+        size_rpc=loaded.rpc_bytes, rpc_servers=tuple(config.rpc_servers),
+        num_ctx=engine.num_ctx, n_ctx=engine.n_ctx, slots=config.n_slots,
         # Elastic KV holds start_slots' worth while idle: `size` is what the cap holds.
-        "start_slots": len(engine.slots), "kv_per_slot": est.kv // max(config.n_slots, 1),
-        "n_threads": engine.n_threads, "load_seconds": engine.load_seconds,
-        "bos": bos, "eos": eos,  # for the daemon's templates
-        "can_shift": engine.can_shift, "n_ctx_train": engine.n_ctx_train,
-        "vision": loaded.vision is not None,
-    }
+        start_slots=len(engine.slots), kv_per_slot=est.kv // max(config.n_slots, 1),
+        n_threads=engine.n_threads, load_seconds=engine.load_seconds,
+        bos=bos, eos=eos, can_shift=engine.can_shift, n_ctx_train=engine.n_ctx_train,
+        vision=loaded.vision is not None)
     return RunnerService(engine, report, loaded.vision)
 
 
@@ -317,7 +313,7 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
     service.engine.start()
     threading.Thread(target=_exit_with_parent, args=(os.getppid(), server), daemon=True).start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
-                      "report": service.report}), flush=True)
+                      "report": service.report.to_json()}), flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

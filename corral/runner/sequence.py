@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from corral.runner.jobs import Event, Job
 from corral.runner.textstream import StopMatcher, Utf8Stream
+from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.sampling import Sampler
@@ -107,18 +108,18 @@ class Sequence:
         self.finish()
         self.job.events.put(event)
 
-    def stats(self, reason: DoneReason, now: float) -> dict[str, object]:
+    def stats(self, reason: DoneReason, now: float) -> DoneLine:
         """The Done event's counts and durations (Ollama's names)."""
         first = self.t_first or now
         job = self.job
-        return {
-            "done_reason": reason.value,
-            "prompt_eval_count": self.n_prompt_eval,
-            "prompt_eval_duration": int((first - self.t_start) * 1e9),
-            "eval_count": self.n_generated,
-            "eval_duration": int((now - first) * 1e9),
-            "queue_duration": int((self.t_start - job.submitted) * 1e9),
-            "prompt_tokens": len(job.prompt),
+        return DoneLine(
+            done_reason=reason.value,
+            prompt_eval_count=self.n_prompt_eval,
+            prompt_eval_duration=int((first - self.t_start) * 1e9),
+            eval_count=self.n_generated,
+            eval_duration=int((now - first) * 1e9),
+            queue_duration=int((self.t_start - job.submitted) * 1e9),
+            prompt_tokens=len(job.prompt),
             # Image placeholders mean nothing outside this runner's vision cache.
-            "context": [t for t in job.prompt if t >= 0] + self.generated,
-        }
+            context=tuple([t for t in job.prompt if t >= 0] + self.generated),
+        )

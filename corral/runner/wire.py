@@ -1,11 +1,14 @@
-"""The runner wire, typed once: what the daemon sends a runner process for a completion.
+"""The runner wire, typed once: what the daemon and a runner process say to each other.
 
-    daemon --CompletionJob (JSON)--> runner /completion --{"content"} lines,
-                                     then a {"done": true, ...} line or an error line
+    runner ready line --LoadReport-->  daemon (runner.client; `ps`, templates)
+    daemon --CompletionJob (JSON)--> runner /completion --TokenLine lines,
+                                     then a DoneLine or an error line
 
 The daemon builds a CompletionJob from a request's plan (server.pipeline.run) and the
 runner client sends it; the runner process reads it back with `from_json`, which
-checks every field and coerces the options once, so nothing past it reads a dict.
+checks every field and coerces the options once. The lines back and the load report
+are written from these records and read into them by the client, so nothing past the
+wire on either side reads a dict.
 """
 
 from __future__ import annotations
@@ -67,3 +70,92 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false")
     return value
+
+
+@dataclass(frozen=True)
+class TokenLine:
+    """A piece of text the runner sampled, with its log-probabilities when asked."""
+
+    content: str
+    logprobs: tuple[dict[str, Any], ...] = ()  # the dialects' shape, passed through
+
+    def to_json(self) -> dict[str, Any]:
+        return {"content": self.content, **({"logprobs": list(self.logprobs)}
+                                            if self.logprobs else {})}
+
+
+@dataclass(frozen=True)
+class DoneLine:
+    """A sequence's end: why, and its counts and durations (Ollama's names, ns)."""
+
+    done_reason: str = "stop"
+    prompt_tokens: int = 0  # the prompt as sent, cached or not
+    prompt_eval_count: int = 0  # of which evaluated (the rest came from a cache)
+    prompt_eval_duration: int = 0
+    eval_count: int = 0
+    eval_duration: int = 0
+    queue_duration: int = 0
+    context: tuple[int, ...] = ()  # prompt and output tokens (native /api/generate)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"done": True, **asdict(self), "context": list(self.context)}
+
+    @classmethod
+    def from_json(cls, line: dict[str, Any]) -> "DoneLine":
+        def count(name: str) -> int:
+            return int(line.get(name) or 0)
+
+        return cls(done_reason=str(line.get("done_reason") or "stop"),
+                   prompt_tokens=count("prompt_tokens"),
+                   prompt_eval_count=count("prompt_eval_count"),
+                   prompt_eval_duration=count("prompt_eval_duration"),
+                   eval_count=count("eval_count"), eval_duration=count("eval_duration"),
+                   queue_duration=count("queue_duration"),
+                   context=tuple(int(t) for t in line.get("context") or ()))
+
+
+def read_line(line: dict[str, Any]) -> TokenLine | DoneLine:
+    """One line of the runner's stream, typed (error lines are raised before this)."""
+    if line.get("done"):
+        return DoneLine.from_json(line)
+    return TokenLine(str(line.get("content", "")), tuple(line.get("logprobs") or ()))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a runner says once loaded: its memory, its sizes, its model's BOS and EOS."""
+
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+    gpu_layers: int = 0
+    layers: int = 0
+    size: int = 0  # bytes at the cap of slots
+    size_vram: int = 0
+    size_rpc: int = 0
+    rpc_servers: tuple[str, ...] = ()
+    num_ctx: int = 0  # per slot
+    n_ctx: int = 0  # the context's cells now
+    slots: int = 0  # the cap (0: no report)
+    start_slots: int = 0  # held while idle (elastic KV)
+    kv_per_slot: int = 0
+    n_threads: int = 0
+    load_seconds: float = 0.0
+    bos: str = ""  # for the daemon's templates
+    eos: str = ""
+    can_shift: bool = True
+    n_ctx_train: int = 0
+    vision: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rpc_servers": list(self.rpc_servers)}
+
+    @classmethod
+    def from_json(cls, report: dict[str, Any]) -> "LoadReport":
+        out: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if name in report:
+                kind: Any = type(getattr(cls, name))  # the default's type
+                out[name] = tuple(str(s) for s in report[name]) if kind is tuple else \
+                    kind(report[name])
+        return cls(**out)

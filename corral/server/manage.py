@@ -22,6 +22,7 @@ from corral.registry.models import ModelRecord, details, load_record, read_confi
 from corral.registry.store import ModelEntry
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_info
+from corral.runner.wire import LoadReport
 from corral.server.http import Handler, Request
 from corral.server.inference import Inference, capabilities, require_model
 
@@ -187,10 +188,10 @@ def _sizes(entry: Any, health: dict[str, Any]) -> tuple[int, int, int, int]:
     """(bytes the model holds now, bytes it may grow to, slots now, slots busy). Elastic KV
     holds one slot's worth while idle and grows as requests run at once (runner.growth);
     the prompt cache's RAM counts too, so that nothing the model holds is missing here."""
-    report = entry.runner.report if entry.runner is not None else {}
-    cap, cap_slots = int(report.get("size", 0)), int(report.get("slots", 1))
+    report = entry.runner.report if entry.runner is not None else LoadReport()
+    cap, cap_slots = report.size, report.slots or 1
     slots = int(health.get("slots", cap_slots))
-    per_slot = int(report.get("kv_per_slot", 0))
+    per_slot = report.kv_per_slot
     cache = int(health.get("cache_bytes", 0))
     return (cap - per_slot * max(cap_slots - slots, 0) + cache, cap + cache, slots,
             int(health.get("busy_slots", 0)))
@@ -217,7 +218,7 @@ def ps(inf: Inference) -> Any:
         now = time.time()
         models = []
         for entry in inf.scheduler.running():
-            report = entry.runner.report if entry.runner is not None else {}
+            report = entry.runner.report if entry.runner is not None else LoadReport()
             if entry.expires_at is not None:
                 expires = entry.expires_at
             elif entry.keep_alive == FOREVER:
@@ -230,15 +231,15 @@ def ps(inf: Inference) -> Any:
             models.append({"name": name, "model": name, "size": size,
                            "digest": entry.record.digest, "details": entry.record.details(),
                            "expires_at": rfc3339(expires, utc=False),
-                           "size_vram": min(int(report.get("size_vram", 0)), size),
-                           "context_length": int(report.get("num_ctx", 0)),
+                           "size_vram": min(report.size_vram, size),
+                           "context_length": report.num_ctx,
                            # Corral extensions: what elastic KV may grow to, slots now
                            # and how many of them are busy (the page's live view).
                            "size_cap": cap, "slots": slots, "slots_busy": busy,
-                           "slots_cap": int(report.get("slots", slots)),
+                           "slots_cap": report.slots or slots,
                            "prompt_cache": prompt_cache(health)})
-            if report.get("size_rpc"):  # a Corral extension: bytes on RPC workers
-                models[-1]["size_rpc"] = int(report["size_rpc"])
+            if report.size_rpc:  # a Corral extension: bytes on RPC workers
+                models[-1]["size_rpc"] = report.size_rpc
         models.sort(key=lambda m: str(m["expires_at"]), reverse=True)
         handler.send_json(200, {"models": models})
     return route

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.errors import BadRequest, RunnerError
 from corral.registry.models import ModelRecord
-from corral.runner.wire import CompletionJob
+from corral.runner.wire import CompletionJob, DoneLine, LoadReport
 from corral.server.harmony import uses_harmony
 from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
@@ -192,15 +192,16 @@ def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterato
         body, opened = _runner_body(inf, plan, runner.report, options, job_id)
         parser = ReplyParser(plan.fmt, {str(t["function"]["name"]) for t in plan.tools},
                              thinking_open=opened)
-        stats: dict[str, Any] = {}
-        yield from _stream(inf, entry, body, parser, index, started, stats)
-        inf.metrics.tokens(model, stats.get("prompt_eval_count", 0), stats.get("eval_count", 0),
-                           stats.get("eval_duration", 0))
+        ended: list[DoneLine] = []
+        yield from _stream(inf, entry, body, parser, index, started, ended)
+        stats = ended[-1] if ended else DoneLine()
+        inf.metrics.tokens(model, stats.prompt_eval_count, stats.eval_count,
+                           stats.eval_duration)
         inf.metrics.request(model, "cancelled" if cancels.fired else "ok")
         yield _final(stats, index, parser.calls > 0, load, started)
 
 
-def _runner_body(inf: Inference, plan: Plan, report: dict[str, Any], options: dict[str, Any],
+def _runner_body(inf: Inference, plan: Plan, report: LoadReport, options: dict[str, Any],
                  job_id: str) -> tuple[CompletionJob, bool]:
     """The runner's job: rendered text and images, and whether a think block is open."""
     request, shown = plan.request, render(inf, plan, report)
@@ -226,13 +227,12 @@ class Rendered:
     opened: bool  # the text ends inside a think block
 
 
-def render(inf: Inference, plan: Plan, report: dict[str, Any],
+def render(inf: Inference, plan: Plan, report: LoadReport,
            builder: PromptBuilder | None = None) -> Rendered:
     """The prompt as the runner will tokenize it, through the model's template (or
     `builder`'s, for /corral/render's Jinja override)."""
     request = plan.request
-    builder = builder or inf.prompt_builder(plan.record, str(report.get("bos", "")),
-                                            str(report.get("eos", "")))
+    builder = builder or inf.prompt_builder(plan.record, report.bos, report.eos)
     context: list[int] = []
     if isinstance(request, ChatRequest):
         messages, images = mark_messages(plan.messages)
@@ -259,13 +259,13 @@ def render_only(inf: Inference, request: Request, jinja: str | None = None, bos:
     `jinja` tries a chat template of one's own (with its BOS and EOS text) instead of the
     model's."""
     plan = prepare(inf, request, jinja)
-    report: dict[str, Any] = {}
+    report = LoadReport()
     go = plan.record.template or (isinstance(request, CompletionRequest)
                                   and (request.raw or request.template))
     builder = inf.jinja_builder(jinja, bos, eos) if jinja else None
     if not go and builder is None:  # the GGUF's Jinja template needs the model's BOS/EOS
         with inf.scheduler.hold(plan.record, plan.options, request.keep_alive) as entry:
-            report = entry.runner.report if entry.runner is not None else {}
+            report = entry.runner.report if entry.runner is not None else LoadReport()
     shown = render(inf, plan, report, builder)
     return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,
             "images": len(shown.images), "think": plan.think, "thinking_open": shown.opened,
@@ -273,22 +273,22 @@ def render_only(inf: Inference, request: Request, jinja: str | None = None, bos:
 
 
 def _stream(inf: Inference, entry: Loaded, body: CompletionJob, parser: ReplyParser,
-            index: int, started: float, stats: dict[str, Any]) -> Iterator[Piece]:
-    """The runner's lines as pieces; `stats` gets the final line's counts."""
+            index: int, started: float, ended: list[DoneLine]) -> Iterator[Piece]:
+    """The runner's lines as pieces; `ended` gets the final line."""
     runner, model = entry.runner, entry.record.name.display()
     assert runner is not None
     held: list[dict[str, Any]] = []  # log-probabilities wait for the piece their text makes
     first = True
     try:
         for line in runner.completion(body):
-            if "content" in line:
-                if first:
-                    first = False
-                    inf.metrics.ttft(model, time.perf_counter() - started)
-                held += line.get("logprobs") or []
-                yield from _tagged(parser.feed(line["content"]), held, index)
-            if line.get("done"):
-                stats.update(line)
+            if isinstance(line, DoneLine):
+                ended.append(line)
+                continue
+            if first:
+                first = False
+                inf.metrics.ttft(model, time.perf_counter() - started)
+            held += line.logprobs
+            yield from _tagged(parser.feed(line.content), held, index)
     except RunnerError:
         inf.scheduler.runner_failed(entry)
         inf.metrics.request(model, "error")
@@ -303,14 +303,11 @@ def _tagged(pieces: list[Piece], held: list[dict[str, Any]], index: int) -> Iter
         yield piece
 
 
-def _final(stats: dict[str, Any], index: int, called: bool, load: float,
-           started: float) -> Final:
-    prompt = int(stats.get("prompt_tokens", stats.get("prompt_eval_count", 0)))
-    evaluated = int(stats.get("prompt_eval_count", 0))
-    return Final(index=index, done_reason=str(stats.get("done_reason", "stop")), called=called,
-                 prompt_tokens=prompt, cached_tokens=max(0, prompt - evaluated),
-                 eval_count=int(stats.get("eval_count", 0)),
-                 prompt_eval_duration=int(stats.get("prompt_eval_duration", 0)),
-                 eval_duration=int(stats.get("eval_duration", 0)), load_duration=load,
-                 total_duration=time.perf_counter() - started,
-                 context=tuple(int(t) for t in stats.get("context") or ()))
+def _final(stats: DoneLine, index: int, called: bool, load: float, started: float) -> Final:
+    prompt = stats.prompt_tokens or stats.prompt_eval_count
+    return Final(index=index, done_reason=stats.done_reason, called=called,
+                 prompt_tokens=prompt, cached_tokens=max(0, prompt - stats.prompt_eval_count),
+                 eval_count=stats.eval_count,
+                 prompt_eval_duration=stats.prompt_eval_duration,
+                 eval_duration=stats.eval_duration, load_duration=load,
+                 total_duration=time.perf_counter() - started, context=stats.context)
