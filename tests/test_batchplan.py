@@ -18,7 +18,7 @@ class NoSampler:
 
 def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
          started: float = 0.0) -> Slot:
-    s = Slot(seq=seq, num_ctx=4096)
+    s = Slot(seq_id=seq, num_ctx=4096)
     if state is SlotState.IDLE:
         s.cached = list(range(cached))
         return s
@@ -42,7 +42,7 @@ def test_decoding_slots_go_first_each_with_logits() -> None:
     assert plan.entries[2:] == [Entry(100, 0, 1, False), Entry(101, 1, 1, False),
                                 Entry(102, 2, 1, True)]
     assert plan.sample_at == {0: 0, 2: 1, 1: 4}
-    assert [s.seq for s in plan.decoding] == [0, 2] and plan.prefill == [(slots[1], 3)]
+    assert [s.seq_id for s in plan.decoding] == [0, 2] and plan.prefill == [(slots[1], 3)]
 
 
 def test_long_prompt_is_chunked_and_samples_only_on_its_last_chunk() -> None:
@@ -85,7 +85,7 @@ def test_tails_over_a_long_context_go_a_few_per_step_short_prompts_all_at_once()
     # Sixteen 10-token questions after a shared 1,140-token document (a burst, again).
     tails = [slot(i, SlotState.PREFILL, cached=1140, pending=10, started=i) for i in range(16)]
     plan = plan_step(tails, n_batch=512)
-    taken = [s.seq for s, _ in plan.prefill]
+    taken = [s.seq_id for s, _ in plan.prefill]
     assert taken == list(range(len(taken))) and 2 <= len(taken) < 16  # oldest first
     assert sum(n * (1140 + 5) for _, n in plan.prefill[:-1]) < ATTEND_BUDGET
     assert sorted(plan.sample_at) == taken  # each taken tail is whole: its first token

@@ -133,11 +133,11 @@ def test_a_non_causal_image_is_reused_whole_or_not_at_all() -> None:
 def test_text_prefill_stops_at_an_image() -> None:
     assert text_run([5, 6, -1, 7], 10) == 2 and text_run([-1, 5], 10) == 0
     assert text_run([5, 6, 7], 2) == 2
-    image_first = Slot(seq=0, num_ctx=64, state=SlotState.PREFILL,
+    image_first = Slot(seq_id=0, num_ctx=64, state=SlotState.PREFILL,
                        sequence=Sequence(Job(prompt=[1]), pending=[-1, -1, 4], t_start=1))
-    text = Slot(seq=1, num_ctx=64, state=SlotState.PREFILL,
+    text = Slot(seq_id=1, num_ctx=64, state=SlotState.PREFILL,
                 sequence=Sequence(Job(prompt=[1]), pending=[1, 2, -1], t_start=2))
     plan = plan_step([image_first, text], n_batch=8)
     # The slot waiting on its image yields the batch to the next one's text.
-    assert [(s.seq, n) for s, n in plan.prefill] == [(1, 2)]
+    assert [(s.seq_id, n) for s, n in plan.prefill] == [(1, 2)]
     assert [e.token for e in plan.entries] == [1, 2] and not any(e.logits for e in plan.entries)

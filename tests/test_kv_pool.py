@@ -22,7 +22,7 @@ from corral.runner.slot import Slot, SlotState
 
 
 def slot(seq: int, state: SlotState, n_past: int, pending: int = 0, t: float = 0.0) -> Slot:
-    s = Slot(seq=seq, num_ctx=256, state=state, cached=[1] * n_past, last_used=t)
+    s = Slot(seq_id=seq, num_ctx=256, state=state, cached=[1] * n_past, last_used=t)
     if state is not SlotState.IDLE:
         s.sequence = Sequence(Job(prompt=[1]), pending=[2] * pending, t_start=t)
     return s
@@ -46,9 +46,9 @@ def test_shortfall_victim_and_eviction_order() -> None:
              slot(4, SlotState.IDLE, 0, t=0.1)]
     pool = KVPool(size=512)
     assert pool.shortfall(slots, 3) == 250 + 250 + 10 + 5 + 3 - 512
-    assert [s.seq for s in KVPool.evictable(slots)] == [3]
+    assert [s.seq_id for s in KVPool.evictable(slots)] == [3]
     victim = KVPool.victim(slots)
-    assert victim is not None and victim.seq == 1  # the newest, not the biggest
+    assert victim is not None and victim.seq_id == 1  # the newest, not the biggest
     assert KVPool.victim([slot(0, SlotState.DECODE, 500)]) is None  # alone it always fits
 
 

@@ -153,7 +153,7 @@ def test_images_are_part_of_the_key() -> None:
 
 
 def busy(seq_id: int, cached: list[int], pending: list[int]) -> Slot:
-    slot = Slot(seq=seq_id, num_ctx=4096)
+    slot = Slot(seq_id=seq_id, num_ctx=4096)
     seq = Sequence(Job(prompt=cached + pending))
     slot.assign(seq, cached)
     seq.start(object(), 10, cached + pending, len(cached), now=1.0)  # type: ignore[arg-type]
@@ -167,7 +167,7 @@ def waiting(prompt: list[int]) -> Sequence:
 def test_a_sequence_waits_for_a_shared_prefix_being_prefilled_then_branches() -> None:
     shared = list(range(1000, 1000 + 2 * HOLD_MIN))
     leader = busy(0, shared[:10], shared[10:] + [1, 2, 3])
-    idle = Slot(seq=1, num_ctx=4096)
+    idle = Slot(seq_id=1, num_ctx=4096)
     sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
     follower = waiting(shared + [7, 8, 9])
     sched.add(follower)
@@ -186,7 +186,7 @@ def test_an_unrelated_sequence_is_not_held_behind_one_that_is() -> None:
     sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
     sched.add(waiting(shared + [1]))
     sched.add(waiting([5] * 50))
-    p = sched.next([leader, Slot(seq=1, num_ctx=4096)])
+    p = sched.next([leader, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.seq.job.prompt == [5] * 50
 
 
@@ -194,11 +194,11 @@ def test_restore_beats_reuse_only_by_a_real_gain() -> None:
     ram = PromptCache(budget=1 << 20)
     ram.add(A, b"a")
     sched = Scheduler(4096, PrefixCaches(ram))
-    slot = Slot(seq=0, num_ctx=4096, cached=A[:200 - MIN_GAIN + 1])
+    slot = Slot(seq_id=0, num_ctx=4096, cached=A[:200 - MIN_GAIN + 1])
     sched.add(waiting(A + [1]))
     p = sched.next([slot])
     assert isinstance(p, Placement) and p.source is Source.REUSE  # the gain is too small
-    slot = Slot(seq=0, num_ctx=4096, cached=B)
+    slot = Slot(seq_id=0, num_ctx=4096, cached=B)
     sched.add(waiting(A + [1]))
     p = sched.next([slot])
     assert isinstance(p, Placement) and p.source is Source.RESTORE and p.keep == len(A)
@@ -210,7 +210,7 @@ def test_a_prefix_never_ends_inside_the_prompt() -> None:
     ram.add(A, b"a")
     sched = Scheduler(4096, PrefixCaches(ram))
     sched.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
-    p = sched.next([Slot(seq=0, num_ctx=4096)])
+    p = sched.next([Slot(seq_id=0, num_ctx=4096)])
     assert isinstance(p, Placement) and p.keep == len(A) - 1
 
 
@@ -220,5 +220,5 @@ def test_a_tainted_slot_is_never_a_donor(state: SlotState) -> None:
     donor.tainted = True  # a context shift ran: its KV is not what a prefill would give
     sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
     sched.add(waiting(A + [2]))
-    p = sched.next([donor, Slot(seq=1, num_ctx=4096)])
+    p = sched.next([donor, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.source is Source.NONE

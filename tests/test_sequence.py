@@ -17,7 +17,7 @@ class CountingSampler:
 
 
 def running(prompt: list[int], keep: int = 0) -> tuple[Slot, Sequence, CountingSampler]:
-    slot, seq, sampler = Slot(seq=3, num_ctx=64, cached=prompt[:keep]), Sequence(Job(prompt)), \
+    slot, seq, sampler = Slot(seq_id=3, num_ctx=64, cached=prompt[:keep]), Sequence(Job(prompt)), \
         CountingSampler()
     slot.assign(seq, prompt[:keep])
     seq.start(sampler, 10, prompt, keep, now=1.0)  # type: ignore[arg-type]
@@ -35,7 +35,7 @@ def test_a_preempted_sequence_moves_whole_to_another_slot() -> None:
     assert slot.vacate(now=2.0) is seq and slot.sequence is None
     seq.preempt()
     assert seq.state is SeqState.PREEMPTED and seq.sampler is sampler and sampler.freed == 0
-    other = Slot(seq=5, num_ctx=64)
+    other = Slot(seq_id=5, num_ctx=64)
     other.assign(seq, [])
     seq.resume(seq.job.prompt + seq.generated, keep=0)
     # The same object carries on: its progress was never copied out and back.

@@ -34,7 +34,7 @@ ATTEND_BUDGET = 64 * 1024
 class Entry(NamedTuple):
     token: int
     pos: int
-    seq: int
+    seq_id: int
     logits: bool
 
 
@@ -54,8 +54,8 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
     plan = StepPlan()
     for slot in slots:
         if slot.state is SlotState.DECODE and len(plan.entries) < n_batch:
-            plan.sample_at[slot.seq] = len(plan.entries)
-            plan.entries.append(Entry(slot.last_token, slot.n_past, slot.seq, True))
+            plan.sample_at[slot.seq_id] = len(plan.entries)
+            plan.entries.append(Entry(slot.last_token, slot.n_past, slot.seq_id, True))
             plan.decoding.append(slot)
     prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
     attended = 0
@@ -67,10 +67,10 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
             continue  # an image comes next: the engine feeds it through its own batch
         last_chunk = take == len(slot.pending)
         for k in range(take):
-            plan.entries.append(Entry(slot.pending[k], slot.n_past + k, slot.seq,
+            plan.entries.append(Entry(slot.pending[k], slot.n_past + k, slot.seq_id,
                                       last_chunk and k == take - 1))
         if last_chunk:
-            plan.sample_at[slot.seq] = len(plan.entries) - 1
+            plan.sample_at[slot.seq_id] = len(plan.entries) - 1
         plan.prefill.append((slot, take))
         attended += take * slot.n_past + take * (take + 1) // 2
     return plan

@@ -86,7 +86,7 @@ class Engine(Postprocess):
         self._embedded_at = self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
-        self.slots = [Slot(seq=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
+        self.slots = [Slot(seq_id=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
         # The cap's context is made ahead, uncommitted, where the KV is host memory.
         reserve = Reserve(llama, config.n_slots) if not config.n_gpu_layers else None
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
@@ -343,7 +343,7 @@ class Engine(Postprocess):
         if self._thread is not None and self._thread.is_alive():
             return  # still inside native code; the process exit will reclaim it
         if self.caches.disk is not None:  # what the idle slots and RAM hold outlives us
-            states = [(s.reusable(), seqstate.get(self.ctx, s.seq)) for s in self.slots
+            states = [(s.reusable(), seqstate.get(self.ctx, s.seq_id)) for s in self.slots
                       if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
             self.caches.flush([(t, d) for t, d in states if d is not None])
         self.embedder.free()

@@ -118,14 +118,14 @@ def carry(slots: list[Slot], old: Any, new: Any, streams: int, num_ctx: int,
     for old_slot in (busy + idle)[:streams]:
         seq_id = len(out)
         cached = list(old_slot.cached)
-        if cached and not copy_sequence(old, old_slot.seq, new, seq_id, streams):
+        if cached and not copy_sequence(old, old_slot.seq_id, new, seq_id, streams):
             if old_slot.state is not SlotState.IDLE:
                 return None  # a running sequence must move whole
             cached = []
-        out.append(Slot(seq=seq_id, num_ctx=num_ctx, state=old_slot.state, cached=cached,
+        out.append(Slot(seq_id=seq_id, num_ctx=num_ctx, state=old_slot.state, cached=cached,
                         sequence=old_slot.sequence, last_used=old_slot.last_used,
                         tainted=old_slot.tainted))
-    out += [Slot(seq=i, num_ctx=num_ctx) for i in range(len(out), streams)]
+    out += [Slot(seq_id=i, num_ctx=num_ctx) for i in range(len(out), streams)]
     return out
 
 

@@ -84,7 +84,7 @@ class ImageFeed:
         for i in range(count):
             batch.pos[i] = slot.n_past + i
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = slot.seq
+            batch.seq_id[i][0] = slot.seq_id
             batch.logits[i] = logits_last and i == count - 1
         batch.n_tokens = count
         if span.non_causal:

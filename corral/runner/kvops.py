@@ -15,7 +15,7 @@ from corral.runner.slot import Slot, SlotState
 
 def drop(mem: Any, slot: Slot) -> None:
     """Free every cell of the slot's sequence; it caches nothing after."""
-    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     slot.cached = []
 
 
@@ -30,8 +30,8 @@ def shift_context(mem: Any, slot: Slot, can_shift: bool) -> bool:
     discard = (slot.n_past - keep) // 2
     if discard <= 0:
         return False
-    L.llama_memory_seq_rm(mem, slot.seq, keep, keep + discard)
-    L.llama_memory_seq_add(mem, slot.seq, keep + discard, slot.n_past, -discard)
+    L.llama_memory_seq_rm(mem, slot.seq_id, keep, keep + discard)
+    L.llama_memory_seq_add(mem, slot.seq_id, keep + discard, slot.n_past, -discard)
     del slot.cached[keep:keep + discard]
     # Tokens after the cut were computed beside tokens that are gone, and a
     # sliding-window cache keeps more than the positions say: none of this
@@ -52,7 +52,7 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
                 evicted = True
     for slot in failed:
         if evicted:
-            L.llama_memory_seq_rm(mem, slot.seq, slot.n_past, -1)
+            L.llama_memory_seq_rm(mem, slot.seq_id, slot.n_past, -1)
         else:
             drop(mem, slot)
     return evicted
@@ -66,7 +66,7 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0) -> None:
     tokens = slot.reusable()
     if len(tokens) - keep < caches.ram.min_tokens or not caches.wanted(tokens):
         return
-    data = seqstate.get(ctx, slot.seq)
+    data = seqstate.get(ctx, slot.seq_id)
     if data is not None:
         caches.keep(tokens, data)
 
@@ -78,22 +78,22 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     slot = p.slot
     save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0)
     if p.source in (Source.NONE, Source.REUSE):
-        if p.keep and L.llama_memory_seq_rm(mem, slot.seq, p.keep, -1):
+        if p.keep and L.llama_memory_seq_rm(mem, slot.seq_id, p.keep, -1):
             return p.keep
-        L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+        L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         return 0
     branch = p.donor is not None
-    data = seqstate.get(ctx, p.donor.seq) if p.donor is not None else caches.fetch(p.entry,
+    data = seqstate.get(ctx, p.donor.seq_id) if p.donor is not None else caches.fetch(p.entry,
                                                                                     p.disk)
-    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     # A partial removal fails on memories that cannot roll back (recurrent models).
-    if data is not None and seqstate.put(ctx, data, slot.seq, streams) \
-            and L.llama_memory_seq_rm(mem, slot.seq, p.keep, -1):
+    if data is not None and seqstate.put(ctx, data, slot.seq_id, streams) \
+            and L.llama_memory_seq_rm(mem, slot.seq_id, p.keep, -1):
         if branch:
             caches.tokens_shared += p.keep
         else:
             caches.restored(p.entry, p.disk, p.keep, data)
         return p.keep
-    L.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+    L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     caches.refused(p.entry)
     return 0

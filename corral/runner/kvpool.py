@@ -65,7 +65,7 @@ class KVPool:
         busy = [s for s in slots if s.state is not SlotState.IDLE]
         if len(busy) <= 1:
             return None  # one sequence alone always fits: num_ctx <= the pool
-        return max(busy, key=lambda s: (s.t_start, s.seq))
+        return max(busy, key=lambda s: (s.t_start, s.seq_id))
 
     def fit(self, plan: StepPlan, slots: list[Slot], drop: Callable[[Slot], None],
             preempt: Callable[[Slot], None], replan: Callable[[], StepPlan]) -> StepPlan:

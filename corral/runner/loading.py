@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Loaded:
+class LoadedModel:
+    """What loading gave the runner process: the weights' context and what was measured."""
+
     config: LoadConfig
     info: GGUFInfo
     estimate: memory.Estimate
@@ -39,7 +41,7 @@ class Loaded:
     vision: "Vision | None" = None
 
 
-def load(config: LoadConfig) -> Loaded:
+def load(config: LoadConfig) -> LoadedModel:
     info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
     if config.n_slots < 1 or config.n_slots > 256:
         raise BadRequest("slots must be between 1 and 256")
@@ -81,7 +83,7 @@ def load(config: LoadConfig) -> Loaded:
         except BaseException:
             llama.free()
             raise
-    return Loaded(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes, vision)
+    return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes, vision)
 
 
 class Pending:
@@ -93,7 +95,7 @@ class Pending:
         parser.add_argument("--verbose", action="store_true")
         self.args = parser.parse_args(argv)
         limit_malloc_arenas()  # before any thread allocates
-        self._loaded: Loaded | None = None
+        self._loaded: LoadedModel | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="load", daemon=True)
         self._thread.start()
@@ -104,7 +106,7 @@ class Pending:
         except BaseException as exc:  # re-raised on the main thread by result()
             self._error = exc
 
-    def result(self) -> Loaded:
+    def result(self) -> LoadedModel:
         self._thread.join()
         if self._error is not None:
             raise self._error

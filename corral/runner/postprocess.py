@@ -68,11 +68,11 @@ class Postprocess:
             del slot.pending[:taken]
             if not slot.pending:
                 self._prefilled(slot)
-                self._sample(slot, plan.sample_at[slot.seq])
+                self._sample(slot, plan.sample_at[slot.seq_id])
         for slot in plan.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
-                self._sample(slot, plan.sample_at[slot.seq])
+                self._sample(slot, plan.sample_at[slot.seq_id])
 
     def _prefilled(self, slot: Slot) -> None:
         slot.transition(SlotState.DECODE)

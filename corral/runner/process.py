@@ -35,7 +35,7 @@ from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.loading import Loaded, Pending, load
+from corral.runner.loading import LoadedModel, Pending, load
 from corral.runner.wire import CompletionJob, LoadReport, TokenLine
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ def _shutdown(service: RunnerService) -> None:
         service.server.shutdown()
 
 
-def build(config: LoadConfig, loaded: Loaded | None = None) -> RunnerService:
+def build(config: LoadConfig, loaded: LoadedModel | None = None) -> RunnerService:
     loaded = loaded or load(config)
     est = loaded.estimate
     engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,

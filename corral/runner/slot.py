@@ -37,7 +37,7 @@ _ALLOWED = {
 
 @dataclass
 class Slot:
-    seq: int
+    seq_id: int  # llama.cpp's sequence id: which KV stream this slot is
     num_ctx: int
     state: SlotState = SlotState.IDLE
     cached: list[int] = field(default_factory=list)  # tokens whose KV is resident, in order
@@ -51,7 +51,7 @@ class Slot:
 
     def transition(self, new: SlotState) -> None:
         if (self.state, new) not in _ALLOWED:
-            raise RuntimeError(f"slot {self.seq}: illegal transition {self.state} -> {new}")
+            raise RuntimeError(f"slot {self.seq_id}: illegal transition {self.state} -> {new}")
         self.state = new
 
     @property
