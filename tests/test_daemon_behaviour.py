@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from corral.registry.store import Store
@@ -276,7 +277,13 @@ def test_metrics_format(daemon: Daemon) -> None:
                    "corral_time_per_output_token_seconds_count", "corral_queue_depth",
                    "corral_busy_slots", "corral_kv_cells_used", "corral_kv_cells_reserved"):
         assert family in text
-    assert f'corral_requests_total{{model="{MODEL}",status="ok"}}' in text
+    # The whole page parses as Prometheus' text format, with the labels and values it names.
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("corral_requests_total", (("model", MODEL), ("status", "ok")))] >= 1
+    ttft = (("le", "+Inf"), ("model", MODEL))
+    assert samples[("corral_time_to_first_token_seconds_bucket", ttft)] >= 1
+    assert samples[("corral_slots", (("model", MODEL),))] >= 1
 
 
 def metric(d: Daemon, name: str) -> float:

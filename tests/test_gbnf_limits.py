@@ -32,7 +32,7 @@ def test_hostile_grammars_are_refused_by_name(text: str, words: str) -> None:
 
 
 def test_schema_counts_are_bounded_before_conversion() -> None:
-    from corral.server.inference import grammar_for
+    from corral.server.pipeline.grammar import grammar_for
     from corral.server.pipeline.gbnf import check_schema
 
     check_schema({"type": "string", "minLength": 3, "maxLength": 10_000})

@@ -146,6 +146,17 @@ def test_unknown_routes_and_methods(bare: Daemon, method: str, path: str, status
     ("/api/show", {"model": "\ud800"}, 400, "invalid model name"),
     ("/api/show", {"model": "h" * 300 + "/ns/m:t"}, 400, "invalid model name"),
     ("/api/create", {"model": "h" * 300 + "/ns/m:t", "from": "x"}, 400, "invalid model name"),
+    # Management bodies are typed records too: a wrong type names its field.
+    ("/api/pull", {"model": "m", "insecure": "yes"}, 400, "insecure: Input should be a valid"),
+    ("/api/push", {"model": "m", "stream": "no"}, 400, "stream: Input should be a valid"),
+    ("/api/show", {"model": "m", "verbose": 1}, 400, "verbose: Input should be a valid"),
+    ("/api/copy", {"source": 5, "destination": "b"}, 400, "source: Input should be a valid"),
+    ("/api/copy", {"source": "", "destination": "b"}, 400, 'source "" is invalid'),
+    ("/api/show", {"name": ["m"]}, 400, "name: Input should be a valid"),
+    ("/api/create", {"model": "m", "files": ["x"]}, 400, "files: Input should be a valid"),
+    ("/api/create", {"model": "m", "quantize": 4}, 400, "quantize: Input should be a valid"),
+    ("/corral/render", {"model": "m", "prompt": "x", "chat_template": 1}, 400,
+     "chat_template: Input should be a valid"),
 ])
 def test_client_errors_are_4xx_with_a_message(bare: Daemon, path: str, body: dict[str, Any],
                                               status: int, message: str) -> None:

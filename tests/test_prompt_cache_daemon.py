@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from corral.registry.store import Store
@@ -50,9 +51,12 @@ def test_alternating_conversations_and_an_unload_stay_warm(starter_store: Store,
     assert model["size"] >= stats["bytes"]  # nothing the model holds is missing from ps
     show = httpx.post(d.url + "/api/show", json={"model": MODEL}, timeout=30).json()
     assert show["prompt_cache"]["hits"] == 1
-    metrics = httpx.get(d.url + "/metrics", timeout=30).text
-    assert f'corral_cache_hits_total{{model="{MODEL}"}} 1' in metrics
-    assert f'corral_cache_tokens_restored_total{{model="{MODEL}"}} {cached(second_a)}' in metrics
+    metrics = {(sample.name, sample.labels.get("model")): sample.value
+               for family in text_string_to_metric_families(
+                   httpx.get(d.url + "/metrics", timeout=30).text)
+               for sample in family.samples}
+    assert metrics[("corral_cache_hits_total", MODEL)] == 1
+    assert metrics[("corral_cache_tokens_restored_total", MODEL)] == cached(second_a)
 
     # Unloaded: the runner writes what it held to the disk tier, and the next load finds it.
     r = httpx.post(d.url + "/api/generate", json={"model": MODEL, "keep_alive": 0}, timeout=60)

@@ -24,7 +24,8 @@ def imported_after(code: str) -> set[str]:
 def test_daemon_spawns_its_first_runner_before_the_http_stack_is_imported() -> None:
     mods = imported_after("import corral.server.daemon")
     assert not {"httpx", "uvicorn", "starlette", "anyio", "llama_cpp", "numpy",
-                "rich", "corral.registry.download", "corral.server.asgi", "pydantic"} & mods
+                "rich", "corral.registry.download", "corral.server.asgi", "pydantic",
+                "prometheus_client"} & mods
 
 
 @pytest.mark.model
@@ -46,7 +47,7 @@ def test_bare_package_has_the_bindings_and_its_submodules() -> None:
 def test_json_schema_grammar_leaves_llama_cpp_out_of_the_daemon() -> None:
     # `import llama_cpp.llama_grammar` would run the package's __init__: libllama,
     # numpy and jinja2 resident in the daemon for good after one JSON-schema request.
-    mods = imported_after("from corral.server.inference import grammar_for\n"
+    mods = imported_after("from corral.server.pipeline.grammar import grammar_for\n"
                           "assert 'root' in grammar_for({'type': 'object'}, 1 << 16)\n"
                           "assert 'root' in grammar_for('json', 1 << 16)")
     assert not {"llama_cpp", "numpy", "jinja2"} & mods
@@ -58,7 +59,7 @@ def test_concurrent_first_grammar_conversions_wait_for_one_load() -> None:
     code = """
 import threading
 from corral.runner.capi import pure_module
-from corral.server.inference import grammar_for
+from corral.server.pipeline.grammar import grammar_for
 errors = []
 start = threading.Barrier(8)
 def convert():

@@ -150,7 +150,7 @@ def test_page_is_served_under_a_strict_policy(daemon_factory: Any) -> None:
     assert httpx.get(f"{ui_daemon.url}/").text == "Corral is running"
     js = httpx.get(f"{ui_daemon.url}/ui/app.js")
     assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
-    assert httpx.get(f"{ui_daemon.url}/ui/..%2Fui.py").status_code == 404
+    assert httpx.get(f"{ui_daemon.url}/ui/..%2Fpage.py").status_code == 404
     assert httpx.get(f"{ui_daemon.url}/ui/nothing.js").status_code == 404
     assert httpx.get(f"{ui_daemon.url}/api/tags").status_code == 401
     assert httpx.post(f"{ui_daemon.url}/ui").status_code == 401  # only reading is open

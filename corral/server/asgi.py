@@ -32,7 +32,7 @@ from corral.errors import (BadRequest, CorralError, Forbidden, MethodNotAllowed,
                            Unauthorized)
 from corral.server.http import (Handler, Request, Route, error_response, host_allowed,
                          origin_pattern, too_large)
-from corral.server.ui import is_page
+from corral.server.page import is_page
 
 log = logging.getLogger("corral.http")
 

@@ -20,8 +20,8 @@ from corral.errors import CorralError
 from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
-from corral.server.inference import Inference
-from corral.server.metrics import Metrics
+from corral.server.models import Models
+from corral.server.services import Services
 from corral.server.scheduler import Runner, Scheduler
 
 if TYPE_CHECKING:
@@ -34,39 +34,39 @@ log = logging.getLogger("corral")
 HOUSEKEEPING_SECONDS = 10.0
 
 
-def routes(inf: Inference, puller: Puller, pusher: Pusher
+def routes(services: Services, puller: Puller, pusher: Pusher
            ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
-    from corral.server import lifecycle, manage, ui
+    from corral.server import lifecycle, manage, page
     from corral.server.dialects import anthropic, native, openai, openai_misc, responses
 
     table: dict[tuple[str, str], Route] = {
-        ("GET", "/"): manage.root(inf),
-        ("GET", "/api/version"): manage.version(inf),
-        ("POST", "/api/generate"): native.generate(inf),
-        ("POST", "/api/chat"): native.chat(inf),
-        ("POST", "/api/embed"): native.embed(inf),
-        ("POST", "/api/embeddings"): native.embeddings(inf),
-        ("GET", "/api/tags"): manage.tags(inf),
-        ("POST", "/api/show"): manage.show(inf),
-        ("POST", "/api/create"): lifecycle.create(inf),
-        ("POST", "/api/copy"): manage.copy(inf),
-        ("DELETE", "/api/delete"): manage.delete(inf),
-        ("GET", "/api/ps"): manage.ps(inf),
-        ("POST", "/api/pull"): lifecycle.pull(inf, puller),
-        ("POST", "/api/push"): lifecycle.push(inf, pusher),
-        ("GET", "/metrics"): manage.metrics(inf),
-        ("POST", "/v1/chat/completions"): openai.chat_completions(inf),
-        ("POST", "/v1/completions"): openai.completions(inf),
-        ("POST", "/v1/embeddings"): openai_misc.embeddings(inf),
-        ("GET", "/v1/models"): openai_misc.models(inf),
-        ("POST", "/v1/messages"): anthropic.messages(inf),
-        ("POST", "/v1/responses"): responses.responses(inf),
-        ("POST", "/corral/render"): native.render(inf),  # Corral's: the rendered prompt
-        ("GET", "/ui"): ui.page(),  # the page for people
+        ("GET", "/"): manage.root(services),
+        ("GET", "/api/version"): manage.version(services),
+        ("POST", "/api/generate"): native.generate(services),
+        ("POST", "/api/chat"): native.chat(services),
+        ("POST", "/api/embed"): native.embed(services),
+        ("POST", "/api/embeddings"): native.embeddings(services),
+        ("GET", "/api/tags"): manage.tags(services),
+        ("POST", "/api/show"): manage.show(services),
+        ("POST", "/api/create"): lifecycle.create(services),
+        ("POST", "/api/copy"): manage.copy(services),
+        ("DELETE", "/api/delete"): manage.delete(services),
+        ("GET", "/api/ps"): manage.ps(services),
+        ("POST", "/api/pull"): lifecycle.pull(services, puller),
+        ("POST", "/api/push"): lifecycle.push(services, pusher),
+        ("GET", "/metrics"): manage.metrics(services),
+        ("POST", "/v1/chat/completions"): openai.chat_completions(services),
+        ("POST", "/v1/completions"): openai.completions(services),
+        ("POST", "/v1/embeddings"): openai_misc.embeddings(services),
+        ("GET", "/v1/models"): openai_misc.models(services),
+        ("POST", "/v1/messages"): anthropic.messages(services),
+        ("POST", "/v1/responses"): responses.responses(services),
+        ("POST", "/corral/render"): native.render(services),  # Corral's: the rendered prompt
+        ("GET", "/ui"): page.page(),  # the page for people
     }
-    blobs = manage.blobs(inf)
+    blobs = manage.blobs(services)
     prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),
-                ("GET", "/v1/models/", openai_misc.model(inf)), ("GET", ui.PREFIX, ui.page())]
+                ("GET", "/v1/models/", openai_misc.model(services)), ("GET", page.PREFIX, page.page())]
     return table, prefixes
 
 
@@ -83,21 +83,26 @@ class Daemon:
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))
         self.scheduler = Scheduler(settings, factory,
                                    inspect=lambda r: self.store.gguf_info(r.model_digest))
-        self.inference = Inference(self.store, self.scheduler, Metrics())
+        self.models = Models(self.store)
         if preload:
             self.preload(preload)  # the runner starts while the HTTP stack loads
-        # Imported here, after the preload started: uvicorn, Starlette and httpx take
-        # a few tenths of a second to import, which a cold `corral run` would otherwise
-        # wait for before its model even starts loading.
+        # Imported here, after the preload started: uvicorn, Starlette, httpx and
+        # prometheus-client take a few tenths of a second to import, which a cold
+        # `corral run` would otherwise wait for before its model even starts loading.
         from corral.registry.download import Downloader, DownloadOptions
         from corral.registry.pull import Puller
         from corral.registry.push import Pusher, PushOptions
         from corral.server.asgi import HttpServer, build_app
+        from corral.server.manage import runner_gauges
+        from corral.server.metrics import Metrics
+
+        metrics = Metrics(lambda: runner_gauges(self.scheduler))
+        self.services = Services(self.store, self.models, self.scheduler, metrics)
 
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)
         self.pusher = Pusher(self.store, push_options or PushOptions())
-        table, prefixes = routes(self.inference, self.puller, self.pusher)
+        table, prefixes = routes(self.services, self.puller, self.pusher)
         self.http = HttpServer(build_app(table, prefixes, settings), settings.host.host,
                                settings.host.port, settings)
         self._stop_housekeeping = threading.Event()
@@ -123,8 +128,8 @@ class Daemon:
         `corral run` gets its runner spawned while it is still waiting for the port."""
         def load() -> None:
             try:
-                record = self.inference.record(model)
-                self.inference.load_only(record, self.inference.options(record, None), None)
+                view = self.models.view(model)
+                self.scheduler.load(view.record, view.options(None), None)
             except CorralError as exc:
                 log.info("preloading %s: %s", model, exc.message)
         threading.Thread(target=load, name="preload", daemon=True).start()

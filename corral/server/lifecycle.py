@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from corral.api.types import STREAM_CONTENT_TYPE
+from corral.api.wire import manage as wire
+from corral.api.wire import parse
 from corral.errors import BadRequest, CorralError, format_error
 from corral.registry.create import CreateRequest, create_model
 from corral.registry.derive import Quantizer, file_type
@@ -22,14 +24,15 @@ from corral.registry.push import Pusher
 from corral.runner.quantize import quantize_in_child
 from corral.runner.vision import probe_in_child
 from corral.server.http import Handler, Request, StreamWriter
-from corral.server.inference import Inference, require_model
+from corral.server.models import require_model
+from corral.server.services import Services
 
 Work = Callable[[Callable[[dict[str, Any]], None], Callable[[], bool]], Any]
 
 
-def stream_progress(body: dict[str, Any], handler: Handler, work: Work) -> None:
+def stream_progress(stream: bool, handler: Handler, work: Work) -> None:
     """Run `work(progress, cancelled)`, streaming its events live unless `stream` is false."""
-    if body.get("stream", True) is False:
+    if not stream:
         work(lambda event: None, lambda: False)
         handler.send_json(200, {"status": "success"})
         return
@@ -51,35 +54,33 @@ def stream_progress(body: dict[str, Any], handler: Handler, work: Work) -> None:
         writer.end()
 
 
-def pull(inf: Inference, puller: Puller) -> Any:
+def pull(services: Services, puller: Puller) -> Any:
     def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        name = require_model(body.get("model") or body.get("name"))
+        body = parse(wire.TransferRequest, req.json())
+        name = require_model(body.target)
         parse_name(name)  # a bad name is a 400 now, not a 200 stream with an error line
-        insecure = bool(body.get("insecure"))
-        stream_progress(body, handler, lambda progress, cancelled: puller.pull(
-            name, progress, insecure, cancelled=cancelled))
+        stream_progress(body.streams, handler, lambda progress, cancelled: puller.pull(
+            name, progress, body.insecure, cancelled=cancelled))
     return route
 
 
-def push(inf: Inference, pusher: Pusher) -> Any:
+def push(services: Services, pusher: Pusher) -> Any:
     def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        name = require_model(body.get("model") or body.get("name"))
-        inf.store.require(parse_name(name))  # a 404 before the stream starts
-        insecure = bool(body.get("insecure"))
-        stream_progress(body, handler, lambda progress, cancelled: pusher.push(
-            name, progress, insecure, cancelled=cancelled))
+        body = parse(wire.TransferRequest, req.json())
+        name = require_model(body.target)
+        services.store.require(parse_name(name))  # a 404 before the stream starts
+        stream_progress(body.streams, handler, lambda progress, cancelled: pusher.push(
+            name, progress, body.insecure, cancelled=cancelled))
     return route
 
 
-def _create_request(body: dict[str, Any]) -> CreateRequest:
-    model = body.get("model") or body.get("name")
-    if not isinstance(model, str) or not model:
+def _create_request(body: wire.CreateRequest) -> CreateRequest:
+    model = body.target
+    if not model:
         raise BadRequest("invalid model name")
     req = CreateRequest(model=model)
-    if body.get("modelfile"):
-        mf = parse_modelfile(str(body["modelfile"]))
+    if body.modelfile:
+        mf = parse_modelfile(body.modelfile)
         # Remote clients never name server paths: only models or uploaded blobs.
         if mf.from_.startswith("@"):
             req.files = {"model.gguf": mf.from_[1:]}
@@ -96,27 +97,19 @@ def _create_request(body: dict[str, Any]) -> CreateRequest:
         req.template, req.system = mf.template, mf.system
         req.license, req.parameters, req.messages = mf.licenses, mf.parameters, mf.messages
     else:
-        req.from_ = body.get("from") or None
-        files = body.get("files") or {}
-        if not isinstance(files, dict):
-            raise BadRequest("files must be an object")
-        req.files = dict(files)
-        adapters = body.get("adapters") or {}
-        if not isinstance(adapters, dict):
-            raise BadRequest("adapters must be an object")
-        req.adapters = dict(adapters)
-        req.template, req.system = body.get("template"), body.get("system")
-        lic = body.get("license") or []
+        req.from_ = body.from_ or None
+        req.files = dict(body.files or {})
+        req.adapters = dict(body.adapters or {})
+        req.template, req.system = body.template, body.system
+        lic = body.license or []
         req.license = [lic] if isinstance(lic, str) else list(lic)
-        req.parameters = dict(body.get("parameters") or {})
-        req.messages = body.get("messages")
-    quantize = body.get("quantize") or body.get("quantization")
+        req.parameters = dict(body.parameters or {})
+        req.messages = body.messages
+    quantize = body.quantize or body.quantization
     if quantize:
-        if not isinstance(quantize, str):
-            raise BadRequest("quantize must be a string")
         file_type(quantize)  # an unknown type is a 400 before any work
         req.quantize = quantize
-        req.requantize = body.get("requantize") is True
+        req.requantize = body.requantize
     return req
 
 
@@ -127,18 +120,18 @@ def _quantizer(cancelled: Callable[[], bool]) -> Quantizer:
     return run
 
 
-def create(inf: Inference) -> Any:
+def create(services: Services) -> Any:
     def route(req: Request, handler: Handler) -> None:
-        body = req.json()
+        body = parse(wire.CreateRequest, req.json())
         request = _create_request(body)
-        limit = inf.settings.max_create_files
+        limit = services.settings.max_create_files
         if len(request.files) > limit:
             raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
                              " (CORRAL_MAX_CREATE_FILES)")
         if request.template is not None:
             from corral.server.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
-        stream_progress(body, handler, lambda progress, cancelled: create_model(
-            inf.store, request, progress, quantizer=_quantizer(cancelled),
+        stream_progress(body.streams, handler, lambda progress, cancelled: create_model(
+            services.store, request, progress, quantizer=_quantizer(cancelled),
             load_projector=probe_in_child))
     return route

@@ -1,110 +1,101 @@
-"""Prometheus text-format metrics per model: requests, tokens, TTFT and TPOT histograms."""
+"""/metrics in Prometheus' text format, through prometheus-client: per model, requests
+by status, tokens, and TTFT and TPOT histograms, counted as requests end; and what
+each loaded runner reports (slots, queue, KV cells, the prompt cache), read when the
+page is scraped.
+
+prometheus-client takes a tenth of a second to import (its exposition module brings
+http.server), so the daemon makes its Metrics after a preloaded model has started
+loading, beside the HTTP stack."""
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+# generate_latest writes the classic text format; name its version rather than the
+# library's newest (which some scrapers do not know yet).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# What a runner reports, by the name it takes here (a `_total` name is a counter).
+RUNNER_FAMILIES = {
+    "queue_depth": "Requests waiting for a slot.",
+    "busy_slots": "Slots decoding or prefilling.",
+    "slots": "Slots per loaded model.",
+    "kv_cells_used": "KV cache cells holding tokens.",
+    "kv_cells_reserved": "KV cache cells reserved.",
+    "sampled_tokens_total": "Tokens sampled since the model loaded, counted as they are "
+                            "made (a live rate; generated_tokens_total counts at each "
+                            "request's end).",
+    "preemptions_total": "Sequences preempted because the KV pool was full (pool mode), "
+                         "since the model loaded.",
+    "cache_bytes": "Host RAM the prompt cache holds.",
+    "cache_budget": "Host RAM the prompt cache may hold.",
+    "cache_entries": "Prompt cache entries in RAM.",
+    "cache_hits_total": "Prompts restored from the prompt cache.",
+    "cache_tokens_restored_total": "Prompt tokens restored from the prompt cache instead "
+                                   "of evaluated.",
+    "cache_tokens_shared_total": "Prompt tokens copied from another running request's KV "
+                                 "instead of evaluated.",
+    "cache_disk_bytes": "Disk the prompt cache's disk tier holds.",
+}
+
+Gauges = Callable[[], Iterable[tuple[str, dict[str, float]]]]
 
 
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0.0
-        self.n = 0
+class _Runners(Collector):
+    """The loaded runners' own figures, asked for at each scrape."""
 
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.n += 1
+    def __init__(self, gauges: Gauges) -> None:
+        self.gauges = gauges
 
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        rows = list(self.gauges())
+        for key, help_text in RUNNER_FAMILIES.items():
+            family: CounterMetricFamily | GaugeMetricFamily
+            if key.endswith("_total"):
+                family = CounterMetricFamily(f"corral_{key}", help_text, labels=["model"])
+            else:
+                family = GaugeMetricFamily(f"corral_{key}", help_text, labels=["model"])
+            for model, values in rows:
+                if key in values:
+                    family.add_metric([model], values[key])
+            yield family
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: dict[tuple[str, str], int] = defaultdict(int)
-        self.prompt_tokens: dict[str, int] = defaultdict(int)
-        self.generated_tokens: dict[str, int] = defaultdict(int)
-        self.ttft_hist: dict[str, _Histogram] = {}
-        self.tpot_hist: dict[str, _Histogram] = {}
+    def __init__(self, gauges: Gauges = lambda: ()) -> None:
+        prometheus_client.disable_created_metrics()  # no `_created` series beside each
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("corral_requests", "Requests by model and status.",
+                                 ["model", "status"], registry=self.registry)
+        self._prompt = Counter("corral_prompt_tokens", "Prompt tokens evaluated.", ["model"],
+                               registry=self.registry)
+        self._generated = Counter("corral_generated_tokens", "Tokens generated.", ["model"],
+                                  registry=self.registry)
+        self._ttft = Histogram("corral_time_to_first_token_seconds", "Time to first token.",
+                               ["model"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self._tpot = Histogram("corral_time_per_output_token_seconds",
+                               "Time per output token.", ["model"], buckets=TPOT_BUCKETS,
+                               registry=self.registry)
+        self.registry.register(_Runners(gauges))
 
     def request(self, model: str, status: str) -> None:
-        with self.lock:
-            self.requests[(model, status)] += 1
+        self._requests.labels(model, status).inc()
 
     def tokens(self, model: str, prompt: int, generated: int, eval_ns: int) -> None:
-        with self.lock:
-            self.prompt_tokens[model] += prompt
-            self.generated_tokens[model] += generated
-            if generated > 1:
-                hist = self.tpot_hist.setdefault(model, _Histogram(TPOT_BUCKETS))
-                hist.observe(eval_ns / 1e9 / (generated - 1))
+        self._prompt.labels(model).inc(prompt)
+        self._generated.labels(model).inc(generated)
+        if generated > 1:
+            self._tpot.labels(model).observe(eval_ns / 1e9 / (generated - 1))
 
     def ttft(self, model: str, seconds: float) -> None:
-        with self.lock:
-            self.ttft_hist.setdefault(model, _Histogram(TTFT_BUCKETS)).observe(seconds)
+        self._ttft.labels(model).observe(seconds)
 
-    def render(self, gauges: Callable[[], Iterable[tuple[str, dict[str, float]]]]) -> str:
-        out: list[str] = []
-
-        def family(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP corral_{name} {help_text}")
-            out.append(f"# TYPE corral_{name} {kind}")
-
-        with self.lock:
-            family("requests_total", "counter", "Requests by model and status.")
-            for (model, status), n in sorted(self.requests.items()):
-                out.append(f'corral_requests_total{{model="{_label(model)}",status="{status}"}} {n}')
-            family("prompt_tokens_total", "counter", "Prompt tokens evaluated.")
-            for model, n in sorted(self.prompt_tokens.items()):
-                out.append(f'corral_prompt_tokens_total{{model="{_label(model)}"}} {n}')
-            family("generated_tokens_total", "counter", "Tokens generated.")
-            for model, n in sorted(self.generated_tokens.items()):
-                out.append(f'corral_generated_tokens_total{{model="{_label(model)}"}} {n}')
-            for name, hists, help_text in (
-                    ("time_to_first_token_seconds", self.ttft_hist, "Time to first token."),
-                    ("time_per_output_token_seconds", self.tpot_hist, "Time per output token.")):
-                family(name, "histogram", help_text)
-                for model, h in sorted(hists.items()):
-                    lab = f'model="{_label(model)}"'
-                    for bound, count in zip(h.buckets, h.counts):
-                        out.append(f'corral_{name}_bucket{{{lab},le="{bound}"}} {count}')
-                    out.append(f'corral_{name}_bucket{{{lab},le="+Inf"}} {h.n}')
-                    out.append(f"corral_{name}_sum{{{lab}}} {h.total}")
-                    out.append(f"corral_{name}_count{{{lab}}} {h.n}")
-        names = {"queue_depth": "Requests waiting for a slot.",
-                 "busy_slots": "Slots decoding or prefilling.",
-                 "slots": "Slots per loaded model.",
-                 "kv_cells_used": "KV cache cells holding tokens.",
-                 "kv_cells_reserved": "KV cache cells reserved.",
-                 "sampled_tokens_total": "Tokens sampled since the model loaded, counted as "
-                                         "they are made (a live rate; generated_tokens_total "
-                                         "counts at each request's end).",
-                 "preemptions_total": "Sequences preempted because the KV pool was full "
-                                      "(pool mode), since the model loaded.",
-                 "cache_bytes": "Host RAM the prompt cache holds.",
-                 "cache_budget": "Host RAM the prompt cache may hold.",
-                 "cache_entries": "Prompt cache entries in RAM.",
-                 "cache_hits_total": "Prompts restored from the prompt cache.",
-                 "cache_tokens_restored_total": "Prompt tokens restored from the prompt cache "
-                                                "instead of evaluated.",
-                 "cache_tokens_shared_total": "Prompt tokens copied from another running "
-                                              "request's KV instead of evaluated.",
-                 "cache_disk_bytes": "Disk the prompt cache's disk tier holds."}
-        rows = list(gauges())
-        for key, help_text in names.items():
-            family(key, "counter" if key.endswith("_total") else "gauge", help_text)
-            for model, values in rows:
-                if key in values:
-                    out.append(f'corral_{key}{{model="{_label(model)}"}} {values[key]}')
-        return "\n".join(out) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

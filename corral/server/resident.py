@@ -35,7 +35,9 @@ class ModelState(enum.Enum):
 
 
 @dataclass
-class Loaded:
+class Resident:
+    """A model the scheduler has loaded, is loading or is unloading, with its runner."""
+
     record: ModelRecord
     options: dict[str, Any]  # normalised load-time options
     slots: int
@@ -57,5 +59,5 @@ class Loaded:
 class Ticket:
     """An admitted request: counted against a loaded model, or as pending a load."""
 
-    entry: Loaded | None
+    entry: Resident | None
     settled: bool = False

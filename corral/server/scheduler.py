@@ -23,10 +23,10 @@ from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import memory
 from corral.runner.loadconfig import LoadConfig
-from corral.server.loaded import Loaded, ModelState, Runner, Ticket
+from corral.server.resident import Resident, ModelState, Runner, Ticket
 from corral.server.threads import shares
 
-__all__ = ["Loaded", "ModelState", "Runner", "Scheduler", "Ticket"]
+__all__ = ["Resident", "ModelState", "Runner", "Scheduler", "Ticket"]
 
 log = logging.getLogger("corral.scheduler")
 
@@ -50,7 +50,7 @@ class Scheduler:
         self.total_memory = total_memory
         self.inspect = inspect  # the daemon passes its store's cached reader
         self.cores = cores or physical_cores()  # what the busy runners share
-        self.loaded: dict[str, Loaded] = {}
+        self.loaded: dict[str, Resident] = {}
         self.cond = threading.Condition()
         self.pending = 0
         self._load_lock = threading.Lock()
@@ -81,7 +81,7 @@ class Scheduler:
             return Ticket(None)
 
     def acquire(self, ticket: "Ticket", record: ModelRecord, options: dict[str, Any],
-                keep_alive: float | None) -> Loaded:
+                keep_alive: float | None) -> Resident:
         """Return a READY model with this request counted in; loads or reloads as needed."""
         load_opts = self._load_options(options)
         try:
@@ -113,7 +113,7 @@ class Scheduler:
                         self.cond.wait(timeout=0.5)
                         continue
                     slots = self._choose_slots(record, load_opts)
-                    entry = Loaded(record, load_opts, slots,
+                    entry = Resident(record, load_opts, slots,
                                    keep_alive=self.settings.keep_alive if keep_alive is None
                                    else keep_alive)
                     self.loaded[record.digest] = entry
@@ -133,7 +133,7 @@ class Scheduler:
         else:
             self.pending -= 1
 
-    def release(self, entry: Loaded) -> None:
+    def release(self, entry: Resident) -> None:
         with self.cond:
             entry.refcount -= 1
             entry.inflight -= 1
@@ -148,7 +148,7 @@ class Scheduler:
 
     @contextmanager
     def hold(self, record: ModelRecord, options: dict[str, Any],
-             keep_alive: float | None) -> Iterator[Loaded]:
+             keep_alive: float | None) -> Iterator[Resident]:
         """Count a request in, hold a ready model for it, and always release it; the
         cores are shared again as the set of busy models changes."""
         entry = self.acquire(self.admit(record), record, options, keep_alive)
@@ -158,6 +158,15 @@ class Scheduler:
         finally:
             self.release(entry)
             self.share_cores()
+
+    def load(self, record: ModelRecord, options: dict[str, Any],
+             keep_alive: float | None) -> float:
+        """Hold the model without generating (Ollama's empty prompt, a preload); returns
+        the seconds it took to be ready."""
+        start = time.perf_counter()
+        with self.hold(record, options, keep_alive):
+            pass
+        return time.perf_counter() - start
 
     def share_cores(self) -> None:
         """Tell each runner its share of the cores when the set of busy ones changed. A
@@ -173,12 +182,12 @@ class Scheduler:
         for runner, n in changed:  # outside the lock: each is a call to a runner
             runner.set_threads(n)  # type: ignore[union-attr]
 
-    def runner_failed(self, entry: Loaded) -> None:
+    def runner_failed(self, entry: Resident) -> None:
         """A request saw the runner die: mark it unloaded so the next request reloads."""
         with self.cond:
             self._forget_if_dead(entry)
 
-    def _forget_if_dead(self, entry: Loaded) -> bool:
+    def _forget_if_dead(self, entry: Resident) -> bool:
         """The one check for a runner that died (lock held): a READY model whose process
         is gone is forgotten, so the next request loads it afresh."""
         if entry.state is ModelState.READY and entry.runner is not None \
@@ -257,7 +266,7 @@ class Scheduler:
         """Free memory where the model's KV goes: VRAM on a GPU, else RAM (<= 0: unknown)."""
         return self.free_vram() or self.free_memory()
 
-    def _spare_memory(self, live: list[Loaded]) -> int:
+    def _spare_memory(self, live: list[Resident]) -> int:
         """Free memory, with the loaded models' prompt caches counted as free: they are
         dropped before any model is evicted (in host RAM, so only for a CPU load)."""
         free = self._budget()
@@ -265,7 +274,7 @@ class Scheduler:
             return 1 << 62
         return free if self.free_vram() else free + sum(_cache_bytes(m) for m in live)
 
-    def _clear_caches(self, live: list[Loaded]) -> None:
+    def _clear_caches(self, live: list[Resident]) -> None:
         for m in live:
             if m.runner is not None and _cache_bytes(m):
                 m.runner.clear_cache()
@@ -274,7 +283,7 @@ class Scheduler:
         free = 0 if self.free_vram() else self.free_memory()  # a GPU's KV is not in RAM
         return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
 
-    def _load(self, entry: Loaded) -> None:
+    def _load(self, entry: Resident) -> None:
         with self._load_lock:  # one load at a time
             config = LoadConfig.from_options(
                 str(entry.record.model_path), entry.options, n_slots=entry.slots,
@@ -308,14 +317,14 @@ class Scheduler:
 
     # ---- unloading -------------------------------------------------------------------------
 
-    def _begin_unload(self, entry: Loaded) -> None:
+    def _begin_unload(self, entry: Resident) -> None:
         """READY -> UNLOADING (lock held); the runner stops on a helper thread."""
         if entry.state is not ModelState.READY:
             return
         entry.state = ModelState.UNLOADING
         threading.Thread(target=self._finish_unload, args=(entry,), daemon=True).start()
 
-    def _finish_unload(self, entry: Loaded) -> None:
+    def _finish_unload(self, entry: Resident) -> None:
         if entry.runner is not None:
             entry.runner.stop()
         with self.cond:
@@ -324,7 +333,7 @@ class Scheduler:
             self.cond.notify_all()
         log.info("unloaded %s", entry.record.name.display())
 
-    def _forget(self, entry: Loaded, why: str) -> None:
+    def _forget(self, entry: Resident, why: str) -> None:
         log.error("%s: %s", entry.record.name.display(), why)
         entry.state = ModelState.UNLOADING
         if self.loaded.get(entry.key) is entry:
@@ -359,7 +368,7 @@ class Scheduler:
                 wait = min([d - now for d in deadlines] + [1.0])
                 self.cond.wait(timeout=max(wait, 0.01))
 
-    def running(self) -> list[Loaded]:
+    def running(self) -> list[Resident]:
         with self.cond:
             return [m for m in self.loaded.values() if m.state is ModelState.READY]
 
@@ -375,7 +384,7 @@ class Scheduler:
             self.loaded.clear()
 
 
-def _cache_bytes(entry: Loaded) -> int:
+def _cache_bytes(entry: Resident) -> int:
     """Bytes the model's prompt cache holds in RAM now (0 when unknown)."""
     try:
         return int(entry.runner.health().get("cache_bytes", 0)) if entry.runner else 0

@@ -20,7 +20,8 @@ from corral.api.wire.anthropic import (AnyChoice, Choice, MessageResponse, Messa
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
-from corral.server.inference import Inference, require_model
+from corral.server.models import require_model
+from corral.server.services import Services
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, Event, Final,
                                             ToolChoice as Forced)
 from corral.server.pipeline.stream import SSE, generation
@@ -253,6 +254,6 @@ def _tool_use(piece: Piece) -> dict[str, Any]:
             "name": fn["name"], "input": fn["arguments"]}
 
 
-def messages(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, MessagesRequest, parse_messages,
+def messages(services: Services) -> Callable[[Request, Handler], None]:
+    return generation(services, MessagesRequest, parse_messages,
                       lambda wire, request: Blocks(request.model))

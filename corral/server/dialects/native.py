@@ -12,11 +12,14 @@ from typing import Any, Callable, Iterator
 
 from corral.api.types import STREAM_CONTENT_TYPE as NDJSON, nanoseconds, rfc3339
 from corral.api.wire import parse
+from corral.api.wire.manage import RenderExtras
 from corral.api.wire.native import (ChatRequest as WireChat, EmbeddingsRequest, EmbedRequest,
                                     Final as FinalLine, GenerateRequest, Generation)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
-from corral.server.inference import Inference, keep_alive_of, require_model
+from corral.server.models import require_model
+from corral.server.pipeline.embed import embed as embed_inputs
+from corral.server.services import Services, keep_alive_of
 from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event, Final
 from corral.server.pipeline.stream import generation
 from corral.server.reply import Kind, Piece
@@ -134,55 +137,56 @@ def _merge_message(into: dict[str, Any], part: dict[str, Any]) -> None:
         into["tool_calls"] = into.get("tool_calls", []) + part["tool_calls"]
 
 
-def _load_or_unload(handler: Handler, inf: Inference, wire: Generation, chat: bool) -> None:
+def _load_or_unload(handler: Handler, services: Services, wire: Generation, chat: bool) -> None:
     """A request with nothing to generate loads the model, or unloads it (keep_alive 0)."""
-    record = inf.record(wire.model)
+    view = services.models.view(wire.model)
     keep_alive = keep_alive_of(wire.keep_alive)
     base: dict[str, Any] = {"model": wire.model, "created_at": rfc3339(time.time())}
     base.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
     if keep_alive == 0:
-        inf.scheduler.unload(record)
+        services.scheduler.unload(view.record)
         handler.send_json(200, {**base, "done": True, "done_reason": "unload"})
         return
-    inf.load_only(record, inf.options(record, wire.options), keep_alive)
+    services.scheduler.load(view.record, view.options(wire.options), keep_alive)
     handler.send_json(200, {**base, "done": True, "done_reason": "load"})
 
 
-def generate(inf: Inference) -> Callable[[Request, Handler], None]:
+def generate(services: Services) -> Callable[[Request, Handler], None]:
     def idle(wire: GenerateRequest, request: CompletionRequest, handler: Handler) -> bool:
         if request.prompt or request.suffix:
             return False
-        _load_or_unload(handler, inf, wire, chat=False)
+        _load_or_unload(handler, services, wire, chat=False)
         return True
-    return generation(inf, GenerateRequest, parse_generate,
+    return generation(services, GenerateRequest, parse_generate,
                       lambda wire, request: Lines(request.model, chat=False, raw=request.raw),
                       idle)
 
 
-def chat(inf: Inference) -> Callable[[Request, Handler], None]:
+def chat(services: Services) -> Callable[[Request, Handler], None]:
     def idle(wire: WireChat, request: ChatRequest, handler: Handler) -> bool:
         if request.messages:
             return False
-        _load_or_unload(handler, inf, wire, chat=True)
+        _load_or_unload(handler, services, wire, chat=True)
         return True
-    return generation(inf, WireChat, parse_chat,
+    return generation(services, WireChat, parse_chat,
                       lambda wire, request: Lines(request.model, chat=True), idle)
 
 
-def embed(inf: Inference) -> Callable[[Request, Handler], None]:
+def embed(services: Services) -> Callable[[Request, Handler], None]:
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbedRequest, req.json())
-        record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
+        view = services.models.view(wire.model, 'model "{}" not found, try pulling it first')
         keep_alive = keep_alive_of(wire.keep_alive)
         inputs = [wire.input] if isinstance(wire.input, str) else wire.input
         if not inputs:
-            inf.load_only(record, inf.options(record, wire.options), keep_alive)
+            services.scheduler.load(view.record, view.options(wire.options), keep_alive)
             handler.send_json(200, {"model": wire.model, "embeddings": []})
             return
         started = time.perf_counter()
-        result, load = inf.embed(record, inputs, wire.options, keep_alive, wire.truncate,
-                                 normalize=True, dimensions=wire.dimensions or 0,
-                                 on_disconnect=req.on_disconnect)
+        result, load = embed_inputs(services, view, inputs, wire.options, keep_alive,
+                                    wire.truncate, normalize=True,
+                                    dimensions=wire.dimensions or 0,
+                                    on_disconnect=req.on_disconnect)
         handler.send_json(200, {"model": wire.model, "embeddings": result["embeddings"],
                                 "total_duration": nanoseconds(time.perf_counter() - started),
                                 "load_duration": nanoseconds(load),
@@ -190,22 +194,22 @@ def embed(inf: Inference) -> Callable[[Request, Handler], None]:
     return route
 
 
-def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
+def embeddings(services: Services) -> Callable[[Request, Handler], None]:
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbeddingsRequest, req.json())
-        record = inf.record(wire.model, 'model "{}" not found, try pulling it first')
+        view = services.models.view(wire.model, 'model "{}" not found, try pulling it first')
         keep_alive = keep_alive_of(wire.keep_alive)
         if not wire.prompt:
-            inf.load_only(record, inf.options(record, wire.options), keep_alive)
+            services.scheduler.load(view.record, view.options(wire.options), keep_alive)
             handler.send_json(200, {"embedding": []})
             return
-        result, _ = inf.embed(record, [wire.prompt], wire.options, keep_alive, normalize=False,
-                              on_disconnect=req.on_disconnect)
+        result, _ = embed_inputs(services, view, [wire.prompt], wire.options, keep_alive,
+                                 normalize=False, on_disconnect=req.on_disconnect)
         handler.send_json(200, {"embedding": result["embeddings"][0]})
     return route
 
 
-def render(inf: Inference) -> Callable[[Request, Handler], None]:
+def render(services: Services) -> Callable[[Request, Handler], None]:
     """POST /corral/render: a Corral extension, never part of an Ollama-shaped answer. It
     takes an /api/chat body (with `messages`) or an /api/generate one and answers the
     prompt the model would be given, as the runner would tokenize it; `chat_template`
@@ -216,8 +220,7 @@ def render(inf: Inference) -> Callable[[Request, Handler], None]:
         body = req.json()
         request: ChatRequest | CompletionRequest = parse_chat(parse(WireChat, body)) \
             if "messages" in body else parse_generate(parse(GenerateRequest, body))
-        jinja, bos, eos = (body.get(k) for k in ("chat_template", "bos_token", "eos_token"))
-        if not all(v is None or isinstance(v, str) for v in (jinja, bos, eos)):
-            raise BadRequest("chat_template, bos_token and eos_token must be strings")
-        handler.send_json(200, render_only(inf, request, jinja or None, bos or "", eos or ""))
+        extras = parse(RenderExtras, body)
+        handler.send_json(200, render_only(services, request, extras.chat_template or None,
+                                           extras.bos_token or "", extras.eos_token or ""))
     return route

@@ -19,7 +19,8 @@ from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRe
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
-from corral.server.inference import Inference, require_model
+from corral.server.models import require_model
+from corral.server.services import Services
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
                                             Final, ToolChoice)
 from corral.server.pipeline.stream import SSE, generation
@@ -316,12 +317,12 @@ def _usage_wanted(wire: Sampling) -> bool:
     return wire.stream_options is not None and wire.stream_options.include_usage
 
 
-def chat_completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, ChatCompletionRequest, parse_chat,
+def chat_completions(services: Services) -> Callable[[Request, Handler], None]:
+    return generation(services, ChatCompletionRequest, parse_chat,
                       lambda wire, request: ChatChunks(request.model, _usage_wanted(wire)))
 
 
-def completions(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, WireCompletion, parse_completion,
+def completions(services: Services) -> Callable[[Request, Handler], None]:
+    return generation(services, WireCompletion, parse_completion,
                       lambda wire, request: TextChunks(request.model, _usage_wanted(wire),
                                                        wire.logprobs is not None))

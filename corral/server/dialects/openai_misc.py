@@ -10,19 +10,20 @@ from corral.api.wire import parse
 from corral.api.wire.openai import EmbeddingRequest
 from corral.errors import CorralError, ModelNotFound
 from corral.server.http import Handler, Request
-from corral.server.inference import Inference
+from corral.server.pipeline.embed import embed as embed_inputs
+from corral.server.services import Services
 
 
-def embeddings(inf: Inference) -> Callable[[Request, Handler], None]:
+def embeddings(services: Services) -> Callable[[Request, Handler], None]:
     def route(req: Request, handler: Handler) -> None:
         wire = parse(EmbeddingRequest, req.json())
-        record = inf.record(wire.model)
+        view = services.models.view(wire.model)
         inputs = [wire.input] if isinstance(wire.input, str) else wire.input
         # `dimensions` truncates each vector before it is normalised, as /api/embed does
         # and as OpenAI's Matryoshka-trained models expect.
-        result, _ = inf.embed(record, [i or " " for i in inputs], None, None,
-                              normalize=True, dimensions=wire.dimensions or 0,
-                              on_disconnect=req.on_disconnect)
+        result, _ = embed_inputs(services, view, [i or " " for i in inputs], None, None,
+                                 normalize=True, dimensions=wire.dimensions or 0,
+                                 on_disconnect=req.on_disconnect)
         data = []
         for i, vector in enumerate(result["embeddings"]):
             value: Any = vector
@@ -40,18 +41,18 @@ def _model_object(entry: Any, shown: str | None = None) -> dict[str, Any]:
             "created": int(entry.modified_at), "owned_by": entry.name.namespace}
 
 
-def models(inf: Inference) -> Callable[[Request, Handler], None]:
+def models(services: Services) -> Callable[[Request, Handler], None]:
     def route(req: Request, handler: Handler) -> None:
-        entries = sorted(inf.store.list_models(), key=lambda e: -e.modified_at)
+        entries = sorted(services.store.list_models(), key=lambda e: -e.modified_at)
         handler.send_json(200, {"object": "list", "data": [_model_object(e) for e in entries]})
     return route
 
 
-def model(inf: Inference) -> Callable[[Request, Handler], None]:
+def model(services: Services) -> Callable[[Request, Handler], None]:
     def route(req: Request, handler: Handler) -> None:
         name = req.path[len("/v1/models/"):]
         try:
-            entry = inf.store.entry(name)
+            entry = services.store.entry(name)
         except CorralError:
             raise ModelNotFound(f"model '{name}' not found") from None
         handler.send_json(200, _model_object(entry, name))

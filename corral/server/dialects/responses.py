@@ -21,7 +21,8 @@ from corral.errors import BadRequest, CorralError
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
-from corral.server.inference import Inference, require_model
+from corral.server.models import require_model
+from corral.server.services import Services
 from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, ToolChoice
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
@@ -280,5 +281,5 @@ def _items(wire: ResponsesRequest, request: ChatRequest) -> Items:
                                          for t in wire.tools or []])
 
 
-def responses(inf: Inference) -> Callable[[Request, Handler], None]:
-    return generation(inf, ResponsesRequest, parse_responses, _items)
+def responses(services: Services) -> Callable[[Request, Handler], None]:
+    return generation(services, ResponsesRequest, parse_responses, _items)

@@ -1,11 +1,13 @@
 """The one request path every API dialect shares.
 
     dialect.parse(body) -> ChatRequest | CompletionRequest      (server.dialects)
-    Inference.run(request) -> Piece* then Final, per choice     (server.pipeline.run)
+    prepare(view, request, limits) -> Plan, a pure function     (server.pipeline.prepare)
+    run(services, request) -> Piece* then Final, per choice     (server.pipeline.run)
     respond(handler, events, renderer)                          (server.pipeline.stream)
 
 A dialect only translates: its wire record into a request here, and these events
-into its own bytes. Capabilities, `think`, tools and `tool_choice`, grammars,
+into its own bytes. Capabilities, `think`, tools and `tool_choice`, grammars and
+images are decided once, in `prepare`, against the model's view (server.models);
 holding the model, rendering the prompt and splitting the reply happen once, in
 `run`; the stream policy (a real status before the first event, the API's
 in-stream error after it) lives once, in `respond`.

@@ -1,7 +1,8 @@
-"""`run(request)`: the one generation path, for every API.
+"""`run(services, request)`: the one generation path, for every API.
 
-    prepare   checks that need no model: capabilities, think, tools and tool_choice,
-              grammars, images, options                       (400s, before any load)
+    view      the model, described once (server.models: record, template, capabilities)
+    prepare   a pure function of request x view: think, tools and tool_choice, grammars,
+              images, options                    (pipeline/prepare.py; 400s, before any load)
     hold      the scheduler admits the request and holds a ready model (503, load errors)
     render    the prompt, in the daemon, with the runner's BOS and EOS
     stream    runner tokens -> ReplyParser -> Piece events; then one Final per choice
@@ -17,43 +18,26 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from corral.errors import BadRequest, RunnerError
-from corral.registry.models import ModelRecord
+from corral.errors import RunnerError
 from corral.runner.wire import CompletionJob, DoneLine, LoadReport
-from corral.server.harmony import uses_harmony
+from corral.server.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
+from corral.server.pipeline.prepare import Plan, prepare
 from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
                                             Final, Request)
 from corral.server.pipeline.toolgrammar import tool_grammar
 from corral.server.prompt import mark_messages, mark_prompt
-from corral.server.reply import Format, Piece, ReplyParser, reply_format
+from corral.server.reply import Piece, ReplyParser
 
 if TYPE_CHECKING:
-    from corral.server.inference import Inference
     from corral.server.prompt import PromptBuilder
-    from corral.server.scheduler import Loaded
+    from corral.server.scheduler import Resident
+    from corral.server.services import Services
 
 OnDisconnect = Callable[[Callable[[], None]], threading.Event]
-
-
-@dataclass
-class Plan:
-    """What `prepare` decided; the same for every choice of the request."""
-
-    request: Request
-    record: ModelRecord
-    template: str
-    options: dict[str, Any]
-    fmt: Format
-    tools: list[dict[str, Any]]  # as the template and parser see them (none for "none")
-    grammar: str | None  # a raw or `format` grammar; a tool_choice one is made per prompt
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, checked
-    images: list[str] = field(default_factory=list)  # completion, checked
-    special: bool = False  # control tokens as text (harmony's markers)
-    think: bool | str | None = None  # the request's, or on for a thinking model that left it out
 
 
 class Cancels:
@@ -79,60 +63,22 @@ class Cancels:
             hook()
 
 
-def prepare(inf: Inference, request: Request, template: str | None = None) -> Plan:
-    """Every check that needs no model, so a bad request never waits for a load.
-    `template` stands in for the model's (/corral/render's chat_template)."""
-    record = inf.record(request.model)
-    template = template or inf.template_text(record)
-    caps = inf.capabilities(record, template)
-    if request.think and "thinking" not in caps:
-        raise BadRequest(f'"{request.model}" does not support thinking')
-    # No `think` sent: a thinking model thinks, as Ollama decides (Hugging Face's templates
-    # mostly default to it too, but Corral follows Ollama where the two differ).
-    think = True if request.think is None and "thinking" in caps else request.think
-    tools: list[dict[str, Any]] = []
-    if isinstance(request, ChatRequest):
-        if request.tools and "tools" not in caps:
-            raise BadRequest(f"{record.name.full()} does not support tools")
-        choice = request.tool_choice
-        if choice.forced and not request.tools:
-            raise BadRequest(f"tool_choice {choice.mode.value!r} needs tools")
-        if choice.forced and (request.grammar or request.format not in (None, "")):
-            raise BadRequest("tool_choice forces a call: it cannot be given with a format "
-                             "or a grammar")
-        tools = [] if choice.mode is ChoiceMode.NONE else list(request.tools)
-    elif request.suffix and "insert" not in caps:
-        raise BadRequest(f"{record.name.full()} does not support insert")
-    grammar = inf.grammar(request.grammar, request.format)
-    if grammar is not None:
-        check_gbnf(grammar)  # before llama.cpp's recursive parser sees it
-    raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
-    fmt = Format() if raw else reply_format(template, bool(think), bool(tools))
-    plan = Plan(request, record, template, inf.options(record, request.options), fmt, tools,
-                grammar, special=uses_harmony(template), think=think)
-    if isinstance(request, ChatRequest):
-        plan.messages = inf.chat_messages(record, request.messages)
-    elif request.images:
-        plan.images = inf.images(record, request.images)
-    return plan
-
-
-def run(inf: Inference, request: Request, on_disconnect: OnDisconnect | None = None
+def run(services: Services, request: Request, on_disconnect: OnDisconnect | None = None
         ) -> Iterator[Event]:
     """Check the request now; the returned events then hold, render and generate."""
-    plan = prepare(inf, request)
+    plan = prepare(services.models.view(request.model), request, services.settings)
     cancels = Cancels()
-    return _events(inf, plan, cancels, on_disconnect)
+    return _events(services, plan, cancels, on_disconnect)
 
 
-def _events(inf: Inference, plan: Plan, cancels: Cancels, on_disconnect: OnDisconnect | None
+def _events(services: Services, plan: Plan, cancels: Cancels, on_disconnect: OnDisconnect | None
             ) -> Iterator[Event]:
     watcher = on_disconnect(cancels.fire) if on_disconnect is not None else None
     try:
         if plan.request.n == 1:
-            yield from _choice(inf, plan, 0, cancels)
+            yield from _choice(services, plan, 0, cancels)
         else:
-            yield from _choices(inf, plan, cancels)
+            yield from _choices(services, plan, cancels)
     finally:
         if watcher is not None:
             watcher.set()
@@ -141,13 +87,13 @@ def _events(inf: Inference, plan: Plan, cancels: Cancels, on_disconnect: OnDisco
 _END = object()
 
 
-def _choices(inf: Inference, plan: Plan, cancels: Cancels) -> Iterator[Event]:
+def _choices(services: Services, plan: Plan, cancels: Cancels) -> Iterator[Event]:
     """n sequences at once, each on a thread of its own that feeds one queue."""
     out: queue.Queue[Any] = queue.Queue()
 
     def work(index: int) -> None:
         try:
-            for event in _choice(inf, plan, index, cancels):
+            for event in _choice(services, plan, index, cancels):
                 out.put(event)
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
             out.put(exc)
@@ -174,37 +120,37 @@ def _choices(inf: Inference, plan: Plan, cancels: Cancels) -> Iterator[Event]:
             cancels.fire()  # a sibling failed or the reader left: stop the others
 
 
-def _choice(inf: Inference, plan: Plan, index: int, cancels: Cancels) -> Iterator[Event]:
+def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Iterator[Event]:
     """One sequence: hold the model, render, stream pieces, end with its Final."""
-    model, started = plan.record.name.display(), time.perf_counter()
+    model, started = plan.view.record.name.display(), time.perf_counter()
     job_id = uuid.uuid4().hex
     options = dict(plan.options)
     if index and int(options.get("seed", -1)) >= 0:
         options["seed"] = int(options["seed"]) + index  # n choices, n different samples
-    with inf.scheduler.hold(plan.record, options, plan.request.keep_alive) as entry:
+    with services.scheduler.hold(plan.view.record, options, plan.request.keep_alive) as entry:
         runner = entry.runner
         assert runner is not None
         cancels.add(lambda: runner.cancel(job_id))
         load = time.perf_counter() - started
         if cancels.fired:
-            inf.metrics.request(model, "cancelled")
+            services.metrics.request(model, "cancelled")
             return
-        body, opened = _runner_body(inf, plan, runner.report, options, job_id)
-        parser = ReplyParser(plan.fmt, {str(t["function"]["name"]) for t in plan.tools},
+        body, opened = _runner_body(plan, runner.report, options, job_id)
+        parser = ReplyParser(plan.fmt, plan.tool_names,
                              thinking_open=opened)
         ended: list[DoneLine] = []
-        yield from _stream(inf, entry, body, parser, index, started, ended)
+        yield from _stream(services, entry, body, parser, index, started, ended)
         stats = ended[-1] if ended else DoneLine()
-        inf.metrics.tokens(model, stats.prompt_eval_count, stats.eval_count,
+        services.metrics.tokens(model, stats.prompt_eval_count, stats.eval_count,
                            stats.eval_duration)
-        inf.metrics.request(model, "cancelled" if cancels.fired else "ok")
+        services.metrics.request(model, "cancelled" if cancels.fired else "ok")
         yield _final(stats, index, parser.calls > 0, load, started)
 
 
-def _runner_body(inf: Inference, plan: Plan, report: LoadReport, options: dict[str, Any],
+def _runner_body(plan: Plan, report: LoadReport, options: dict[str, Any],
                  job_id: str) -> tuple[CompletionJob, bool]:
     """The runner's job: rendered text and images, and whether a think block is open."""
-    request, shown = plan.request, render(inf, plan, report)
+    request, shown = plan.request, render(plan, report)
     grammar = plan.grammar
     if isinstance(request, ChatRequest) and request.tool_choice.forced:
         only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
@@ -227,12 +173,12 @@ class Rendered:
     opened: bool  # the text ends inside a think block
 
 
-def render(inf: Inference, plan: Plan, report: LoadReport,
+def render(plan: Plan, report: LoadReport,
            builder: PromptBuilder | None = None) -> Rendered:
     """The prompt as the runner will tokenize it, through the model's template (or
     `builder`'s, for /corral/render's Jinja override)."""
     request = plan.request
-    builder = builder or inf.prompt_builder(plan.record, report.bos, report.eos)
+    builder = builder or plan.view.builder(report.bos, report.eos)
     context: list[int] = []
     if isinstance(request, ChatRequest):
         messages, images = mark_messages(plan.messages)
@@ -244,35 +190,35 @@ def render(inf: Inference, plan: Plan, report: LoadReport,
             text, add_bos = prompt, True
         else:
             if request.template:
-                builder = inf.prompt_builder(plan.record, builder.bos, builder.eos,
-                                             override=request.template)
-            text, add_bos = builder.generate(prompt, request.system or plan.record.system,
+                builder = plan.view.builder(builder.bos, builder.eos, go=request.template)
+            text, add_bos = builder.generate(prompt, request.system or plan.view.record.system,
                                              request.suffix, plan.think)
     opened = plan.fmt.think is not None and text.rstrip().endswith(plan.fmt.think[0])
     return Rendered(text, add_bos, images, context, opened)
 
 
-def render_only(inf: Inference, request: Request, jinja: str | None = None, bos: str = "",
+def render_only(services: Services, request: Request, jinja: str | None = None, bos: str = "",
                 eos: str = "") -> dict[str, Any]:
     """What `run` would send the runner, without generating: a Corral extension for
     reading a rendered prompt instead of inferring it (as llama-server's /apply-template).
     `jinja` tries a chat template of one's own (with its BOS and EOS text) instead of the
     model's."""
-    plan = prepare(inf, request, jinja)
+    view = services.models.view(request.model).with_template(jinja)
+    plan = prepare(view, request, services.settings)
     report = LoadReport()
-    go = plan.record.template or (isinstance(request, CompletionRequest)
+    go = view.record.template or (isinstance(request, CompletionRequest)
                                   and (request.raw or request.template))
-    builder = inf.jinja_builder(jinja, bos, eos) if jinja else None
+    builder = jinja_builder(jinja, bos, eos) if jinja else None
     if not go and builder is None:  # the GGUF's Jinja template needs the model's BOS/EOS
-        with inf.scheduler.hold(plan.record, plan.options, request.keep_alive) as entry:
+        with services.scheduler.hold(view.record, plan.options, request.keep_alive) as entry:
             report = entry.runner.report if entry.runner is not None else LoadReport()
-    shown = render(inf, plan, report, builder)
+    shown = render(plan, report, builder)
     return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,
             "images": len(shown.images), "think": plan.think, "thinking_open": shown.opened,
             "tools": [t["function"]["name"] for t in plan.tools]}
 
 
-def _stream(inf: Inference, entry: Loaded, body: CompletionJob, parser: ReplyParser,
+def _stream(services: Services, entry: Resident, body: CompletionJob, parser: ReplyParser,
             index: int, started: float, ended: list[DoneLine]) -> Iterator[Piece]:
     """The runner's lines as pieces; `ended` gets the final line."""
     runner, model = entry.runner, entry.record.name.display()
@@ -286,12 +232,12 @@ def _stream(inf: Inference, entry: Loaded, body: CompletionJob, parser: ReplyPar
                 continue
             if first:
                 first = False
-                inf.metrics.ttft(model, time.perf_counter() - started)
+                services.metrics.ttft(model, time.perf_counter() - started)
             held += line.logprobs
             yield from _tagged(parser.feed(line.content), held, index)
     except RunnerError:
-        inf.scheduler.runner_failed(entry)
-        inf.metrics.request(model, "error")
+        services.scheduler.runner_failed(entry)
+        services.metrics.request(model, "error")
         raise
     yield from _tagged(parser.finish(), held, index)
 

@@ -20,7 +20,7 @@ from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
 from corral.server.pipeline.run import run
 
 if TYPE_CHECKING:
-    from corral.server.inference import Inference
+    from corral.server.services import Services
 
 log = logging.getLogger("corral.stream")
 
@@ -68,7 +68,7 @@ W = TypeVar("W", bound=Wire)
 R = TypeVar("R", ChatRequest, CompletionRequest)
 
 
-def generation(inf: Inference, record: type[W], to_request: Callable[[W], R],
+def generation(services: Services, record: type[W], to_request: Callable[[W], R],
                renderer: Callable[[W, R], Renderer],
                nothing_to_do: Callable[[W, R, Handler], bool] | None = None) -> Route:
     """A dialect's generation route: its wire record, parsed into a request, run on the
@@ -80,6 +80,6 @@ def generation(inf: Inference, record: type[W], to_request: Callable[[W], R],
         request = to_request(wire)
         if nothing_to_do is not None and nothing_to_do(wire, request, handler):
             return
-        respond(handler, run(inf, request, req.on_disconnect), renderer(wire, request),
+        respond(handler, run(services, request, req.on_disconnect), renderer(wire, request),
                 bool(getattr(wire, "stream", False)))
     return route

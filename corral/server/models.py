@@ -1,0 +1,166 @@
+"""A model as requests see it, described once: `Models.view(name)` resolves a name to a
+frozen `ModelView` (its record, the template its prompts are rendered with, its
+capabilities, its PARAMETER defaults and its prompt builders). Everything a request
+needs to know about its model before a load is read here, from the store, once per
+manifest; preparing the request (pipeline/prepare.py) is then a pure function of the
+request and the view."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
+
+from corral.errors import BadRequest, CorralError, ModelNotFound
+from corral.options import coerce_options
+from corral.registry.models import ModelRecord, Records
+from corral.registry.names import Name, parse_name
+from corral.registry.projector import projector_problem
+from corral.registry.store import Store
+from corral.server.reply import template_calls_tools, template_thinks
+
+if TYPE_CHECKING:
+    from corral.server.prompt import PromptBuilder
+
+VIEWS_CACHED = 64
+
+
+def require_model(name: Any) -> str:
+    """The model a request names; every route that needs one asks here."""
+    if name is not None and not isinstance(name, str):
+        raise BadRequest("model must be a string")
+    if not name:
+        raise BadRequest("model is required")
+    return name
+
+
+def capabilities(template: str, embedding: bool, vision: bool) -> tuple[str, ...]:
+    """Ollama's capability list: what the weights are for, and what the template can do."""
+    caps = ["embedding" if embedding else "completion"]
+    if template_calls_tools(template):
+        caps.append("tools")
+    if ".Suffix" in template:
+        caps.append("insert")
+    if vision:
+        caps.append("vision")
+    if template_thinks(template):
+        caps.append("thinking")
+    return tuple(caps)
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """Everything about a model that a request is checked and rendered against. Shared
+    between requests: nothing may modify it (its record included)."""
+
+    record: ModelRecord
+    template: str  # a TEMPLATE layer, else the GGUF's chat template, else ""
+    jinja: str | None  # the GGUF's Jinja chat template, used when no TEMPLATE layer is
+    embedding: bool  # the weights pool into embeddings
+    vision: bool  # a projector the runner can load beside these weights
+    capabilities: tuple[str, ...]
+    defaults: Mapping[str, Any]  # the model's PARAMETERs, coerced
+
+    @property
+    def name(self) -> str:
+        return self.record.name.full()
+
+    def options(self, requested: Any) -> dict[str, Any]:
+        """Built-in defaults < the model's PARAMETERs < the request's options."""
+        merged = dict(self.defaults)
+        merged.update(coerce_options(requested))
+        return merged
+
+    def with_template(self, template: str | None) -> ModelView:
+        """The view a request that brings its own chat template sees (/corral/render)."""
+        if not template:
+            return self
+        return replace(self, template=template,
+                       capabilities=capabilities(template, self.embedding, self.vision))
+
+    def builder(self, bos: str, eos: str, go: str | None = None) -> PromptBuilder:
+        """The prompt builder for the runner's BOS and EOS text: the TEMPLATE layer, else
+        the GGUF's Jinja, else a plain fallback; `go` overrides it (a request's
+        `template`). Compiled once per template and BOS/EOS pair."""
+        if go:
+            return _builder(go, None, bos, eos)
+        return _builder(self.record.template or None, self.jinja, bos, eos)
+
+
+def jinja_builder(source: str, bos: str, eos: str) -> PromptBuilder:
+    """A builder for a Jinja chat template given with a request (/corral/render)."""
+    try:
+        return _builder(None, source, bos, eos)
+    except CorralError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template that does not compile
+        raise BadRequest(f"invalid chat template: {exc}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _builder(go: str | None, jinja: str | None, bos: str, eos: str) -> PromptBuilder:
+    from corral.server.prompt import PromptBuilder  # jinja2 waits for the first chat
+
+    return PromptBuilder(go, jinja, bos, eos)
+
+
+class Models:
+    """Names resolved to views. A view is a function of the manifest's record (which
+    Records builds again only when the manifest's bytes change), so it is kept for as
+    long as that record is the one the store gives."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.records = Records(store)
+        self._views: OrderedDict[str, ModelView] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def view(self, name: Any, not_found: str = "model '{}' not found") -> ModelView:
+        stored = self.store.resolve(parse_name(require_model(name)))
+        if stored is None:
+            raise ModelNotFound(not_found.format(name))
+        return self.view_of(self.records.get(stored))
+
+    def view_of(self, record: ModelRecord) -> ModelView:
+        key = record.name.display()
+        with self._lock:
+            hit = self._views.get(key)
+            if hit is not None and hit.record is record:
+                self._views.move_to_end(key)
+                return hit
+        view = self._describe(record)
+        with self._lock:
+            self._views[key] = view
+            while len(self._views) > VIEWS_CACHED:
+                self._views.popitem(last=False)
+        return view
+
+    def view_by_name(self, name: Name) -> ModelView:
+        """The view of a name the store already holds (as `Store.resolve` spells it)."""
+        return self.view_of(self.records.get(name))
+
+    def _describe(self, record: ModelRecord) -> ModelView:
+        try:
+            info = self.store.gguf_info(record.model_digest)
+            jinja, embedding = info.chat_template or None, \
+                f"{info.architecture}.pooling_type" in info.metadata
+        except CorralError:
+            jinja, embedding = None, False
+        template = record.template or jinja or ""
+        vision = self._vision(record)
+        return ModelView(record, template, None if record.template else jinja, embedding,
+                         vision, capabilities(template, embedding, vision),
+                         MappingProxyType(coerce_options(record.parameters)))
+
+    def _vision(self, record: ModelRecord) -> bool:
+        # A GGUF that merely describes a vision tower, without a projector, cannot see.
+        if record.projector_digest is None:
+            return False
+        try:
+            return projector_problem(self.store.gguf_info(record.projector_digest),
+                                     self.store.gguf_info(record.model_digest)) is None
+        except CorralError:
+            return False

@@ -1,0 +1,110 @@
+"""`prepare(view, request, limits)`: every check a request needs before its model
+loads, as a pure function of the request and its model's view. It reads no store and
+holds no model, so a bad request is a 400 before anything waits, and the same request
+against the same view always gives the same plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.config import Settings
+from corral.errors import BadRequest
+from corral.server.harmony import uses_harmony
+from corral.server.images import check_images
+from corral.server.models import ModelView
+from corral.server.pipeline.grammar import request_grammar
+from corral.server.pipeline.request import ChatRequest, ChoiceMode, Request
+from corral.server.reply import Format, reply_format
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `prepare` decided; the same for every choice of the request."""
+
+    request: Request
+    view: ModelView
+    options: dict[str, Any]
+    fmt: Format
+    tools: list[dict[str, Any]]  # as the template and parser see them (none for "none")
+    grammar: str | None  # a raw or `format` grammar; a tool_choice one is made per prompt
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, checked
+    images: list[str] = field(default_factory=list)  # completion, checked
+    special: bool = False  # control tokens as text (harmony's markers)
+    think: bool | str | None = None  # the request's, or on for a thinking model that left it out
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {str(t["function"]["name"]) for t in self.tools}
+
+
+def prepare(view: ModelView, request: Request, limits: Settings) -> Plan:
+    """The plan of `request` against `view`, or a 400 naming what is wrong."""
+    caps = view.capabilities
+    if request.think and "thinking" not in caps:
+        raise BadRequest(f'"{request.model}" does not support thinking')
+    # No `think` sent: a thinking model thinks, as Ollama decides (Hugging Face's templates
+    # mostly default to it too, but Corral follows Ollama where the two differ).
+    think = True if request.think is None and "thinking" in caps else request.think
+    tools = _tools(view, request)
+    grammar = request_grammar(request.grammar, request.format, limits.max_grammar_bytes)
+    raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
+    fmt = Format() if raw else reply_format(view.template, bool(think), bool(tools))
+    messages: list[dict[str, Any]] = []
+    images: list[str] = []
+    if isinstance(request, ChatRequest):
+        messages = chat_messages(view, request.messages, limits)
+    elif request.images:
+        images = checked_images(view, request.images, limits)
+    return Plan(request, view, view.options(request.options), fmt, tools, grammar,
+                messages, images, special=uses_harmony(view.template), think=think)
+
+
+def _tools(view: ModelView, request: Request) -> list[dict[str, Any]]:
+    """The tools the prompt lists; and a completion's suffix, which needs `insert`."""
+    if not isinstance(request, ChatRequest):
+        if request.suffix and "insert" not in view.capabilities:
+            raise BadRequest(f"{view.name} does not support insert")
+        return []
+    if request.tools and "tools" not in view.capabilities:
+        raise BadRequest(f"{view.name} does not support tools")
+    choice = request.tool_choice
+    if choice.forced and not request.tools:
+        raise BadRequest(f"tool_choice {choice.mode.value!r} needs tools")
+    if choice.forced and (request.grammar or request.format not in (None, "")):
+        raise BadRequest("tool_choice forces a call: it cannot be given with a format "
+                         "or a grammar")
+    return [] if choice.mode is ChoiceMode.NONE else list(request.tools)
+
+
+def checked_images(view: ModelView, images: Any, limits: Settings, seen: int = 0) -> list[str]:
+    """A request's images, checked; a model without a working projector gets Ollama's
+    400 before anything is decoded."""
+    if not view.vision:
+        raise BadRequest(f"{view.name} does not support vision")
+    return check_images(images, limits, seen)
+
+
+def chat_messages(view: ModelView, messages: Any, limits: Settings) -> list[dict[str, Any]]:
+    """Checked request messages after the model's own MESSAGES and SYSTEM."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("messages must be a list of objects")
+    out = []
+    seen = 0  # images so far, for the per-request limit
+    for m in messages:
+        role = str(m.get("role", "")).lower()
+        if role not in ("system", "user", "assistant", "tool"):
+            raise BadRequest(f"invalid message role {role!r}")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise BadRequest("message content must be a string")
+        message = {**m, "role": role, "content": content}
+        if m.get("images"):
+            message["images"] = checked_images(view, m["images"], limits, seen)
+            seen += len(message["images"])
+        out.append(message)
+    record = view.record
+    full = list(record.messages) + out
+    if record.system and not (full and full[0].get("role") == "system"):
+        full.insert(0, {"role": "system", "content": record.system})
+    return full
