@@ -45,6 +45,58 @@ def test_a_failed_build_caps_growth_where_it_is() -> None:
     assert c.cap == 1 and c.streams == 1 and c.want(busy=1, waiting=3, now=1) is None
 
 
+def test_warm_conversations_keep_a_stream_each_until_quiet() -> None:
+    c = Capacity(start=1, cap=16, shrink_after=30)
+    # Warm: a prefix worth keeping, used within half the shrink window.
+    assert c.warm(cached=1000, last_used=100, now=110)
+    assert not c.warm(cached=1000, last_used=100, now=116) and not c.warm(10, 100, 101)
+    # A second conversation overwrote the first's warm prefix: a stream more.
+    assert c.want(busy=1, waiting=0, now=100, warm=2) == 2
+    c.built(now=100)
+    assert c.want(busy=1, waiting=0, now=101, warm=2) is None  # both fit now
+    assert c.want(busy=0, waiting=0, now=115, warm=2) is None  # still alternating
+    assert c.want(busy=0, waiting=0, now=144, warm=0) is None  # quiet, not for long
+    assert c.want(busy=0, waiting=0, now=146, warm=0) == 1  # quiet for 30 s: one stream
+
+
+def test_on_the_reserve_the_streams_stay_while_more_than_one_is_in_use() -> None:
+    c = Capacity(start=1, cap=16, streams=16, shrink_after=30, on_reserve=True)
+    assert c.want(busy=1, waiting=0, now=100, warm=3) is None  # 3 of 16: kept, costs nothing
+    assert c.want(busy=0, waiting=0, now=129, warm=3) is None
+    assert c.want(busy=0, waiting=0, now=140, warm=1) is None  # one: quiet from here
+    assert c.want(busy=0, waiting=0, now=160, warm=1) == 1
+
+
+class _Reserve:
+    streams = 16
+
+    def __init__(self) -> None:
+        self.made = True
+
+    def ready(self) -> bool:
+        return self.made
+
+    def take(self) -> str:
+        self.made = False
+        return "the reserve's context"
+
+
+def test_growth_of_any_size_takes_the_reserve_and_warmth_needs_one() -> None:
+    import queue
+
+    from corral.runner.growth import Resizer
+
+    posted: queue.Queue[object] = queue.Queue()
+    grows = Resizer(None, Capacity(start=1, cap=16), posted.put, _Reserve())  # type: ignore[arg-type]
+    grows.tick(busy=1, waiting=0, now=0, warm=2)
+    resized = posted.get(timeout=30)
+    assert (resized.ctx, resized.streams) == ("the reserve's context", 16)  # type: ignore[attr-defined]
+    # Without a reserve, warm conversations share one stream (a GPU's KV is committed).
+    stays = Resizer(None, Capacity(start=1, cap=16), posted.put, None)  # type: ignore[arg-type]
+    stays.tick(busy=1, waiting=0, now=0, warm=3)
+    assert stays.capacity.state is GrowthState.STEADY and posted.empty()
+
+
 @pytest.fixture(scope="module")
 def elastic(starter_gguf: Path) -> Iterator[object]:
     from corral.runner.context import EngineConfig
@@ -65,15 +117,19 @@ def test_growth_and_shrink_leave_greedy_outputs_unchanged(elastic: object) -> No
 
     engine = elastic
     assert isinstance(engine, Engine) and len(engine.slots) == 1
-    alone = [run(engine, p, 20)[0] for p in PROMPTS]  # one at a time: one slot is enough
-    assert len(engine.slots) == 1
+    alone = [run(engine, p, 20)[0] for p in PROMPTS]  # one at a time
+    _back_to_one(engine)  # (those that came back lately may have kept a stream each)
     together = run_together(engine, [(p, 20, {}) for p in PROMPTS])
     assert together == alone and engine.status()["slots"] == 4
-    deadline = time.monotonic() + 30
-    while engine.status()["slots"] > 1:  # idle for shrink_after: back to one stream
-        assert time.monotonic() < deadline, engine.status()
-        time.sleep(0.1)
+    _back_to_one(engine)  # idle for shrink_after: back to one stream
     assert [run(engine, p, 20)[0] for p in PROMPTS] == alone
+
+
+def _back_to_one(engine: object) -> None:
+    deadline = time.monotonic() + 30
+    while engine.status()["slots"] > 1:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, engine.status()  # type: ignore[attr-defined]
+        time.sleep(0.1)
 
 
 @pytest.mark.model
@@ -85,10 +141,7 @@ def test_a_sequence_carries_on_across_a_growth_step(elastic: object) -> None:
     engine = elastic
     assert isinstance(engine, Engine)
     solo = run(engine, PROMPTS[1], 60)[0]
-    deadline = time.monotonic() + 30
-    while engine.status()["slots"] > 1:  # back to one stream after shrink_after
-        assert time.monotonic() < deadline, engine.status()
-        time.sleep(0.1)
+    _back_to_one(engine)  # after shrink_after
     resizes = engine.resizer.resizes  # type: ignore[union-attr]
     job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), num_predict=60, params=GREEDY))
     first = job.events.get(timeout=60)  # it is decoding on the only stream...

@@ -98,7 +98,10 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     base = _process_rss()
     alone = [run(engine, p, 20)[0] for p in PROMPTS]
     assert reserve.tried.wait(60), "the reserve is made when idle"
-    assert reserve._ctx is not None, "the KV mapping was not found"
+    # Made; prompts that came one after another may already serve from it (each kept its
+    # stream as a warm conversation: runner.growth), which commits only what they wrote.
+    assert reserve._ctx is not None or reserve.owns(engine.llama.ctx), \
+        "the KV mapping was not found"
     kv = 4 * 2048 * 18 * 1024  # bytes of f16 K and V per cell for this model, x cells
     assert _process_rss() - base < kv // 2  # made, but not committed
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone

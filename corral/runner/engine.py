@@ -44,7 +44,7 @@ from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, R
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.postprocess import Postprocess
-from corral.runner.scheduler import Placement, Refusal, Scheduler
+from corral.runner.scheduler import Placement, Refusal, Scheduler, Source
 from corral.runner.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slot import Slot, SlotState
 
@@ -86,6 +86,7 @@ class Engine(Postprocess):
         self._embedded_at = self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
+        self._overwritten = 0  # warm prefixes placements overwrote since the last tick
         self.slots = [Slot(seq_id=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
         # The cap's context is made ahead, uncommitted, where the KV is host memory.
         reserve = Reserve(llama, config.n_slots) if not config.n_gpu_layers else None
@@ -155,10 +156,14 @@ class Engine(Postprocess):
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain(block=self._idle())
+                # Housekeeping before waiting for work: the first moment at rest is used,
+                # however short (a client that sends its next request at once still
+                # leaves one between two of them), so the reserve is made before a burst.
+                idle = self._idle()
+                self._housekeep(idle)
+                self._drain(block=idle)
                 if self._stopping:
                     break
-                self._housekeep(idle=self._idle())
                 if self._embeds:
                     self._embeds.step(self.embedder)
                     self._embedded_at, self._transient = self.clock(), True
@@ -262,6 +267,10 @@ class Engine(Postprocess):
         sampler = None if resuming else for_job(job, tokens, self.vocab, self.n_vocab,
                                                 self.num_ctx, eog)
         streams = 1 if self.pool is not None else len(self.slots)
+        slot, kept = p.slot, p.keep if p.source is Source.REUSE else 0
+        if self.resizer is not None and self.resizer.capacity.warm(
+                len(slot.cached) - kept, slot.last_used, self.clock()):
+            self._overwritten += 1  # another conversation's prefix goes: want a stream more
         keep = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams)
         p.slot.assign(seq, tokens[:keep])
         if sampler is None:
@@ -278,7 +287,12 @@ class Engine(Postprocess):
         self._admit()
         active = sum(s.state is not SlotState.IDLE for s in self.slots)
         if self.resizer is not None:
-            self.resizer.tick(active, len(self.scheduler.waiting), self.clock())
+            now, capacity = self.clock(), self.resizer.capacity
+            warm = active + self._overwritten + sum(
+                capacity.warm(len(s.cached), s.last_used, now)
+                for s in self.slots if s.state is SlotState.IDLE)
+            self._overwritten = 0
+            self.resizer.tick(active, len(self.scheduler.waiting), now, warm)
         if not active:
             return None
         for slot in self.slots:

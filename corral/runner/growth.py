@@ -2,6 +2,7 @@
 at once; a state machine with every transition here, and the move between contexts.
 
     STEADY --demand above the streams--> BUILDING --built--> STEADY (more streams)
+             (requests running or waiting, or warm conversations: see Capacity.warm)
     STEADY --quiet for SHRINK_AFTER----> BUILDING --built--> STEADY (fewer streams)
                                            \\--failed--> STEADY (the cap drops to now)
 
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.growth")
 
 SHRINK_AFTER = 30.0  # seconds at or below half the streams before giving half back
+# An idle slot's prefix counts as a warm conversation when it holds at least this many
+# tokens and was used within half the shrink window: two conversations that alternate
+# then each keep a stream (no state copied out and back at every turn), and a model
+# left alone is back to one stream within SHRINK_AFTER and a half.
+WARM_MIN_TOKENS = 32
 
 
 class GrowthState(enum.Enum):
@@ -63,20 +69,32 @@ class Capacity:
     target: int = 0
     busy_at: float = 0.0  # last use above half the streams, on the caller's clock
     shrink_after: float = SHRINK_AFTER
+    on_reserve: bool = False  # serving from runner.reserve's context: unused cells cost no RAM
 
     def __post_init__(self) -> None:
         self.streams = self.streams or self.start
 
-    def want(self, busy: int, waiting: int, now: float) -> int | None:
-        """A size to build now, or None. Growth covers everything running and waiting;
-        shrinking waits until demand has stayed at or below half the streams a while."""
+    def warm(self, cached: int, last_used: float, now: float) -> bool:
+        """An idle slot's prefix that a conversation came back to lately: a stream worth
+        keeping, as llama-server keeps one slot per conversation."""
+        return cached >= WARM_MIN_TOKENS and now - last_used < self.shrink_after / 2
+
+    def want(self, busy: int, waiting: int, now: float, warm: int = 0) -> int | None:
+        """A size to build now, or None. Growth covers everything running and waiting,
+        and the `warm` conversations (streams in use or used lately, and the warm prefix
+        a placement just overwrote), so that conversations that alternate each keep their
+        KV instead of evicting each other; shrinking waits until that demand has stayed
+        at or below half the streams a while."""
         if self.state is GrowthState.BUILDING:
             return None
-        demand = busy + waiting
+        demand = max(busy + waiting, warm)
         if demand > self.streams:
             return self._build(tier(demand, self.start, self.cap)) \
                 if self.streams < self.cap else None
-        if demand > self.streams // 2 or self.streams <= self.start:
+        # On the reserve, streams nobody uses cost nothing (their pages were handed back),
+        # so it is kept while anything beyond the idle size is in use.
+        in_use = demand > (self.start if self.on_reserve else self.streams // 2)
+        if in_use or self.streams <= self.start:
             self.busy_at = now
             return None
         if now - self.busy_at >= self.shrink_after:
@@ -138,11 +156,19 @@ class Resizer:
         self.llama, self.capacity, self.post, self.reserve = llama, capacity, post, reserve
         self.resizes = 0
 
-    def tick(self, busy: int, waiting: int, now: float) -> None:
-        target = self.capacity.want(busy, waiting, now)
+    def tick(self, busy: int, waiting: int, now: float, warm: int = 0) -> None:
+        # Warm conversations count only where their streams cost no memory until used:
+        # with the reserve made (or adopted). Elsewhere (a GPU's KV) they share one stream.
+        reserve = self.reserve is not None and (self.reserve.ready() or self.capacity.on_reserve)
+        target = self.capacity.want(busy, waiting, now, warm if reserve else 0)
+        if target is not None and target > self.capacity.streams and self.reserve is not None \
+                and self.reserve.ready():
+            # Growth of any size takes the reserve when there is one: nothing to build, and
+            # its unused streams hold no memory, so a later burst needs no growth at all.
+            target = self.capacity.target = self.reserve.streams
         if target is not None:
-            log.debug("KV: %d -> %d streams (%d busy, %d waiting)", self.capacity.streams,
-                      target, busy, waiting)
+            log.debug("KV: %d -> %d streams (%d busy, %d waiting, %d warm)",
+                      self.capacity.streams, target, busy, waiting, warm)
             threading.Thread(target=self._build, args=(target,), daemon=True,
                              name="kv-resize").start()
 
@@ -172,6 +198,7 @@ class Resizer:
         old = self.llama.adopt(resized.ctx, resized.streams)
         self._let_go(old)
         self.capacity.built(now)
+        self.capacity.on_reserve = self.reserve is not None and self.reserve.owns(resized.ctx)
         self.resizes += 1
         return moved
 

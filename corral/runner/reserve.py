@@ -154,6 +154,11 @@ class Reserve:
                 self._owned = ctx
             return ctx
 
+    def ready(self) -> bool:
+        """Made, and not in use: growth may take it instead of building."""
+        with self._lock:
+            return self._ctx is not None
+
     def owns(self, ctx: Any) -> bool:
         return ctx is not None and ctx is self._owned
 

@@ -9,6 +9,7 @@ computing the tokens again would give.
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Any
 
 import llama_cpp as L
@@ -32,7 +33,9 @@ def put(ctx: Any, state: bytes, seq: int, streams: int) -> bool:
     data = restream(state, streams, seq)
     if data is None:
         return False
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    # llama.cpp only reads the buffer: point it at the bytes themselves, not a copy (a
+    # long prompt's state is tens of megabytes, copied on the engine thread).
+    buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
     return L.llama_state_seq_set_data(ctx, buf, len(data), seq) > 0
 
 
@@ -58,25 +61,32 @@ def restream(state: bytes, streams: int, seq: int) -> bytes | None:
     the end, so a layout this does not know is refused rather than misread."""
     if len(state) < 8:
         return None
-    out, at = bytearray(state[:4] + seq.to_bytes(4, "little")), 8
+    view = memoryview(state)
+    parts: list[bytes | memoryview] = [state[:4], seq.to_bytes(4, "little")]
+    same, at = _u32(state, 4) == seq, 8
     try:
         while at < len(state):
             n_stream = _u32(state, at)
             at += 4
-            entry = b""
+            entry: memoryview | None = None
             for _ in range(n_stream):
                 start, cells = at, _u32(state, at)
                 at += 4
                 if cells:
-                    if entry:
+                    if entry is not None:
                         return None  # two streams with cells: not one sequence's state
                     at = _skip_cells(state, at, cells)
-                    entry = state[start:at]
-            out += streams.to_bytes(4, "little") + entry
-            out += b"\0\0\0\0" * (streams - (1 if entry else 0))
+                    entry = view[start:at]
+            same = same and n_stream == streams and (entry is None or streams == 1)
+            parts += [streams.to_bytes(4, "little"), *([entry] if entry is not None else []),
+                      b"\0\0\0\0" * (streams - (1 if entry is not None else 0))]
     except (IndexError, ValueError):
         return None
-    return bytes(out) if at == len(state) else None
+    if at != len(state):
+        return None
+    # Already as this context would write it (the common case: a cache entry going back
+    # into a one-stream context, or into the slot it came from): no copy at all.
+    return state if same else b"".join(parts)
 
 
 def _u32(data: bytes, at: int) -> int:
@@ -88,11 +98,18 @@ def _u32(data: bytes, at: int) -> int:
 def _skip_cells(state: bytes, at: int, cells: int) -> int:
     """Past one stream's cells: (pos, n_seq_id, the ids) each, then
     v_trans, n_layer, each layer's K rows, each layer's V rows (or V elements)."""
-    for _ in range(cells):
-        n_seq = _u32(state, at + 4)
-        if n_seq > 1:
-            raise ValueError("a cell shared by sequences: not a single sequence's state")
-        at += 8 + 4 * n_seq
+    # Each cell is (pos i32, n_seq u32, the ids). A single sequence's cells have one id
+    # each, 12 bytes: read them in one pass; the first cell that differs (so, the first
+    # misread) sends the whole walk to the cell-by-cell reading.
+    block = state[at:at + 12 * cells]
+    if len(block) == 12 * cells and all(n == 1 for _, n, _ in struct.iter_unpack("<iII", block)):
+        at += 12 * cells
+    else:
+        for _ in range(cells):
+            n_seq = _u32(state, at + 4)
+            if n_seq > 1:
+                raise ValueError("a cell shared by sequences: not a single sequence's state")
+            at += 8 + 4 * n_seq
     v_trans, n_layer = _u32(state, at), _u32(state, at + 4)
     at += 8
     for _ in range(n_layer):  # K: type i32, row size u64, rows
