@@ -18,7 +18,7 @@ from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.server.models import ModelView, capabilities
 from corral.server.pipeline.prepare import prepare
-from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest,
+from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask,
                                             ToolChoice)
 
 SETTINGS = load_settings({}, warn=False)
@@ -65,7 +65,7 @@ def test_capabilities_follow_the_weights_and_the_template() -> None:
 
 def test_options_merge_defaults_then_the_model_then_the_request() -> None:
     v = view(parameters={"temperature": 0.2, "top_p": 0.9})
-    plan = prepare(v, CompletionRequest(model="m", prompt="hi",
+    plan = prepare(v, CompletionTask(model="m", prompt="hi",
                                         options={"temperature": 0}), SETTINGS)
     assert plan.options["temperature"] == 0 and plan.options["top_p"] == 0.9
     assert v.defaults["temperature"] == 0.2  # the shared view is never changed
@@ -75,26 +75,26 @@ def test_options_merge_defaults_then_the_model_then_the_request() -> None:
 
 def test_the_same_request_and_view_give_the_same_plan() -> None:
     v = view(CHATML_TOOLS)
-    request = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+    request = ChatTask(model="m", messages=[{"role": "user", "content": "hi"}],
                           tools=[TOOL])
     assert prepare(v, request, SETTINGS) == prepare(v, request, SETTINGS)
 
 
 @pytest.mark.parametrize("template,request_,message", [
-    ("", CompletionRequest(model="m", prompt="x", think=True), "does not support thinking"),
-    ("", ChatRequest(model="m", messages=[], tools=[TOOL]), "does not support tools"),
-    ("", CompletionRequest(model="m", prompt="x", suffix="y"), "does not support insert"),
-    ("", CompletionRequest(model="m", prompt="x", images=[png()]), "does not support vision"),
-    (CHATML_TOOLS, ChatRequest(model="m", messages=[],
+    ("", CompletionTask(model="m", prompt="x", think=True), "does not support thinking"),
+    ("", ChatTask(model="m", messages=[], tools=[TOOL]), "does not support tools"),
+    ("", CompletionTask(model="m", prompt="x", suffix="y"), "does not support insert"),
+    ("", CompletionTask(model="m", prompt="x", images=[png()]), "does not support vision"),
+    (CHATML_TOOLS, ChatTask(model="m", messages=[],
                                tool_choice=ToolChoice(ChoiceMode.REQUIRED)), "needs tools"),
-    (CHATML_TOOLS, ChatRequest(model="m", messages=[], tools=[TOOL], format="json",
+    (CHATML_TOOLS, ChatTask(model="m", messages=[], tools=[TOOL], format="json",
                                tool_choice=ToolChoice(ChoiceMode.REQUIRED)),
      "cannot be given with a format"),
-    ("", CompletionRequest(model="m", prompt="x", format="json", grammar="root ::= \"a\""),
+    ("", CompletionTask(model="m", prompt="x", format="json", grammar="root ::= \"a\""),
      "either a format or a grammar"),
-    ("", CompletionRequest(model="m", prompt="x", grammar="root ::= " + "(" * 300 + "\"a\""
+    ("", CompletionTask(model="m", prompt="x", grammar="root ::= " + "(" * 300 + "\"a\""
                            + ")" * 300), "nests parentheses"),
-    ("", ChatRequest(model="m", messages=[{"role": "robot", "content": "x"}]),
+    ("", ChatTask(model="m", messages=[{"role": "robot", "content": "x"}]),
      "invalid message role"),
 ])
 def test_what_the_view_cannot_do_is_a_400(template: str, request_: Any, message: str) -> None:
@@ -104,18 +104,18 @@ def test_what_the_view_cannot_do_is_a_400(template: str, request_: Any, message:
 
 def test_thinking_models_think_unless_told_not_to() -> None:
     v = view(THINKING)
-    assert prepare(v, CompletionRequest(model="m", prompt="x"), SETTINGS).think is True
-    assert prepare(v, CompletionRequest(model="m", prompt="x", think=False),
+    assert prepare(v, CompletionTask(model="m", prompt="x"), SETTINGS).think is True
+    assert prepare(v, CompletionTask(model="m", prompt="x", think=False),
                    SETTINGS).think is False
-    assert prepare(view(), CompletionRequest(model="m", prompt="x"), SETTINGS).think is None
+    assert prepare(view(), CompletionTask(model="m", prompt="x"), SETTINGS).think is None
 
 
 def test_tool_choice_none_leaves_the_tools_out() -> None:
     v = view(CHATML_TOOLS)
     messages = [{"role": "user", "content": "hi"}]
-    auto = prepare(v, ChatRequest(model="m", messages=messages, tools=[TOOL]), SETTINGS)
+    auto = prepare(v, ChatTask(model="m", messages=messages, tools=[TOOL]), SETTINGS)
     assert auto.tool_names == {"get_weather"} and auto.fmt.tools is not None
-    none = prepare(v, ChatRequest(model="m", messages=messages, tools=[TOOL],
+    none = prepare(v, ChatTask(model="m", messages=messages, tools=[TOOL],
                                   tool_choice=ToolChoice(ChoiceMode.NONE)), SETTINGS)
     assert none.tools == [] and none.fmt.tools is None
 
@@ -123,36 +123,36 @@ def test_tool_choice_none_leaves_the_tools_out() -> None:
 def test_messages_follow_the_models_own_system_and_messages() -> None:
     v = view(CHATML_TOOLS, system="Be brief.",
              messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
-    plan = prepare(v, ChatRequest(model="m", messages=[{"role": "USER", "content": "c"}]),
+    plan = prepare(v, ChatTask(model="m", messages=[{"role": "USER", "content": "c"}]),
                    SETTINGS)
     assert [(m["role"], m["content"]) for m in plan.messages] == [
         ("system", "Be brief."), ("user", "a"), ("assistant", "b"), ("user", "c")]
     # A request that opens with its own system message replaces the model's SYSTEM.
     own = prepare(view(CHATML_TOOLS, system="Be brief."),
-                  ChatRequest(model="m", messages=[{"role": "system", "content": "Mine."}]),
+                  ChatTask(model="m", messages=[{"role": "system", "content": "Mine."}]),
                   SETTINGS)
     assert [m["content"] for m in own.messages] == ["Mine."]
 
 
 def test_images_are_checked_against_the_limits() -> None:
     v = view(vision=True)
-    plan = prepare(v, CompletionRequest(model="m", prompt="x", images=[png()]), SETTINGS)
+    plan = prepare(v, CompletionTask(model="m", prompt="x", images=[png()]), SETTINGS)
     assert plan.images == [png()]
     few = load_settings({"CORRAL_MAX_IMAGES": "1"}, warn=False)
-    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "x",
+    chat = ChatTask(model="m", messages=[{"role": "user", "content": "x",
                                              "images": [png(), png()]}])
     with pytest.raises(BadRequest, match="CORRAL_MAX_IMAGES"):
         prepare(v, chat, few)
     with pytest.raises(BadRequest, match="image 0"):
-        prepare(v, CompletionRequest(model="m", prompt="x", images=["not base64!"]), SETTINGS)
+        prepare(v, CompletionTask(model="m", prompt="x", images=["not base64!"]), SETTINGS)
 
 
 def test_a_grammar_and_a_format_are_checked_before_any_load() -> None:
     small = load_settings({"CORRAL_MAX_GRAMMAR_BYTES": "64"}, warn=False)
     with pytest.raises(BadRequest, match="CORRAL_MAX_GRAMMAR_BYTES"):
-        prepare(view(), CompletionRequest(model="m", prompt="x", grammar="root ::= " + "\"a\" "
+        prepare(view(), CompletionTask(model="m", prompt="x", grammar="root ::= " + "\"a\" "
                                           * 40), small)
-    plan = prepare(view(), CompletionRequest(model="m", prompt="x", format="json"), SETTINGS)
+    plan = prepare(view(), CompletionTask(model="m", prompt="x", format="json"), SETTINGS)
     assert plan.grammar is not None and "root" in plan.grammar
 
 

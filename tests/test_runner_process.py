@@ -17,7 +17,7 @@ from corral.registry.gguf import inspect_gguf
 from corral.runner import memory
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import CompletionJob, DoneLine, TokenLine
+from corral.runner.wire import CompletionJob, DoneLine, EmbedJob, TokenLine
 
 job = CompletionJob.from_json  # a job as the daemon sends it
 
@@ -77,11 +77,11 @@ def test_tokenize_round_trip(runner: RunnerProcess) -> None:
 
 
 def test_embed_normalised(runner: RunnerProcess) -> None:
-    out = runner.embed(["hello", "world"])
-    assert len(out["embeddings"]) == 2 and out["prompt_eval_count"] > 0
-    norm = sum(x * x for x in out["embeddings"][0])
+    out = runner.embed(EmbedJob(("hello", "world")))
+    assert len(out.embeddings) == 2 and out.prompt_eval_count > 0
+    norm = sum(x * x for x in out.embeddings[0])
     assert abs(norm - 1.0) < 1e-3
-    raw = runner.embed(["hello"], normalize=False)["embeddings"][0]
+    raw = runner.embed(EmbedJob(("hello",), normalize=False)).embeddings[0]
     assert abs(sum(x * x for x in raw) - 1.0) > 1e-3
 
 
@@ -93,7 +93,7 @@ def test_cancel_by_id(runner: RunnerProcess) -> None:
     runner.cancel("job-1")
     last = list(stream)[-1]
     assert isinstance(last, DoneLine) and last.done_reason == "cancel"
-    assert runner.health()["busy_slots"] == 0
+    assert runner.health().busy_slots == 0
 
 
 def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
@@ -103,7 +103,14 @@ def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:
                  {"prompt": "x", "frobnicate": 1}):
         r = httpx.post(f"http://127.0.0.1:{runner.port}/completion", json=body, timeout=30)
         assert r.status_code == 400 and "error" in r.json(), (body, r.text)
-    assert runner.alive()
+    for path, body in (("/embed", {"input": 5}), ("/embed", {"input": "x", "normalize": 1}),
+                       ("/embed", {"input": "x", "dimensions": -1}),
+                       ("/tokenize", {"content": 5}), ("/detokenize", {"tokens": ["a"]}),
+                       ("/threads", {"n": "2"}), ("/threads", {"n": True}),
+                       ("/cancel", {"id": 7})):
+        r = httpx.post(f"http://127.0.0.1:{runner.port}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and "error" in r.json(), (path, body, r.text)
+    assert runner.alive() and runner.health().threads > 0  # /threads {"n": True} set nothing
 
 
 def test_sigkill_mid_stream_errors_without_hanging(starter_gguf: Path) -> None:

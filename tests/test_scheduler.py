@@ -14,7 +14,7 @@ from corral.errors import RunnerError, ServerBusy
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import LoadReport
+from corral.runner.wire import CacheStats, Health, LoadReport
 from corral.server.scheduler import ModelState, Scheduler
 from tests.gguf_files import write_tiny_gguf
 from tests.support import wait_for
@@ -52,8 +52,8 @@ class FakeRunner:
     cache_bytes = 0  # what its prompt cache holds in RAM
     cleared = False
 
-    def health(self) -> dict[str, Any]:
-        return {"cache_bytes": self.cache_bytes}
+    def health(self) -> Health:
+        return Health(cache=CacheStats(bytes=self.cache_bytes))
 
     def clear_cache(self) -> None:
         self.cleared, self.cache_bytes = True, 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from corral.config import load_settings
 from corral.registry.gguf import GGUFInfo
 from corral.registry.models import ModelRecord

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, Iterator
 
 from corral.process import package_parent
 from corral.errors import RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import CompletionJob, DoneLine, LoadReport, TokenLine, read_line
+from corral.runner.wire import (Cancel, CompletionJob, DoneLine, EmbedJob, Embeddings, Health,
+                               LoadReport, Threads, TokenLine, Tokenize, read_line)
 
 if TYPE_CHECKING:
     import httpx
@@ -167,7 +169,7 @@ class RunnerProcess:
         """The runner's share of the cores (server.threads); a runner that does not
         answer keeps what it had."""
         try:
-            self._client().post("/threads", json={"n": n}, timeout=2.0)
+            self._client().post("/threads", json=asdict(Threads(n)), timeout=2.0)
         except (_httpx().HTTPError, RunnerError):
             pass
 
@@ -180,25 +182,22 @@ class RunnerProcess:
 
     def cancel(self, job_id: str) -> None:
         try:
-            self._call("/cancel", {"id": job_id})
+            self._call("/cancel", asdict(Cancel(job_id)))
         except (RunnerError, ValueError):
             pass
 
-    def embed(self, inputs: list[str], truncate: bool = True, normalize: bool = True,
-              dimensions: int = 0, max_tokens: int = 0, job_id: str = "") -> dict[str, Any]:
-        return self._call("/embed", {"input": inputs, "truncate": truncate,
-                                     "normalize": normalize, "dimensions": dimensions,
-                                     "max_tokens": max_tokens, "id": job_id})
+    def embed(self, job: EmbedJob) -> Embeddings:
+        return Embeddings.from_json(self._call("/embed", job.to_json()))
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return list(self._call("/tokenize", {"content": text, "add_special": add_special})["tokens"])
+        return list(self._call("/tokenize", asdict(Tokenize(text, add_special)))["tokens"])
 
     def detokenize(self, tokens: list[int]) -> str:
-        return str(self._call("/detokenize", {"tokens": tokens})["content"])
+        return str(self._call("/detokenize", {"tokens": list(tokens)})["content"])
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         try:
             resp = self._client().get("/health", timeout=5.0)
         except _httpx().HTTPError as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
-        return dict(resp.json())
+        return Health.from_json(resp.json())

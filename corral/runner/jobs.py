@@ -61,7 +61,7 @@ class Failed:
     error: CorralError
 
 
-Event = Union[Token, Done, Failed]
+JobEvent = Union[Token, Done, Failed]
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Job:
     special: bool = False  # render control tokens as text (gpt-oss's harmony markers)
     images: "tuple[ImageSpan, ...]" = ()  # where the prompt's placeholder ids are images
     id: str = ""
-    events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    events: "queue.Queue[JobEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = 0.0  # set by the engine, on its clock
 

@@ -36,7 +36,8 @@ from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
-from corral.runner.wire import CompletionJob, LoadReport, TokenLine
+from corral.runner.wire import (Cancel, CompletionJob, Detokenize, EmbedJob, Embeddings, Health,
+                               LoadReport, Threads, TokenLine, Tokenize, read_command)
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan, Vision
@@ -111,19 +112,13 @@ class RunnerService:
             job.cancel()
         return job is not None
 
-    def embed(self, body: dict[str, Any]) -> dict[str, Any]:
-        inputs = body.get("input")
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
-            raise BadRequest("input must be a string or a list of strings")
-        tokens = [self.engine.tokenize(text) for text in inputs]
-        limit = int(body.get("max_tokens") or 0)
+    def embed(self, job: EmbedJob) -> Embeddings:
+        tokens = [self.engine.tokenize(text) for text in job.input]
         total = sum(len(t) for t in tokens)
-        if limit and total > limit:
-            raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of {limit}"
-                             " (CORRAL_MAX_EMBED_TOKENS)")
-        command = Embed(tokens, bool(body.get("truncate", True)), id=str(body.get("id") or ""))
+        if job.max_tokens and total > job.max_tokens:
+            raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of "
+                             f"{job.max_tokens} (CORRAL_MAX_EMBED_TOKENS)")
+        command = Embed(tokens, job.truncate, id=job.id)
         if command.id:
             with self.lock:
                 self.jobs[command.id] = command
@@ -131,12 +126,11 @@ class RunnerService:
             vectors = self.engine.run_embed(command)
         finally:
             self.forget(command)
-        dims = int(body.get("dimensions") or 0)
-        if dims > 0:
-            vectors = [v[:dims] for v in vectors]
-        if body.get("normalize", True):
+        if job.dimensions > 0:
+            vectors = [v[:job.dimensions] for v in vectors]
+        if job.normalize:
             vectors = [_normalize(v) for v in vectors]
-        return {"embeddings": vectors, "prompt_eval_count": sum(len(t) for t in tokens)}
+        return Embeddings(vectors, total)
 
 
 def _decode(images: Any) -> list[bytes]:
@@ -188,8 +182,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             vision = self.service.vision
-            self._send(200, {"status": "ok", **self.service.engine.status(),
-                             "images_encoded": vision.encoded if vision else 0,
+            health = Health.from_json({**self.service.engine.status(),
+                                       "images_encoded": vision.encoded if vision else 0})
+            self._send(200, {"status": "ok", **health.to_json(),
                              "report": self.service.report.to_json()})
         else:
             self._send(*format_error(NotFound("not found"), Shape.RUNNER))
@@ -201,22 +196,24 @@ class Handler(BaseHTTPRequestHandler):
             if route == "/completion":
                 self._completion(body)
             elif route == "/embed":
-                self._send(200, self.service.embed(body))
+                self._send(200, self.service.embed(EmbedJob.from_json(body)).to_json())
             elif route == "/tokenize":
-                tokens = self.service.engine.tokenize(str(body.get("content", "")),
-                                                      bool(body.get("add_special", False)))
-                self._send(200, {"tokens": tokens})
+                job = read_command(Tokenize, body)
+                self._send(200, {"tokens": self.service.engine.tokenize(job.content,
+                                                                        job.add_special)})
             elif route == "/detokenize":
-                self._send(200, {"content": self.service.engine.detokenize(
-                    [int(t) for t in body.get("tokens", [])])})
+                tokens = list(read_command(Detokenize, body).tokens)
+                self._send(200, {"content": self.service.engine.detokenize(tokens)})
             elif route == "/threads":
-                self.service.engine.set_threads(int(body.get("n", 0)))
-                self._send(200, {"threads": int(body.get("n", 0))})
+                n = read_command(Threads, body).n
+                self.service.engine.set_threads(n)
+                self._send(200, {"threads": n})
             elif route == "/cache/clear":
                 self.service.engine.clear_cache()
                 self._send(200, {"status": "cleared"})
             elif route == "/cancel":
-                self._send(200, {"cancelled": self.service.cancel(str(body.get("id", "")))})
+                self._send(200, {"cancelled": self.service.cancel(read_command(Cancel,
+                                                                               body).id)})
             elif route == "/shutdown":
                 self._send(200, {"status": "shutting down"})
                 threading.Thread(target=_shutdown, args=(self.service,), daemon=True).start()

@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from corral.runner.jobs import Event, Job
+from corral.runner.jobs import Job, JobEvent
 from corral.runner.textstream import StopMatcher, Utf8Stream
 from corral.runner.wire import DoneLine
 
@@ -103,7 +103,7 @@ class Sequence:
             self.sampler = None
         self.pending = []
 
-    def end(self, event: "Event") -> None:
+    def end(self, event: "JobEvent") -> None:
         """Finish, and tell its caller how it ended (Done or Failed)."""
         self.finish()
         self.job.events.put(event)

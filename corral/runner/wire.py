@@ -3,6 +3,8 @@
     runner ready line --LoadReport-->  daemon (runner.client; `ps`, templates)
     daemon --CompletionJob (JSON)--> runner /completion --TokenLine lines,
                                      then a DoneLine or an error line
+    daemon --EmbedJob--> runner /embed --Embeddings-->
+    daemon --GET--> runner /health --Health (with its CacheStats)-->
 
 The daemon builds a CompletionJob from a request's plan (server.pipeline.run) and the
 runner client sends it; the runner process reads it back with `from_json`, which
@@ -14,7 +16,7 @@ wire on either side reads a dict.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.errors import BadRequest
 from corral.options import coerce_options
@@ -159,3 +161,148 @@ class LoadReport:
                 out[name] = tuple(str(s) for s in report[name]) if kind is tuple else \
                     kind(report[name])
         return cls(**out)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The prompt cache of one runner: what it holds and what it saved (ps, show, /metrics)."""
+
+    bytes: int = 0
+    budget: int = 0
+    entries: int = 0
+    hits: int = 0
+    tokens_restored: int = 0
+    tokens_shared: int = 0
+    disk_bytes: int | None = None  # None: no disk tier
+    disk_entries: int | None = None
+
+    def shown(self) -> dict[str, int]:
+        """As ps and show carry it: the disk tier's fields only where there is one."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a runner says of itself now (GET /health)."""
+
+    slots: int = 0  # streams now (elastic KV grows and shrinks them)
+    slots_cap: int = 0
+    threads: int = 0
+    busy_slots: int = 0
+    waiting: int = 0  # jobs queued in the runner
+    kv_used: int = 0
+    kv_reserved: int = 0
+    preemptions: int = 0
+    sampled: int = 0  # tokens sampled since load
+    images_encoded: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "cache"}
+        out.update({f"cache_{k}": v for k, v in self.cache.shown().items()})
+        return out
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "Health":
+        """From the runner's flat JSON (the engine's status); absent fields are 0."""
+        def number(name: str) -> int:
+            return int(body.get(name) or 0)
+
+        cache = CacheStats(**{name: number(f"cache_{name}")
+                              for name in CacheStats.__dataclass_fields__
+                              if f"cache_{name}" in body})
+        return cls(**{name: number(name) for name in cls.__dataclass_fields__
+                      if name != "cache"}, cache=cache)
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    """POST /embed: texts to embed, and how."""
+
+    input: tuple[str, ...]
+    truncate: bool = True
+    normalize: bool = True
+    dimensions: int = 0  # keep the first n of each vector (0: all)
+    max_tokens: int = 0  # all inputs together (0: no limit)
+    id: str = ""  # for /cancel
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "input": list(self.input)}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "EmbedJob":
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            raise BadRequest("input must be a string or a list of strings")
+        dims, limit = body.get("dimensions") or 0, body.get("max_tokens") or 0
+        if not isinstance(dims, int) or not isinstance(limit, int) or dims < 0 or limit < 0:
+            raise BadRequest("dimensions and max_tokens must be whole numbers, 0 or more")
+        return cls(tuple(inputs), _flag(body, "truncate", True), _flag(body, "normalize", True),
+                   dims, limit, str(body.get("id") or ""))
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """What /embed answers: a vector per input, and the tokens evaluated for them."""
+
+    embeddings: list[list[float]]
+    prompt_eval_count: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"embeddings": self.embeddings, "prompt_eval_count": self.prompt_eval_count}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "Embeddings":
+        return cls([[float(x) for x in v] for v in body.get("embeddings") or []],
+                   int(body.get("prompt_eval_count") or 0))
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """POST /tokenize."""
+
+    content: str = ""
+    add_special: bool = False
+
+
+@dataclass(frozen=True)
+class Detokenize:
+    """POST /detokenize."""
+
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Threads:
+    """POST /threads: the runner's share of the cores (server.threads)."""
+
+    n: int = 0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """POST /cancel: a job or an embedding batch, by the id it was sent with."""
+
+    id: str = ""
+
+
+T = TypeVar("T", Tokenize, Detokenize, Threads, Cancel)
+
+
+def read_command(cls: type[T], body: dict[str, Any]) -> T:
+    """A small command from the wire, each field checked against its default's type."""
+    values: dict[str, Any] = {}
+    for name, spec in cls.__dataclass_fields__.items():
+        if name not in body:
+            continue
+        default, value = spec.default, body[name]
+        if isinstance(default, tuple):
+            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+                raise BadRequest(f"{name} must be a list of token ids")
+            value = tuple(value)
+        elif type(value) is not type(default):  # bool is no int here, nor int a bool
+            raise BadRequest(f"{name} must be a {type(default).__name__}")
+        values[name] = value
+    return cls(**values)

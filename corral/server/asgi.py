@@ -2,8 +2,9 @@
 
 uvicorn gives conformant HTTP/1.1 (chunked bodies, malformed headers answered
 400, keep-alive and idle timeouts, disconnect detection, graceful shutdown);
-Starlette gives the CORS middleware. Checks run in this order for every
-request: header size and header-read time (the protocol) -> body size -> Host
+Starlette matches paths and methods and gives the CORS middleware. Checks run in
+this order for every request: header size and header-read time (the protocol) ->
+body size -> Host
 allowlist (loopback daemons) -> Origin allowlist -> CORS preflight -> API key
 -> route lookup (404/405) -> body read -> the route, on a worker thread.
 """
@@ -24,6 +25,7 @@ import uvicorn
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from starlette.routing import Match, Route as StarletteRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -93,25 +95,27 @@ class Guard:
 class Dispatcher:
     """Finds the route, reads the body, and runs the route on a worker thread."""
 
-    def __init__(self, routes: dict[tuple[str, str], Route],
-                 prefixes: list[tuple[str, str, Route]], settings: Settings) -> None:
-        self.routes = routes
-        self.prefixes = prefixes
+    def __init__(self, routes: list[tuple[str, str, Route]], settings: Settings) -> None:
+        # Starlette matches the paths (its `{name:path}` convertor for prefixes) and the
+        # methods (HEAD wherever GET is); the route itself stays a blocking function.
+        table: dict[str, tuple[list[str], Route]] = {}
+        for method, path, route in routes:
+            table.setdefault(path, ([], route))[0].append(method)
+        self.table = [StarletteRoute(path, route, methods=methods)
+                      for path, (methods, route) in table.items()]
         self.settings = settings
         # Every admitted request may hold a thread while it waits or streams: the
         # slots and the queue together, never a fixed small pool.
         self.limiter = anyio.CapacityLimiter(settings.max_queue + 64)
 
-    def find(self, method: str, path: str) -> Route | CorralError:
-        lookup = "GET" if method == "HEAD" else method
-        route = self.routes.get((lookup, path)) or self.routes.get((method, path))
-        if route is not None:
-            return route
-        for m, prefix, fn in self.prefixes:
-            if path.startswith(prefix) and m in (method, lookup):
-                return fn
-        if any(p == path for _, p in self.routes) or any(
-                path.startswith(prefix) for _, prefix, _ in self.prefixes):
+    def find(self, scope: Scope) -> Route | CorralError:
+        allowed = False
+        for candidate in self.table:
+            match, _ = candidate.matches(scope)
+            if match is Match.FULL:
+                return candidate.endpoint  # type: ignore[no-any-return]
+            allowed = allowed or match is Match.PARTIAL  # the path, another method
+        if allowed:
             return MethodNotAllowed("405 method not allowed")
         return NotFound("404 page not found")
 
@@ -126,7 +130,7 @@ class Dispatcher:
                 headers.get("authorization") == f"Bearer {key}"
                 or headers.get("x-api-key") == key):
             return await send_error(send, Unauthorized("unauthorized"), shape_of(path))
-        route = self.find(method, path)
+        route = self.find(scope)
         if isinstance(route, CorralError):
             return await send_error(send, route, Shape.TEXT)
         streamed = path.startswith("/api/blobs/")
@@ -208,9 +212,8 @@ class Cors(CORSMiddleware):
         return Response(status_code=204, headers=headers)
 
 
-def build_app(routes: dict[tuple[str, str], Route], prefixes: list[tuple[str, str, Route]],
-              settings: Settings) -> ASGIApp:
-    app: ASGIApp = Dispatcher(routes, prefixes, settings)
+def build_app(routes: list[tuple[str, str, Route]], settings: Settings) -> ASGIApp:
+    app: ASGIApp = Dispatcher(routes, settings)
     cors = Cors(app, allow_origin_regex=origin_pattern(settings.origins).pattern,
                           allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
                                          "OPTIONS"],

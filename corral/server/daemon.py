@@ -35,39 +35,41 @@ HOUSEKEEPING_SECONDS = 10.0
 
 
 def routes(services: Services, puller: Puller, pusher: Pusher
-           ) -> tuple[dict[tuple[str, str], Route], list[tuple[str, str, Route]]]:
+           ) -> list[tuple[str, str, Route]]:
+    """(method, path, route): a path may end in Starlette's `{name:path}` for a prefix."""
     from corral.server import lifecycle, manage, page
     from corral.server.dialects import anthropic, native, openai, openai_misc, responses
 
-    table: dict[tuple[str, str], Route] = {
-        ("GET", "/"): manage.root(services),
-        ("GET", "/api/version"): manage.version(services),
-        ("POST", "/api/generate"): native.generate(services),
-        ("POST", "/api/chat"): native.chat(services),
-        ("POST", "/api/embed"): native.embed(services),
-        ("POST", "/api/embeddings"): native.embeddings(services),
-        ("GET", "/api/tags"): manage.tags(services),
-        ("POST", "/api/show"): manage.show(services),
-        ("POST", "/api/create"): lifecycle.create(services),
-        ("POST", "/api/copy"): manage.copy(services),
-        ("DELETE", "/api/delete"): manage.delete(services),
-        ("GET", "/api/ps"): manage.ps(services),
-        ("POST", "/api/pull"): lifecycle.pull(services, puller),
-        ("POST", "/api/push"): lifecycle.push(services, pusher),
-        ("GET", "/metrics"): manage.metrics(services),
-        ("POST", "/v1/chat/completions"): openai.chat_completions(services),
-        ("POST", "/v1/completions"): openai.completions(services),
-        ("POST", "/v1/embeddings"): openai_misc.embeddings(services),
-        ("GET", "/v1/models"): openai_misc.models(services),
-        ("POST", "/v1/messages"): anthropic.messages(services),
-        ("POST", "/v1/responses"): responses.responses(services),
-        ("POST", "/corral/render"): native.render(services),  # Corral's: the rendered prompt
-        ("GET", "/ui"): page.page(),  # the page for people
-    }
     blobs = manage.blobs(services)
-    prefixes = [("HEAD", "/api/blobs/", blobs), ("POST", "/api/blobs/", blobs),
-                ("GET", "/v1/models/", openai_misc.model(services)), ("GET", page.PREFIX, page.page())]
-    return table, prefixes
+    return [
+        ("GET", "/", manage.root(services)),
+        ("GET", "/api/version", manage.version(services)),
+        ("POST", "/api/generate", native.generate(services)),
+        ("POST", "/api/chat", native.chat(services)),
+        ("POST", "/api/embed", native.embed(services)),
+        ("POST", "/api/embeddings", native.embeddings(services)),
+        ("GET", "/api/tags", manage.tags(services)),
+        ("POST", "/api/show", manage.show(services)),
+        ("POST", "/api/create", lifecycle.create(services)),
+        ("POST", "/api/copy", manage.copy(services)),
+        ("DELETE", "/api/delete", manage.delete(services)),
+        ("GET", "/api/ps", manage.ps(services)),
+        ("POST", "/api/pull", lifecycle.pull(services, puller)),
+        ("POST", "/api/push", lifecycle.push(services, pusher)),
+        ("HEAD", "/api/blobs/{digest:path}", blobs),
+        ("POST", "/api/blobs/{digest:path}", blobs),
+        ("GET", "/metrics", manage.metrics(services)),
+        ("POST", "/v1/chat/completions", openai.chat_completions(services)),
+        ("POST", "/v1/completions", openai.completions(services)),
+        ("POST", "/v1/embeddings", openai_misc.embeddings(services)),
+        ("GET", "/v1/models", openai_misc.models(services)),
+        ("GET", "/v1/models/{name:path}", openai_misc.model(services)),
+        ("POST", "/v1/messages", anthropic.messages(services)),
+        ("POST", "/v1/responses", responses.responses(services)),
+        ("POST", "/corral/render", native.render(services)),  # Corral's: the rendered prompt
+        ("GET", "/ui", page.page()),  # the page for people
+        ("GET", page.PREFIX + "{file:path}", page.page()),
+    ]
 
 
 class Daemon:
@@ -102,8 +104,8 @@ class Daemon:
         self.downloader = Downloader(self.store, download_options or DownloadOptions())
         self.puller = Puller(self.store, self.downloader)
         self.pusher = Pusher(self.store, push_options or PushOptions())
-        table, prefixes = routes(self.services, self.puller, self.pusher)
-        self.http = HttpServer(build_app(table, prefixes, settings), settings.host.host,
+        table = routes(self.services, self.puller, self.pusher)
+        self.http = HttpServer(build_app(table, settings), settings.host.host,
                                settings.host.port, settings)
         self._stop_housekeeping = threading.Event()
         threading.Thread(target=self._housekeeping, args=(self._stop_housekeeping,),

@@ -22,7 +22,7 @@ MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|
            "<|constrain|>")
 _RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 
-Event = tuple[str, str, "str | None"]  # (kind: thinking|content|call, text, tool name)
+Part = tuple[str, str, "str | None"]  # (kind: thinking|content|call, text, tool name)
 
 
 class Where(enum.Enum):
@@ -53,9 +53,9 @@ class HarmonyParser:
             return "call", match.group(1)
         return ("thinking" if "analysis" in self.header else "content"), None
 
-    def feed(self, text: str, final: bool = False) -> list[Event]:
+    def feed(self, text: str, final: bool = False) -> list[Part]:
         self.buf += text
-        out: list[Event] = []
+        out: list[Part] = []
         while True:
             at, marker = self._next_marker()
             if marker is None:
@@ -67,7 +67,7 @@ class HarmonyParser:
             self.buf = self.buf[at + len(marker):]
             self._marker(marker, out)
 
-    def finish(self) -> list[Event]:
+    def finish(self) -> list[Part]:
         out = self.feed("", final=True)
         if self.where is Where.BODY and self.call_body:
             out.append(("content", self.call_body, None))  # a call cut off: its text stays
@@ -79,7 +79,7 @@ class HarmonyParser:
             return -1, None
         return min(found)
 
-    def _text(self, text: str, out: list[Event]) -> None:
+    def _text(self, text: str, out: list[Part]) -> None:
         if not text:
             return
         if self.where is Where.HEADER:
@@ -93,7 +93,7 @@ class HarmonyParser:
         else:
             out.append(("content", text, None))
 
-    def _marker(self, marker: str, out: list[Event]) -> None:
+    def _marker(self, marker: str, out: list[Part]) -> None:
         if marker in ("<|start|>", "<|channel|>"):
             if self.where is not Where.HEADER:
                 self.header = ""

@@ -24,10 +24,11 @@ from corral.registry.models import details, load_record, read_config
 from corral.registry.store import ModelEntry
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_info
-from corral.runner.wire import LoadReport
+from corral.runner.wire import Health, LoadReport
 from corral.server.http import Handler, Request
 from corral.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from corral.server.models import ModelView, require_model
+from corral.server.resident import Resident
 from corral.server.scheduler import Scheduler
 from corral.server.services import Services
 
@@ -180,40 +181,30 @@ def delete(services: Services) -> Any:
     return route
 
 
-def _health(entry: Any) -> dict[str, Any]:
+def _health(entry: Resident) -> Health | None:
+    """What the model's runner says of itself now; None when it cannot say."""
     try:
-        return dict(entry.runner.health())
-    except (CorralError, AttributeError):
-        return {}
+        return entry.runner.health() if entry.runner is not None else None
+    except CorralError:
+        return None
 
 
-def _sizes(entry: Any, health: dict[str, Any]) -> tuple[int, int, int, int]:
+def _sizes(entry: Resident, health: Health | None) -> tuple[int, int, int, int]:
     """(bytes the model holds now, bytes it may grow to, slots now, slots busy). Elastic KV
     holds one slot's worth while idle and grows as requests run at once (runner.growth);
     the prompt cache's RAM counts too, so that nothing the model holds is missing here."""
     report = entry.runner.report if entry.runner is not None else LoadReport()
     cap, cap_slots = report.size, report.slots or 1
-    slots = int(health.get("slots", cap_slots))
-    per_slot = report.kv_per_slot
-    cache = int(health.get("cache_bytes", 0))
-    return (cap - per_slot * max(cap_slots - slots, 0) + cache, cap + cache, slots,
-            int(health.get("busy_slots", 0)))
+    if health is None:
+        return cap, cap, cap_slots, 0
+    per_slot, cache = report.kv_per_slot, health.cache.bytes
+    return (cap - per_slot * max(cap_slots - health.slots, 0) + cache, cap + cache,
+            health.slots, health.busy_slots)
 
 
-CACHE_FIELDS = {"cache_bytes": "bytes", "cache_budget": "budget", "cache_entries": "entries",
-                "cache_hits": "hits", "cache_tokens_restored": "tokens_restored",
-                "cache_tokens_shared": "tokens_shared", "cache_disk_bytes": "disk_bytes",
-                "cache_disk_entries": "disk_entries"}
-
-
-# /metrics names the counters among them as counters.
-METRIC = {"cache_hits": "cache_hits_total", "cache_tokens_restored": "cache_tokens_restored_total",
-          "cache_tokens_shared": "cache_tokens_shared_total"}
-
-
-def prompt_cache(health: dict[str, Any]) -> dict[str, int]:
+def prompt_cache(health: Health | None) -> dict[str, int]:
     """A Corral extension in ps and show: what the model's prompt cache holds and did."""
-    return {short: int(health[key]) for key, short in CACHE_FIELDS.items() if key in health}
+    return health.cache.shown() if health is not None else {}
 
 
 def ps(services: Services) -> Any:
@@ -264,19 +255,20 @@ def runner_gauges(scheduler: Scheduler) -> Iterator[tuple[str, dict[str, float]]
     """What each loaded runner reports, by /metrics' names (server.metrics)."""
     for entry in scheduler.running():
         values: dict[str, float] = {"slots": entry.slots}
-        try:
-            assert entry.runner is not None
-            health = entry.runner.health()
-            values.update({METRIC.get(key, key): health[key] for key in CACHE_FIELDS
-                           if key in health})
-            values.update({"queue_depth": health.get("waiting", 0),
-                           "busy_slots": health.get("busy_slots", 0),
-                           "kv_cells_used": health.get("kv_used", 0),
-                           "kv_cells_reserved": health.get("kv_reserved", 0),
-                           "preemptions_total": health.get("preemptions", 0),
-                           "sampled_tokens_total": health.get("sampled", 0)})
-        except (CorralError, AttributeError, AssertionError):
-            pass
+        health = _health(entry)
+        if health is not None:
+            cache = health.cache
+            values.update({"queue_depth": health.waiting, "busy_slots": health.busy_slots,
+                           "kv_cells_used": health.kv_used,
+                           "kv_cells_reserved": health.kv_reserved,
+                           "preemptions_total": health.preemptions,
+                           "sampled_tokens_total": health.sampled,
+                           "cache_bytes": cache.bytes, "cache_budget": cache.budget,
+                           "cache_entries": cache.entries, "cache_hits_total": cache.hits,
+                           "cache_tokens_restored_total": cache.tokens_restored,
+                           "cache_tokens_shared_total": cache.tokens_shared})
+            if cache.disk_bytes is not None:
+                values["cache_disk_bytes"] = cache.disk_bytes
         yield entry.record.name.display(), values
 
 

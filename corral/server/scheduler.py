@@ -387,7 +387,7 @@ class Scheduler:
 def _cache_bytes(entry: Resident) -> int:
     """Bytes the model's prompt cache holds in RAM now (0 when unknown)."""
     try:
-        return int(entry.runner.health().get("cache_bytes", 0)) if entry.runner else 0
+        return entry.runner.health().cache.bytes if entry.runner else 0
     except CorralError:
         return 0
 

@@ -16,11 +16,50 @@ class TextBlock(Wire):
     text: str
 
 
+class Base64Source(Wire):
+    type: Literal["base64"]
+    data: str
+    media_type: Optional[str] = None
+
+
+class URLSource(Wire):
+    type: Literal["url"]
+    url: str  # only a data URI is taken: nothing is fetched
+
+
+class ImageBlock(Wire):
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
+
+
+class ThinkingBlock(Wire):
+    type: Literal["thinking"]
+    thinking: str = ""
+    signature: Optional[str] = None
+
+
+class ToolUseBlock(Wire):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(Wire):
+    type: Literal["tool_result"]
+    tool_use_id: str = ""
+    content: Union[str, list[TextBlock], None] = None
+    is_error: bool = False
+
+
+# The kinds Corral takes; any other `type` is a 400 that lists these.
+Block = Annotated[Union[TextBlock, ImageBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock],
+                  Field(discriminator="type")]
+
+
 class Message(Wire):
     role: Literal["user", "assistant"]
-    # Blocks stay objects here: the dialect reads each kind (text, image, tool_use,
-    # tool_result, thinking) and refuses the kinds Corral cannot take, by name.
-    content: Union[str, list[dict[str, Any]]]
+    content: Union[str, list[Block]]
 
 
 class Tool(Wire):

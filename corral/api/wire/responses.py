@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from corral.api.wire import Wire
 
@@ -41,10 +41,70 @@ class Reasoning(Wire):
     summary: Optional[str] = None
 
 
+class TextPart(Wire):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ImagePart(Wire):
+    type: Literal["input_image"]
+    image_url: Optional[str] = None  # a data URI: nothing is fetched
+    file_id: Optional[str] = None
+    detail: Optional[str] = None
+
+
+Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+Content = Union[str, list[Part]]
+
+
+class MessageItem(Wire):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content = ""
+
+
+class SummaryText(Wire):
+    type: Literal["summary_text"] = "summary_text"
+    text: str = ""
+
+
+class ReasoningItem(Wire):
+    type: Literal["reasoning"]
+    summary: list[SummaryText] = Field(default_factory=list)
+
+
+class FunctionCallItem(Wire):
+    type: Literal["function_call"]
+    call_id: str = ""
+    name: str = ""
+    arguments: str = "{}"  # JSON text, as the API sends it
+
+
+class FunctionCallOutputItem(Wire):
+    type: Literal["function_call_output"]
+    call_id: str = ""
+    output: Content = ""
+
+
+def _item_kind(value: Any) -> Optional[str]:
+    # An item without a type but with a role is a message (the API's "easy" input form).
+    if isinstance(value, dict):
+        return value.get("type") or ("message" if value.get("role") else None)
+    return getattr(value, "type", None)
+
+
+Item = Annotated[Union[Annotated[MessageItem, Tag("message")],
+                       Annotated[ReasoningItem, Tag("reasoning")],
+                       Annotated[FunctionCallItem, Tag("function_call")],
+                       Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                 Discriminator(_item_kind, custom_error_type="invalid_union_member",
+                               custom_error_message="unknown input item type (message, "
+                               "reasoning, function_call or function_call_output)")]
+
+
 class ResponsesRequest(Wire):
     model: Optional[str] = None
-    # Items stay objects here: the dialect reads each type and refuses unknown ones by name.
-    input: Union[str, Annotated[list[dict[str, Any]], Field(min_length=1)]]
+    input: Union[str, Annotated[list[Item], Field(min_length=1)]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     temperature: Optional[Temperature] = None

@@ -15,72 +15,51 @@ import json
 import secrets
 from typing import Any, Callable, Iterator
 
-from corral.api.wire.anthropic import (AnyChoice, Choice, MessageResponse, MessagesRequest,
-                                       NoneChoice, ToolChoice, Usage)
-from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ImageBlock, MessageResponse,
+                                       MessagesRequest, NoneChoice, TextBlock, ThinkingBlock,
+                                       ToolChoice, ToolResultBlock, ToolUseBlock, URLSource,
+                                       Usage)
+from corral.errors import CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.models import require_model
 from corral.server.services import Services
-from corral.server.pipeline.request import (ChatRequest, ChoiceMode, Event, Final,
+from corral.server.pipeline.request import (ChatTask, ChoiceMode, Event, Finished,
                                             ToolChoice as Forced)
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
-def _text_of(blocks: Any, what: str) -> str:
-    if isinstance(blocks, str):
-        return blocks
-    if blocks is None:
-        return ""
-    if not isinstance(blocks, list):
-        raise BadRequest(f"{what} must be a string or a list of content blocks")
-    texts = []
-    for block in blocks:
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise BadRequest(f"{what} may only hold text blocks")
-        texts.append(str(block.get("text", "")))
-    return "".join(texts)
+def _text_of(blocks: str | list[TextBlock] | None) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    return "".join(block.text for block in blocks)
 
 
-def _image_of(source: Any) -> str:
+def _image_of(block: ImageBlock) -> str:
     """An image block's base64 data; a URL source is refused (nothing is fetched)."""
-    if not isinstance(source, dict):
-        raise BadRequest("image block needs a source")
-    if source.get("type") == "base64" and isinstance(source.get("data"), str):
-        return str(source["data"])
-    if source.get("type") == "url":
-        return from_data_uri(source.get("url"))  # only a data URI gets through
-    raise BadRequest("image source must be base64 data")
+    if isinstance(block.source, URLSource):
+        return from_data_uri(block.source.url)  # only a data URI gets through
+    return block.source.data
 
 
-def _blocks(role: str, content: Any) -> list[dict[str, Any]]:
+def _blocks(role: str, content: str | list[Block]) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool results first, as Ollama orders them."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise BadRequest("message content must be a string or a list of content blocks")
     text, thinking, calls, results, images = [], "", [], [], []
     for block in content:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            text.append(str(block.get("text", "")))
-        elif kind == "thinking":
-            thinking = str(block.get("thinking", ""))
-        elif kind == "tool_use":
-            if not block.get("id") or not block.get("name"):
-                raise BadRequest("tool_use block missing required 'id' or 'name' field")
-            args = block.get("input") or {}
-            if not isinstance(args, dict):
-                raise BadRequest("tool_use input must be an object")
-            calls.append({"id": str(block["id"]),
-                          "function": {"name": str(block["name"]), "arguments": args}})
-        elif kind == "tool_result":
-            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _text_of(block.get("content"), "tool_result content")})
-        elif kind == "image":
-            images.append(_image_of(block.get("source")))
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thinking = block.thinking
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id,
+                          "function": {"name": block.name, "arguments": block.input}})
+        elif isinstance(block, ToolResultBlock):
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": _text_of(block.content)})
         else:
-            raise BadRequest(f"unsupported content block type {kind!r}")
+            images.append(_image_of(block))
     out = list(results)
     if text or calls or thinking or images:
         message: dict[str, Any] = {"role": role, "content": "".join(text)}
@@ -124,10 +103,9 @@ def _think(wire: MessagesRequest) -> bool | str | None:
     return "high" if effort in ("max", "xhigh") else effort
 
 
-def parse_messages(wire: MessagesRequest) -> ChatRequest:
+def parse_messages(wire: MessagesRequest) -> ChatTask:
     messages: list[dict[str, Any]] = []
-    system = _text_of([b.model_dump() for b in wire.system] if isinstance(wire.system, list)
-                      else wire.system, "system")
+    system = _text_of(wire.system)
     if system:
         messages.append({"role": "system", "content": system})
     for m in wire.messages:
@@ -140,18 +118,18 @@ def parse_messages(wire: MessagesRequest) -> ChatRequest:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.input_schema}}
              for t in wire.tools or []]
-    return ChatRequest(model=require_model(wire.model), messages=_named(messages),
-                       options=options, think=_think(wire), grammar=wire.grammar or None,
-                       tools=tools, tool_choice=_tool_choice(wire.tool_choice))
+    return ChatTask(model=require_model(wire.model), messages=_named(messages),
+                    options=options, think=_think(wire), grammar=wire.grammar or None,
+                    tools=tools, tool_choice=_tool_choice(wire.tool_choice))
 
 
-def _stop_reason(final: Final) -> str:
+def _stop_reason(final: Finished) -> str:
     if final.called:
         return "tool_use"
     return "max_tokens" if final.done_reason == "length" else "end_turn"
 
 
-def _usage(final: Final) -> Usage:
+def _usage(final: Finished) -> Usage:
     """Anthropic counts cache reads apart: input_tokens are the ones evaluated."""
     return {"input_tokens": final.prompt_tokens - final.cached_tokens,
             "cache_read_input_tokens": final.cached_tokens, "cache_creation_input_tokens": 0,
@@ -170,9 +148,9 @@ class Blocks:
 
     def whole(self, events: Iterator[Event]) -> MessageResponse:
         content: list[dict[str, Any]] = []
-        final = Final()
+        final = Finished()
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 final = event
             elif event.kind is Kind.CALL:
                 content.append(_tool_use(event))
@@ -196,9 +174,9 @@ class Blocks:
         yield "message_start", {"type": "message_start", "message": {
             **self.message, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0}}}
-        index, open_type, final = -1, None, Final()
+        index, open_type, final = -1, None, Finished()
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 final = event
                 continue
             kind = _block_type(event)

@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterator
 from corral.api.types import STREAM_CONTENT_TYPE as NDJSON, nanoseconds, rfc3339
 from corral.api.wire import parse
 from corral.api.wire.manage import RenderExtras
-from corral.api.wire.native import (ChatRequest as WireChat, EmbeddingsRequest, EmbedRequest,
-                                    Final as FinalLine, GenerateRequest, Generation)
+from corral.api.wire.native import (ChatRequest, EmbeddingsRequest, EmbedRequest,
+                                    Final, GenerateRequest, Generation)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.models import require_model
 from corral.server.pipeline.embed import embed as embed_inputs
 from corral.server.services import Services, keep_alive_of
-from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event, Final
+from corral.server.pipeline.request import ChatTask, CompletionTask, Event, Finished
 from corral.server.pipeline.stream import generation
 from corral.server.reply import Kind, Piece
 
@@ -44,18 +44,18 @@ def _option_grammar(wire: Generation) -> str | None:
     return grammar or None
 
 
-def parse_generate(wire: GenerateRequest) -> CompletionRequest:
+def parse_generate(wire: GenerateRequest) -> CompletionTask:
     if wire.raw and (wire.template or wire.system or wire.context):
         raise BadRequest("raw mode does not support template, system, or context")
-    return CompletionRequest(**_common(wire), prompt=wire.prompt or "", suffix=wire.suffix or "",
+    return CompletionTask(**_common(wire), prompt=wire.prompt or "", suffix=wire.suffix or "",
                              raw=wire.raw, system=wire.system, template=wire.template,
                              context=list(wire.context or []), images=list(wire.images or []))
 
 
-def parse_chat(wire: WireChat) -> ChatRequest:
+def parse_chat(wire: ChatRequest) -> ChatTask:
     messages = [m.model_dump(exclude_none=True) for m in wire.messages or []]
     tools = [t.model_dump() for t in wire.tools or []]
-    return ChatRequest(**_common(wire), messages=messages, tools=tools)
+    return ChatTask(**_common(wire), messages=messages, tools=tools)
 
 
 class Lines:
@@ -71,7 +71,7 @@ class Lines:
 
     def objects(self, events: Iterator[Event]) -> Iterator[dict[str, Any]]:
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 yield dict(self._final(event))
                 continue
             out = {**self._head(), **self._body(event), "done": False}
@@ -92,8 +92,8 @@ class Lines:
             message["tool_calls"] = [piece.call]
         return {"message": message}
 
-    def _final(self, final: Final) -> FinalLine:
-        out: FinalLine = {
+    def _final(self, final: Finished) -> Final:
+        out: Final = {
             "model": self.model, "created_at": rfc3339(time.time()), "done": True,
             "done_reason": final.done_reason,
             "total_duration": nanoseconds(final.total_duration),
@@ -152,7 +152,7 @@ def _load_or_unload(handler: Handler, services: Services, wire: Generation, chat
 
 
 def generate(services: Services) -> Callable[[Request, Handler], None]:
-    def idle(wire: GenerateRequest, request: CompletionRequest, handler: Handler) -> bool:
+    def idle(wire: GenerateRequest, request: CompletionTask, handler: Handler) -> bool:
         if request.prompt or request.suffix:
             return False
         _load_or_unload(handler, services, wire, chat=False)
@@ -163,12 +163,12 @@ def generate(services: Services) -> Callable[[Request, Handler], None]:
 
 
 def chat(services: Services) -> Callable[[Request, Handler], None]:
-    def idle(wire: WireChat, request: ChatRequest, handler: Handler) -> bool:
+    def idle(wire: ChatRequest, request: ChatTask, handler: Handler) -> bool:
         if request.messages:
             return False
         _load_or_unload(handler, services, wire, chat=True)
         return True
-    return generation(services, WireChat, parse_chat,
+    return generation(services, ChatRequest, parse_chat,
                       lambda wire, request: Lines(request.model, chat=True), idle)
 
 
@@ -187,10 +187,10 @@ def embed(services: Services) -> Callable[[Request, Handler], None]:
                                     wire.truncate, normalize=True,
                                     dimensions=wire.dimensions or 0,
                                     on_disconnect=req.on_disconnect)
-        handler.send_json(200, {"model": wire.model, "embeddings": result["embeddings"],
+        handler.send_json(200, {"model": wire.model, "embeddings": result.embeddings,
                                 "total_duration": nanoseconds(time.perf_counter() - started),
                                 "load_duration": nanoseconds(load),
-                                "prompt_eval_count": result["prompt_eval_count"]})
+                                "prompt_eval_count": result.prompt_eval_count})
     return route
 
 
@@ -205,7 +205,7 @@ def embeddings(services: Services) -> Callable[[Request, Handler], None]:
             return
         result, _ = embed_inputs(services, view, [wire.prompt], wire.options, keep_alive,
                                  normalize=False, on_disconnect=req.on_disconnect)
-        handler.send_json(200, {"embedding": result["embeddings"][0]})
+        handler.send_json(200, {"embedding": result.embeddings[0]})
     return route
 
 
@@ -218,7 +218,7 @@ def render(services: Services) -> Callable[[Request, Handler], None]:
 
     def route(req: Request, handler: Handler) -> None:
         body = req.json()
-        request: ChatRequest | CompletionRequest = parse_chat(parse(WireChat, body)) \
+        request: ChatTask | CompletionTask = parse_chat(parse(ChatRequest, body)) \
             if "messages" in body else parse_generate(parse(GenerateRequest, body))
         extras = parse(RenderExtras, body)
         handler.send_json(200, render_only(services, request, extras.chat_template or None,

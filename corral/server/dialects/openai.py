@@ -14,15 +14,15 @@ from typing import Any, Callable, Iterator
 
 from corral.api.wire.common import ChatToolChoice, FunctionChoice
 from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRequest,
-                                    CompletionRequest as WireCompletion, Message, Sampling,
+                                    CompletionRequest, Message, Sampling,
                                     TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.models import require_model
 from corral.server.services import Services
-from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
-                                            Final, ToolChoice)
+from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
+                                            Finished, ToolChoice)
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
@@ -129,13 +129,13 @@ def _format(wire: ChatCompletionRequest) -> Any:
                       "response_format")
 
 
-def parse_chat(wire: ChatCompletionRequest) -> ChatRequest:
+def parse_chat(wire: ChatCompletionRequest) -> ChatTask:
     messages: list[dict[str, Any]] = []
     for m in wire.messages:
         messages.append(_message(m, messages))
     effort = wire.reasoning.effort if wire.reasoning is not None else wire.reasoning_effort
     logprobs = int(wire.top_logprobs or 0) if wire.logprobs or wire.top_logprobs else None
-    return ChatRequest(
+    return ChatTask(
         model=require_model(wire.model), messages=messages,
         options=_options(wire, wire.max_completion_tokens or wire.max_tokens),
         think=think_of_effort(effort), format=_format(wire), grammar=_grammar(wire),
@@ -143,9 +143,9 @@ def parse_chat(wire: ChatCompletionRequest) -> ChatRequest:
         tool_choice=tool_choice_of(wire.tool_choice))
 
 
-def parse_completion(wire: WireCompletion) -> CompletionRequest:
+def parse_completion(wire: CompletionRequest) -> CompletionTask:
     prompt = wire.prompt if isinstance(wire.prompt, str) else wire.prompt[0]
-    return CompletionRequest(model=require_model(wire.model), prompt=prompt, raw=True,
+    return CompletionTask(model=require_model(wire.model), prompt=prompt, raw=True,
                              suffix=wire.suffix or "", options=_options(wire, wire.max_tokens),
                              grammar=_grammar(wire), logprobs=wire.logprobs, n=wire.n)
 
@@ -157,16 +157,16 @@ def openai_call(call: dict[str, Any]) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
 
 
-def finish_reason(final: Final) -> str:
+def finish_reason(final: Finished) -> str:
     if final.called:
         return "tool_calls"
     return "length" if final.done_reason == "length" else "stop"
 
 
-def usage(finals: dict[int, Final]) -> Usage:
+def usage(finals: dict[int, Finished]) -> Usage:
     """OpenAI's usage: the whole prompt (once: the choices share it), the reused part of
     it in cached_tokens, and every choice's output."""
-    first = finals.get(0, Final())
+    first = finals.get(0, Finished())
     completion = sum(f.eval_count for f in finals.values())
     return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
             "total_tokens": first.prompt_tokens + completion,
@@ -184,7 +184,7 @@ class Stream:
         self.head = {"id": self.id, "object": kind, "created": self.created, "model": model,
                      "system_fingerprint": FINGERPRINT}
         self.include_usage = include_usage
-        self.finals: dict[int, Final] = {}
+        self.finals: dict[int, Finished] = {}
 
     @staticmethod
     def sse(obj: Any) -> bytes:
@@ -209,7 +209,7 @@ class ChatChunks(Stream):
             if event.index not in opened:
                 opened.add(event.index)
                 yield self._chunk(event.index, {"role": "assistant", "content": ""})
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.finals[event.index] = event
                 yield self._chunk(event.index, {}, finish_reason(event))
             else:
@@ -226,7 +226,7 @@ class ChatChunks(Stream):
     def whole(self, events: Iterator[Event]) -> ChatCompletion:
         parts: dict[int, dict[str, list[Any]]] = {}
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.finals[event.index] = event
                 continue
             got = parts.setdefault(event.index, {"content": [], "reasoning": [], "calls": [],
@@ -243,7 +243,7 @@ class ChatChunks(Stream):
                 "usage": usage(self.finals)}
 
 
-def _choice(index: int, got: dict[str, list[Any]] | None, final: Final) -> ChatChoice:
+def _choice(index: int, got: dict[str, list[Any]] | None, final: Finished) -> ChatChoice:
     got = got or {"content": [], "reasoning": [], "calls": [], "logprobs": []}
     message: dict[str, Any] = {"role": "assistant", "content": "".join(got["content"])}
     if got["reasoning"]:
@@ -270,7 +270,7 @@ class TextChunks(Stream):
 
     def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.finals[event.index] = event
                 yield self.sse({**self.head, "choices": [{
                     "text": "", "index": event.index, "finish_reason": finish_reason(event),
@@ -286,7 +286,7 @@ class TextChunks(Stream):
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[dict[str, Any]]] = {}
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.finals[event.index] = event
             else:
                 texts.setdefault(event.index, []).append(event.text)
@@ -323,6 +323,6 @@ def chat_completions(services: Services) -> Callable[[Request, Handler], None]:
 
 
 def completions(services: Services) -> Callable[[Request, Handler], None]:
-    return generation(services, WireCompletion, parse_completion,
+    return generation(services, CompletionRequest, parse_completion,
                       lambda wire, request: TextChunks(request.model, _usage_wanted(wire),
                                                        wire.logprobs is not None))

@@ -25,12 +25,12 @@ def embeddings(services: Services) -> Callable[[Request, Handler], None]:
                                  normalize=True, dimensions=wire.dimensions or 0,
                                  on_disconnect=req.on_disconnect)
         data = []
-        for i, vector in enumerate(result["embeddings"]):
+        for i, vector in enumerate(result.embeddings):
             value: Any = vector
             if wire.encoding_format.lower() == "base64":
                 value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
             data.append({"object": "embedding", "embedding": value, "index": i})
-        n = int(result["prompt_eval_count"])
+        n = result.prompt_eval_count
         handler.send_json(200, {"object": "list", "data": data, "model": wire.model,
                                 "usage": {"prompt_tokens": n, "total_tokens": n}})
     return route

@@ -16,34 +16,33 @@ import secrets
 import time
 from typing import Any, Callable, Iterator
 
-from corral.api.wire.responses import FunctionChoice, Response, ResponsesRequest, Usage
+from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
+                                       ReasoningItem, Response, ResponsesRequest, TextPart,
+                                       Usage)
 from corral.errors import BadRequest, CorralError
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.models import require_model
 from corral.server.services import Services
-from corral.server.pipeline.request import ChatRequest, ChoiceMode, Event, Final, ToolChoice
+from corral.server.pipeline.request import ChatTask, ChoiceMode, Event, Finished, ToolChoice
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
-def _text(content: Any, images: list[str] | None = None) -> str:
+def _text(content: Content, images: list[str] | None = None) -> str:
     """A content's text; its input_image parts (data URIs) go to `images` where allowed."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise BadRequest("content must be a string or a list of content parts")
     parts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            parts.append(str(part.get("text", "")))
-        elif kind == "input_image" and images is not None:
-            if part.get("file_id"):
-                raise BadRequest("input_image file_id is not supported: send a data URI")
-            images.append(from_data_uri(part.get("image_url")))
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+        elif images is None:
+            raise BadRequest(f"unsupported content part type {part.type!r}")
+        elif part.file_id:
+            raise BadRequest("input_image file_id is not supported: send a data URI")
         else:
-            raise BadRequest(f"unsupported content part type {kind!r}")
+            images.append(from_data_uri(part.image_url))
     return "".join(parts)
 
 
@@ -51,45 +50,39 @@ def _messages(wire: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if wire.instructions:
         out.append({"role": "system", "content": wire.instructions})
-    items = wire.input
-    if isinstance(items, str):
-        return out + [{"role": "user", "content": items}]
+    if isinstance(wire.input, str):
+        return out + [{"role": "user", "content": wire.input}]
     thinking = ""
-    for item in items:
-        if not isinstance(item, dict):
-            raise BadRequest("input items must be objects")
-        kind = item.get("type") or ("message" if item.get("role") else None)
-        if kind == "message":
-            role = "system" if item.get("role") == "developer" else item.get("role")
-            if role not in ("user", "assistant", "system"):
-                raise BadRequest("message role must be user, assistant, system or developer")
-            images: list[str] = []
-            message = {"role": role, "content": _text(item.get("content", ""), images)}
-            out.append({**message, "images": images} if images else message)
-        elif kind == "reasoning":
-            thinking = "".join(str(s.get("text", "")) for s in item.get("summary") or []
-                               if isinstance(s, dict))
+    for item in wire.input:
+        if isinstance(item, ReasoningItem):
+            thinking = "".join(s.text for s in item.summary)
             continue
-        elif kind == "function_call":
-            try:
-                args = json.loads(item.get("arguments") or "{}")
-            except (TypeError, ValueError):
-                raise BadRequest("function_call arguments must be JSON") from None
-            call = {"id": str(item.get("call_id", "")),
-                    "function": {"name": str(item.get("name", "")), "arguments": args}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id = str(item.get("call_id", ""))
-            out.append({"role": "tool", "tool_call_id": call_id, "tool_name": _name(out, call_id),
-                        "content": _text(item.get("output", ""))})
+        if isinstance(item, MessageItem):
+            images: list[str] = []
+            role = "system" if item.role == "developer" else item.role
+            message = {"role": role, "content": _text(item.content, images)}
+            out.append({**message, "images": images} if images else message)
+        elif isinstance(item, FunctionCallItem):
+            _call(out, item)
         else:
-            raise BadRequest(f"unknown input item type: {kind!r}")
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "tool_name": _name(out, item.call_id), "content": _text(item.output)})
         if thinking and out[-1]["role"] == "assistant":
             out[-1]["thinking"], thinking = thinking, ""
     return out
+
+
+def _call(out: list[dict[str, Any]], item: FunctionCallItem) -> None:
+    """A function_call item joins the assistant message before it, or starts one."""
+    try:
+        args = json.loads(item.arguments or "{}")
+    except ValueError:
+        raise BadRequest("function_call arguments must be JSON") from None
+    call = {"id": item.call_id, "function": {"name": item.name, "arguments": args}}
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def _name(earlier: list[dict[str, Any]], call_id: str) -> str:
@@ -105,7 +98,7 @@ def _format(wire: ResponsesRequest) -> Any:
     return structured(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
 
 
-def parse_responses(wire: ResponsesRequest) -> ChatRequest:
+def parse_responses(wire: ResponsesRequest) -> ChatTask:
     if wire.previous_response_id:
         raise BadRequest("previous_response_id is not supported: responses are not stored "
                          "(send the whole conversation in input)")
@@ -122,7 +115,7 @@ def parse_responses(wire: ResponsesRequest) -> ChatRequest:
         "name": t.name, "description": t.description or "",
         "parameters": t.parameters or {"type": "object", "properties": {}}}}
         for t in wire.tools or []]
-    return ChatRequest(model=require_model(wire.model), messages=_messages(wire),
+    return ChatTask(model=require_model(wire.model), messages=_messages(wire),
                        options=options, format=_format(wire), grammar=wire.grammar or None,
                        think=think_of_effort(wire.reasoning.effort if wire.reasoning else None),
                        tools=tools, tool_choice=forced)
@@ -138,7 +131,7 @@ class Items:
         self.id, self.created = "resp_" + secrets.token_hex(12), int(time.time())
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item growing
-        self.final = Final()
+        self.final = Finished()
         self.sent = 0  # events streamed, for sequence_number
 
     def response(self, status: str) -> Response:
@@ -245,7 +238,7 @@ class Items:
         yield "response.created", {"response": self.response("in_progress")}
         yield "response.in_progress", {"response": self.response("in_progress")}
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.final = event
             else:
                 yield from self.add(event)
@@ -267,14 +260,14 @@ class Items:
 
     def whole(self, events: Iterator[Event]) -> Response:
         for event in events:
-            if isinstance(event, Final):
+            if isinstance(event, Finished):
                 self.final = event
             else:
                 self.add(event)
         return self.response("completed")
 
 
-def _items(wire: ResponsesRequest, request: ChatRequest) -> Items:
+def _items(wire: ResponsesRequest, request: ChatTask) -> Items:
     choice = wire.tool_choice.model_dump() if isinstance(wire.tool_choice, FunctionChoice) \
         else wire.tool_choice
     return Items(request.model, choice, [t.model_dump(exclude_none=True)

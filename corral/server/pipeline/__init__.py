@@ -1,8 +1,8 @@
 """The one request path every API dialect shares.
 
-    dialect.parse(body) -> ChatRequest | CompletionRequest      (server.dialects)
+    dialect.parse(body) -> ChatTask | CompletionTask      (server.dialects)
     prepare(view, request, limits) -> Plan, a pure function     (server.pipeline.prepare)
-    run(services, request) -> Piece* then Final, per choice     (server.pipeline.run)
+    run(services, request) -> Piece* then Finished, per choice     (server.pipeline.run)
     respond(handler, events, renderer)                          (server.pipeline.stream)
 
 A dialect only translates: its wire record into a request here, and these events

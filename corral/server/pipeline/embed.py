@@ -7,6 +7,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest
+from corral.runner.wire import EmbedJob, Embeddings
 from corral.server.models import ModelView
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ def embed(services: Services, view: ModelView, inputs: list[str], options: Any,
           keep_alive: float | None, truncate: bool = True, normalize: bool = True,
           dimensions: int = 0,
           on_disconnect: Callable[[Callable[[], None]], Any] | None = None,
-          ) -> tuple[dict[str, Any], float]:
+          ) -> tuple[Embeddings, float]:
     """The runner's embeddings and the seconds spent getting the model ready."""
     settings = services.settings
     if len(inputs) > settings.max_embed_inputs:
@@ -32,8 +33,8 @@ def embed(services: Services, view: ModelView, inputs: list[str], options: Any,
         # A client that leaves stops the batch at the runner's next slice.
         watcher = on_disconnect(lambda: runner.cancel(job_id)) if on_disconnect else None
         try:
-            result = runner.embed(inputs, truncate, normalize, dimensions,
-                                  settings.max_embed_tokens, job_id)
+            result = runner.embed(EmbedJob(tuple(inputs), truncate, normalize, dimensions,
+                                           settings.max_embed_tokens, job_id))
         finally:
             if watcher is not None:
                 watcher.set()

@@ -14,7 +14,7 @@ from corral.server.harmony import uses_harmony
 from corral.server.images import check_images
 from corral.server.models import ModelView
 from corral.server.pipeline.grammar import request_grammar
-from corral.server.pipeline.request import ChatRequest, ChoiceMode, Request
+from corral.server.pipeline.request import ChatTask, ChoiceMode, Task
 from corral.server.reply import Format, reply_format
 
 
@@ -22,7 +22,7 @@ from corral.server.reply import Format, reply_format
 class Plan:
     """What `prepare` decided; the same for every choice of the request."""
 
-    request: Request
+    request: Task
     view: ModelView
     options: dict[str, Any]
     fmt: Format
@@ -38,7 +38,7 @@ class Plan:
         return {str(t["function"]["name"]) for t in self.tools}
 
 
-def prepare(view: ModelView, request: Request, limits: Settings) -> Plan:
+def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
     """The plan of `request` against `view`, or a 400 naming what is wrong."""
     caps = view.capabilities
     if request.think and "thinking" not in caps:
@@ -48,11 +48,11 @@ def prepare(view: ModelView, request: Request, limits: Settings) -> Plan:
     think = True if request.think is None and "thinking" in caps else request.think
     tools = _tools(view, request)
     grammar = request_grammar(request.grammar, request.format, limits.max_grammar_bytes)
-    raw = not isinstance(request, ChatRequest) and request.raw  # text as written, unsplit
+    raw = not isinstance(request, ChatTask) and request.raw  # text as written, unsplit
     fmt = Format() if raw else reply_format(view.template, bool(think), bool(tools))
     messages: list[dict[str, Any]] = []
     images: list[str] = []
-    if isinstance(request, ChatRequest):
+    if isinstance(request, ChatTask):
         messages = chat_messages(view, request.messages, limits)
     elif request.images:
         images = checked_images(view, request.images, limits)
@@ -60,9 +60,9 @@ def prepare(view: ModelView, request: Request, limits: Settings) -> Plan:
                 messages, images, special=uses_harmony(view.template), think=think)
 
 
-def _tools(view: ModelView, request: Request) -> list[dict[str, Any]]:
+def _tools(view: ModelView, request: Task) -> list[dict[str, Any]]:
     """The tools the prompt lists; and a completion's suffix, which needs `insert`."""
-    if not isinstance(request, ChatRequest):
+    if not isinstance(request, ChatTask):
         if request.suffix and "insert" not in view.capabilities:
             raise BadRequest(f"{view.name} does not support insert")
         return []

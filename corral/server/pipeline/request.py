@@ -33,7 +33,7 @@ class ToolChoice:
 
 
 @dataclass(kw_only=True)
-class Generation:
+class TaskBase:
     """What every generation request carries, whichever API it came from."""
 
     model: str
@@ -49,14 +49,14 @@ class Generation:
 
 
 @dataclass(kw_only=True)
-class ChatRequest(Generation):
+class ChatTask(TaskBase):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 @dataclass(kw_only=True)
-class CompletionRequest(Generation):
+class CompletionTask(TaskBase):
     prompt: str
     suffix: str = ""
     raw: bool = False
@@ -66,11 +66,11 @@ class CompletionRequest(Generation):
     images: list[str] = field(default_factory=list)
 
 
-Request = Union[ChatRequest, CompletionRequest]
+Task = Union[ChatTask, CompletionTask]
 
 
 @dataclass(frozen=True)
-class Final:
+class Finished:
     """The end of one choice: why it stopped and what it cost."""
 
     index: int = 0
@@ -90,4 +90,4 @@ class Final:
         return self.prompt_tokens - self.cached_tokens
 
 
-Event = Union[Piece, Final]  # pieces carry their choice in Piece.index
+Event = Union[Piece, Finished]  # pieces carry their choice in Piece.index

@@ -5,11 +5,11 @@
               images, options                    (pipeline/prepare.py; 400s, before any load)
     hold      the scheduler admits the request and holds a ready model (503, load errors)
     render    the prompt, in the daemon, with the runner's BOS and EOS
-    stream    runner tokens -> ReplyParser -> Piece events; then one Final per choice
+    stream    runner tokens -> ReplyParser -> Piece events; then one Finished per choice
 
 `n` > 1 runs n sequences of the same prompt side by side (the runner decodes them
 in one batch, and the second and later reuse the first's prefix); their events
-interleave, each Piece and Final carrying its choice's index.
+interleave, each Piece and Finished carrying its choice's index.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from corral.runner.wire import CompletionJob, DoneLine, LoadReport
 from corral.server.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.prepare import Plan, prepare
-from corral.server.pipeline.request import (ChatRequest, ChoiceMode, CompletionRequest, Event,
-                                            Final, Request)
+from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
+                                            Finished, Task)
 from corral.server.pipeline.toolgrammar import tool_grammar
 from corral.server.prompt import mark_messages, mark_prompt
 from corral.server.reply import Piece, ReplyParser
@@ -63,7 +63,7 @@ class Cancels:
             hook()
 
 
-def run(services: Services, request: Request, on_disconnect: OnDisconnect | None = None
+def run(services: Services, request: Task, on_disconnect: OnDisconnect | None = None
         ) -> Iterator[Event]:
     """Check the request now; the returned events then hold, render and generate."""
     plan = prepare(services.models.view(request.model), request, services.settings)
@@ -121,7 +121,7 @@ def _choices(services: Services, plan: Plan, cancels: Cancels) -> Iterator[Event
 
 
 def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Iterator[Event]:
-    """One sequence: hold the model, render, stream pieces, end with its Final."""
+    """One sequence: hold the model, render, stream pieces, end with its Finished."""
     model, started = plan.view.record.name.display(), time.perf_counter()
     job_id = uuid.uuid4().hex
     options = dict(plan.options)
@@ -152,7 +152,7 @@ def _runner_body(plan: Plan, report: LoadReport, options: dict[str, Any],
     """The runner's job: rendered text and images, and whether a think block is open."""
     request, shown = plan.request, render(plan, report)
     grammar = plan.grammar
-    if isinstance(request, ChatRequest) and request.tool_choice.forced:
+    if isinstance(request, ChatTask) and request.tool_choice.forced:
         only = request.tool_choice.name if request.tool_choice.mode is ChoiceMode.NAMED else None
         grammar = tool_grammar(plan.fmt, plan.tools, only, bool(plan.think), shown.opened)
         check_gbnf(grammar)  # a tool's schema made it: as unchecked as a request's own
@@ -180,7 +180,7 @@ def render(plan: Plan, report: LoadReport,
     request = plan.request
     builder = builder or plan.view.builder(report.bos, report.eos)
     context: list[int] = []
-    if isinstance(request, ChatRequest):
+    if isinstance(request, ChatTask):
         messages, images = mark_messages(plan.messages)
         text, add_bos = builder.chat(messages, plan.tools or None, plan.think)
     else:
@@ -197,7 +197,7 @@ def render(plan: Plan, report: LoadReport,
     return Rendered(text, add_bos, images, context, opened)
 
 
-def render_only(services: Services, request: Request, jinja: str | None = None, bos: str = "",
+def render_only(services: Services, request: Task, jinja: str | None = None, bos: str = "",
                 eos: str = "") -> dict[str, Any]:
     """What `run` would send the runner, without generating: a Corral extension for
     reading a rendered prompt instead of inferring it (as llama-server's /apply-template).
@@ -206,7 +206,7 @@ def render_only(services: Services, request: Request, jinja: str | None = None, 
     view = services.models.view(request.model).with_template(jinja)
     plan = prepare(view, request, services.settings)
     report = LoadReport()
-    go = view.record.template or (isinstance(request, CompletionRequest)
+    go = view.record.template or (isinstance(request, CompletionTask)
                                   and (request.raw or request.template))
     builder = jinja_builder(jinja, bos, eos) if jinja else None
     if not go and builder is None:  # the GGUF's Jinja template needs the model's BOS/EOS
@@ -249,9 +249,9 @@ def _tagged(pieces: list[Piece], held: list[dict[str, Any]], index: int) -> Iter
         yield piece
 
 
-def _final(stats: DoneLine, index: int, called: bool, load: float, started: float) -> Final:
+def _final(stats: DoneLine, index: int, called: bool, load: float, started: float) -> Finished:
     prompt = stats.prompt_tokens or stats.prompt_eval_count
-    return Final(index=index, done_reason=stats.done_reason, called=called,
+    return Finished(index=index, done_reason=stats.done_reason, called=called,
                  prompt_tokens=prompt, cached_tokens=max(0, prompt - stats.prompt_eval_count),
                  eval_count=stats.eval_count,
                  prompt_eval_duration=stats.prompt_eval_duration,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
 from corral.api.wire import Wire, parse
 from corral.errors import CorralError
 from corral.server.http import Handler, Request, Route
-from corral.server.pipeline.request import ChatRequest, CompletionRequest, Event
+from corral.server.pipeline.request import ChatTask, CompletionTask, Event
 from corral.server.pipeline.run import run
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, strea
 
 
 W = TypeVar("W", bound=Wire)
-R = TypeVar("R", ChatRequest, CompletionRequest)
+R = TypeVar("R", ChatTask, CompletionTask)
 
 
 def generation(services: Services, record: type[W], to_request: Callable[[W], R],
