@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from corral.runner.diskcache import DiskEntry, DiskTier, namespace
-from corral.runner.promptcache import Entry, PromptCache
+from corral.runner.promptcache import Entry, PromptCache, State
 
 if TYPE_CHECKING:
     from corral.runner.context import EngineConfig
@@ -54,18 +54,18 @@ class PrefixCaches:
         return self.ram.worth_saving(tokens) or (
             self.disk is not None and self.ram.budget == 0)
 
-    def keep(self, tokens: Sequence[int], data: bytes) -> None:
+    def keep(self, tokens: Sequence[int], data: State) -> None:
         if not self.ram.add(tokens, data) and self.disk is not None \
                 and len(data) > self.ram.budget:
             self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk
 
-    def fetch(self, entry: Entry | None, disk: DiskEntry | None) -> bytes | None:
+    def fetch(self, entry: Entry | None, disk: DiskEntry | None) -> State | None:
         if entry is not None:
             return entry.data
         return self.disk.load(disk) if self.disk is not None and disk is not None else None
 
     def restored(self, entry: Entry | None, disk: DiskEntry | None, n: int,
-                 data: bytes | None) -> None:
+                 data: State | None) -> None:
         if entry is None and disk is not None and data is not None:
             entry = self.ram.add(disk.tokens, data)  # read once from disk, then from RAM
         self.ram.restored(entry, n)
@@ -74,7 +74,7 @@ class PrefixCaches:
         if entry is not None:
             self.ram.remove(entry)
 
-    def flush(self, states: list[tuple[list[int], bytes]]) -> int:
+    def flush(self, states: list[tuple[list[int], State]]) -> int:
         """At unload: the given slot states and every RAM entry, newest first, go to the
         disk tier (when there is one); returns how many were written."""
         if self.disk is None:

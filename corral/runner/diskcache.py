@@ -90,7 +90,7 @@ class DiskTier:
         entry.used = entry.path.stat().st_mtime
         return data
 
-    def save(self, tokens: Sequence[int], data: bytes) -> bool:
+    def save(self, tokens: Sequence[int], data: bytes | bytearray) -> bool:
         key = tuple(tokens)
         if not data or len(data) > self.budget or any(
                 e.tokens[:len(key)] == key for e in self.entries):

@@ -23,9 +23,13 @@ one runner process, and an image's tokens are placeholders derived from its hash
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 from corral.runner.slot import common_prefix
+
+# A sequence's state: what llama.cpp wrote (runner.seqstate: a bytearray, written in
+# place and never changed after) or what was read back from disk (bytes).
+State = Union[bytes, bytearray]
 
 # Shorter prefixes are cheaper to prefill than to copy in and out of llama.cpp.
 MIN_TOKENS = 32
@@ -34,7 +38,7 @@ MIN_TOKENS = 32
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    data: bytes  # llama_state_seq_get_data's output for those tokens
+    data: State  # llama_state_seq_get_data's output for those tokens
     used: int = 0  # the cache's clock at its last save or restore
 
     @property
@@ -85,7 +89,7 @@ class PromptCache:
     def worth_saving(self, tokens: Sequence[int]) -> bool:
         return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
-    def add(self, tokens: Sequence[int], data: bytes) -> Entry | None:
+    def add(self, tokens: Sequence[int], data: State) -> Entry | None:
         """Keep a state; None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):

@@ -14,28 +14,39 @@ from typing import Any
 
 import llama_cpp as L
 
+from corral.runner.promptcache import State
 
-def get(ctx: Any, seq: int) -> bytes | None:
-    """The sequence's state; None when llama.cpp gives nothing."""
+
+def get(ctx: Any, seq: int) -> State | None:
+    """The sequence's state; None when llama.cpp gives nothing. llama.cpp writes it
+    straight into the object returned (a bytearray, never changed after): a long
+    prompt's state is tens of megabytes, and a second buffer and copy of it cost the
+    engine thread, which every stream waits for, milliseconds at each slot handover."""
     size = L.llama_state_seq_get_size(ctx, seq)
     if size <= 0:
         return None
-    buf = (ctypes.c_uint8 * size)()
-    n = L.llama_state_seq_get_data(ctx, buf, size, seq)
-    # string_at copies the bytes in one go: slicing a ctypes array makes a list of ints,
-    # one Python object a byte, on the engine thread that every stream waits for.
-    return ctypes.string_at(buf, n) if n > 0 else None
+    state = bytearray(size)
+    view = (ctypes.c_uint8 * size).from_buffer(state)
+    n = L.llama_state_seq_get_data(ctx, view, size, seq)
+    del view  # the export ends, so the bytearray may be cut to what was written
+    if n <= 0:
+        return None
+    if n < size:
+        del state[n:]
+    return state
 
 
-def put(ctx: Any, state: bytes, seq: int, streams: int) -> bool:
+def put(ctx: Any, state: State, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""
     data = restream(state, streams, seq)
     if data is None:
         return False
-    # llama.cpp only reads the buffer: point it at the bytes themselves, not a copy (a
-    # long prompt's state is tens of megabytes, copied on the engine thread).
-    buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+    # llama.cpp only reads the buffer: point it at the state itself, not at a copy.
+    if isinstance(data, bytearray):
+        buf: Any = (ctypes.c_uint8 * len(data)).from_buffer(data)
+    else:
+        buf = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
     return L.llama_state_seq_set_data(ctx, buf, len(data), seq) > 0
 
 
@@ -46,7 +57,7 @@ def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) 
     return state is not None and put(dst, state, dst_seq, streams)
 
 
-def restream(state: bytes, streams: int, seq: int) -> bytes | None:
+def restream(state: State, streams: int, seq: int) -> State | None:
     """A sequence's state, written by a context of some number of KV streams, as one of
     `streams` streams would have written it for sequence `seq`; None if it does not parse.
 
@@ -62,7 +73,7 @@ def restream(state: bytes, streams: int, seq: int) -> bytes | None:
     if len(state) < 8:
         return None
     view = memoryview(state)
-    parts: list[bytes | memoryview] = [state[:4], seq.to_bytes(4, "little")]
+    parts: list[State | memoryview] = [state[:4], seq.to_bytes(4, "little")]
     same, at = _u32(state, 4) == seq, 8
     try:
         while at < len(state):
@@ -89,13 +100,13 @@ def restream(state: bytes, streams: int, seq: int) -> bytes | None:
     return state if same else b"".join(parts)
 
 
-def _u32(data: bytes, at: int) -> int:
+def _u32(data: State, at: int) -> int:
     if at + 4 > len(data):
         raise IndexError("state ends early")
     return int.from_bytes(data[at:at + 4], "little")
 
 
-def _skip_cells(state: bytes, at: int, cells: int) -> int:
+def _skip_cells(state: State, at: int, cells: int) -> int:
     """Past one stream's cells: (pos, n_seq_id, the ids) each, then
     v_trans, n_layer, each layer's K rows, each layer's V rows (or V elements)."""
     # Each cell is (pos i32, n_seq u32, the ids). A single sequence's cells have one id
