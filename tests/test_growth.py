@@ -171,5 +171,9 @@ def test_restream_rewrites_the_stream_count_and_nothing_else() -> None:
     four = restream(one, 4, 5)
     assert four is not None and restream(four, 1, 5) == one
     assert restream(_state(4, 2, 2, seq=5), 1, 5) == one  # from the third stream of four
+    # Same stream count: llama.cpp reads neither the header's sequence nor the entry's
+    # place, so the state goes in as it is (no copy of tens of megabytes).
+    third = _state(4, 2, 2, seq=5)
+    assert restream(third, 4, 0) is third and restream(one, 1, 3) is one
     assert restream(one[:-1], 4, 5) is None  # cut short: refused, never misread
     assert restream(one + b"\0", 4, 5) is None

@@ -59,7 +59,7 @@ def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) 
 
 def restream(state: State, streams: int, seq: int) -> State | None:
     """A sequence's state, written by a context of some number of KV streams, as one of
-    `streams` streams would have written it for sequence `seq`; None if it does not parse.
+    `streams` streams would take it for sequence `seq`; None if it does not parse.
 
     llama.cpp refuses a state whose stream count differs from its own ("n_stream
     mismatch"), though a single sequence only ever fills one stream's entry: the others
@@ -74,7 +74,7 @@ def restream(state: State, streams: int, seq: int) -> State | None:
         return None
     view = memoryview(state)
     parts: list[State | memoryview] = [state[:4], seq.to_bytes(4, "little")]
-    same, at = _u32(state, 4) == seq, 8
+    same, at = True, 8
     try:
         while at < len(state):
             n_stream = _u32(state, at)
@@ -88,15 +88,17 @@ def restream(state: State, streams: int, seq: int) -> State | None:
                         return None  # two streams with cells: not one sequence's state
                     at = _skip_cells(state, at, cells)
                     entry = view[start:at]
-            same = same and n_stream == streams and (entry is None or streams == 1)
+            same = same and n_stream == streams
             parts += [streams.to_bytes(4, "little"), *([entry] if entry is not None else []),
                       b"\0\0\0\0" * (streams - (1 if entry is not None else 0))]
     except (IndexError, ValueError):
         return None
     if at != len(state):
         return None
-    # Already as this context would write it (the common case: a cache entry going back
-    # into a one-stream context, or into the slot it came from): no copy at all.
+    # As many streams as this context: it goes in as it is, with no copy. A host restore
+    # reads neither the header's sequence nor which entry holds the cells (each goes to
+    # the destination sequence's own stream), so a prefix branched between slots of one
+    # context, or a cache entry from a context of the same size, needs no rewrite.
     return state if same else b"".join(parts)
 
 
