@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Optional
 
 from corral.errors import InvalidOption
 
@@ -163,3 +164,60 @@ def coerce_options(options: Any, strict: bool = False) -> dict[str, Any]:
             continue
         out[name] = coerce_option(name, value)
     return out
+
+
+@dataclass(frozen=True)
+class Options:
+    """Coerced options, None where nobody set one. The request path carries this record
+    from the model's view to the scheduler (the load fields) and the runner's job (the
+    sampling fields); only the edges see JSON. Layers merge with `over`."""
+
+    num_ctx: Optional[int] = None
+    num_batch: Optional[int] = None
+    num_gpu: Optional[int] = None
+    main_gpu: Optional[int] = None
+    use_mmap: Optional[bool] = None
+    num_thread: Optional[int] = None
+    draft_num_predict: Optional[int] = None
+    rpc_servers: Optional[str] = None
+    num_keep: Optional[int] = None
+    seed: Optional[int] = None
+    num_predict: Optional[int] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    typical_p: Optional[float] = None
+    repeat_last_n: Optional[int] = None
+    temperature: Optional[float] = None
+    repeat_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stop: Optional[tuple[str, ...]] = None
+    ignore_eos: Optional[bool] = None
+
+    @classmethod
+    def parse(cls, raw: Any, strict: bool = False) -> "Options":
+        """An options object from JSON (or a Modelfile's PARAMETERs), checked."""
+        values = coerce_options(raw, strict)
+        if "stop" in values:
+            values["stop"] = tuple(values["stop"])
+        return cls(**values)
+
+    def over(self, base: "Options") -> "Options":
+        """These options layered over `base`: what is set here wins."""
+        return replace(base, **self.values())
+
+    def values(self) -> dict[str, Any]:
+        """The set options by name, as JSON carries them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()
+                if v is not None}
+
+    def load(self) -> "Options":
+        """Only the load-time options: those that need a reload when they change."""
+        return Options(**{k: v for k, v in self.values().items() if k in LOAD_OPTIONS})
+
+    def differs(self, loaded: "Options") -> bool:
+        """An option set here differs from `loaded`'s (a load needs a reload)."""
+        return any(getattr(self, f.name) is not None
+                   and getattr(self, f.name) != getattr(loaded, f.name) for f in fields(self))

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from corral.registry.gguf import inspect_gguf
+from corral.server.chat import Message
 from corral.server.prompt import PromptBuilder
 from corral.server.daemon import Daemon
 
@@ -26,8 +27,7 @@ def test_the_gguf_template_renders_chatml(chat_gguf: Path) -> None:
     template = inspect_gguf(chat_gguf).chat_template
     builder = PromptBuilder(None, template, "<|im_start|>", "<|im_end|>")
     assert builder.kind == "jinja"
-    text, _ = builder.chat([{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "Hi"}])
+    text, _ = builder.chat([Message("system", "Be brief."), Message("user", "Hi")])
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
                     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 

@@ -176,6 +176,20 @@ def test_v1_errors_use_openai_shape(daemon_factory: DaemonFactory) -> None:
     assert keyed.status_code == 404 and keyed.json()["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}),
+    ("/v1/responses", {"model": "m", "input": [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "7"}]}),
+])
+def test_call_arguments_that_are_not_an_object_are_a_400(bare: Daemon, path: str,
+                                                         body: dict[str, Any]) -> None:
+    # A call's arguments reach templates as a mapping: anything else is refused at the edge.
+    r = httpx.post(bare.url + path, json=body)
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
 def test_create_limits_and_one_inspection_per_blob(bare: Daemon, tmp_path: Path) -> None:
     digest = upload_tiny(bare, tmp_path)
     many = {f"f{i}.gguf": digest for i in range(10_000)}

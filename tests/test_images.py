@@ -16,6 +16,7 @@ from corral.runner.batchplan import plan_step, text_run
 from corral.runner.admission import align_keep
 from corral.runner.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
+from corral.server.chat import Message
 from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
 from corral.runner.sequence import Sequence
 from corral.runner.slot import Slot, SlotState
@@ -98,9 +99,9 @@ def test_cli_finds_paths_with_quotes_spaces_and_home(tmp_path: Path,
 def test_prompt_markers_follow_ollama() -> None:
     img = enc(b"x")
     messages, images = mark_messages([
-        {"role": "user", "content": "first", "images": [img]},
-        {"role": "user", "content": "compare [img] with this", "images": [img, img]}])
-    assert [m["content"] for m in messages] == [
+        Message("user", "first", (img,)),
+        Message("user", "compare [img] with this", (img, img))])
+    assert [m.content for m in messages] == [
         MEDIA_MARKER + "first", MEDIA_MARKER + f"compare {MEDIA_MARKER} with this"]
     assert images == [img] * 3  # still base64: the runner decodes, in marker order
     assert mark_prompt("hi", [img]) == MEDIA_MARKER + "hi"

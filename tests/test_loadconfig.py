@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from corral.errors import BadRequest
-from corral.options import LOAD_OPTIONS
+from corral.options import LOAD_OPTIONS, Options
 from corral.runner.loadconfig import DEFAULT_BATCH, LoadConfig
 
 
 def test_from_options_maps_ollama_names() -> None:
-    cfg = LoadConfig.from_options("/m.gguf", {"num_ctx": 2048, "num_batch": 256, "num_thread": 3,
-                                              "num_gpu": 7, "main_gpu": 1, "use_mmap": False},
+    cfg = LoadConfig.from_options("/m.gguf", Options(num_ctx=2048, num_batch=256, num_thread=3,
+                                                     num_gpu=7, main_gpu=1, use_mmap=False),
                                   n_slots=4, flash_attn=True, kv_cache_type="q8_0",
                                   template="{{ .Prompt }}")
     assert (cfg.num_ctx, cfg.n_batch, cfg.n_threads, cfg.num_gpu, cfg.main_gpu) == (2048, 256, 3,
@@ -21,7 +21,7 @@ def test_from_options_maps_ollama_names() -> None:
 
 
 def test_defaults_and_the_load_option_table_agree() -> None:
-    cfg = LoadConfig.from_options("/m.gguf", {})
+    cfg = LoadConfig.from_options("/m.gguf", Options())
     assert cfg.n_batch == DEFAULT_BATCH and cfg.num_gpu == -1 and cfg.use_mmap
     assert {"num_ctx", "num_batch", "num_gpu", "num_thread", "use_mmap", "main_gpu"} <= LOAD_OPTIONS
 

@@ -7,15 +7,16 @@ import base64
 import struct
 import zlib
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import pytest
 
 from corral.config import load_settings
 from corral.errors import BadRequest
+from corral.options import Options
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
+from corral.server.chat import Message, Tool
 from corral.server.models import ModelView, capabilities
 from corral.server.pipeline.prepare import prepare
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask,
@@ -25,8 +26,11 @@ SETTINGS = load_settings({}, warn=False)
 CHATML_TOOLS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                 "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}<tool_call>")
 THINKING = "{{ if .Think }}<think>{{ end }}{{ .Prompt }}"
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "",
-                                         "parameters": {"type": "object", "properties": {}}}}
+TOOL = Tool("get_weather")
+
+
+def msgs(*raw: dict[str, Any]) -> list[Message]:
+    return [Message.of(m) for m in raw]
 
 
 def view(template: str = "", *, vision: bool = False, embedding: bool = False,
@@ -39,7 +43,7 @@ def view(template: str = "", *, vision: bool = False, embedding: bool = False,
                          parameters=parameters or {}, messages=messages or [])
     return ModelView(record, template, None, embedding, vision,
                      capabilities(template, embedding, vision),
-                     MappingProxyType(dict(parameters or {})))
+                     Options.parse(parameters))
 
 
 def png(width: int = 2, height: int = 2) -> str:
@@ -67,16 +71,16 @@ def test_options_merge_defaults_then_the_model_then_the_request() -> None:
     v = view(parameters={"temperature": 0.2, "top_p": 0.9})
     plan = prepare(v, CompletionTask(model="m", prompt="hi",
                                         options={"temperature": 0}), SETTINGS)
-    assert plan.options["temperature"] == 0 and plan.options["top_p"] == 0.9
-    assert v.defaults["temperature"] == 0.2  # the shared view is never changed
-    with pytest.raises(TypeError):
-        v.defaults["temperature"] = 1  # type: ignore[index]
+    assert plan.options.temperature == 0 and plan.options.top_p == 0.9
+    assert v.defaults.temperature == 0.2  # the shared view is never changed
+    with pytest.raises(AttributeError):
+        v.defaults.temperature = 1  # type: ignore[misc]
 
 
 def test_the_same_request_and_view_give_the_same_plan() -> None:
     v = view(CHATML_TOOLS)
-    request = ChatTask(model="m", messages=[{"role": "user", "content": "hi"}],
-                          tools=[TOOL])
+    request = ChatTask(model="m", messages=msgs({"role": "user", "content": "hi"}),
+                       tools=[TOOL])
     assert prepare(v, request, SETTINGS) == prepare(v, request, SETTINGS)
 
 
@@ -94,7 +98,7 @@ def test_the_same_request_and_view_give_the_same_plan() -> None:
      "either a format or a grammar"),
     ("", CompletionTask(model="m", prompt="x", grammar="root ::= " + "(" * 300 + "\"a\""
                            + ")" * 300), "nests parentheses"),
-    ("", ChatTask(model="m", messages=[{"role": "robot", "content": "x"}]),
+    ("", ChatTask(model="m", messages=msgs({"role": "robot", "content": "x"})),
      "invalid message role"),
 ])
 def test_what_the_view_cannot_do_is_a_400(template: str, request_: Any, message: str) -> None:
@@ -112,7 +116,7 @@ def test_thinking_models_think_unless_told_not_to() -> None:
 
 def test_tool_choice_none_leaves_the_tools_out() -> None:
     v = view(CHATML_TOOLS)
-    messages = [{"role": "user", "content": "hi"}]
+    messages = msgs({"role": "user", "content": "hi"})
     auto = prepare(v, ChatTask(model="m", messages=messages, tools=[TOOL]), SETTINGS)
     assert auto.tool_names == {"get_weather"} and auto.fmt.tools is not None
     none = prepare(v, ChatTask(model="m", messages=messages, tools=[TOOL],
@@ -123,15 +127,15 @@ def test_tool_choice_none_leaves_the_tools_out() -> None:
 def test_messages_follow_the_models_own_system_and_messages() -> None:
     v = view(CHATML_TOOLS, system="Be brief.",
              messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
-    plan = prepare(v, ChatTask(model="m", messages=[{"role": "USER", "content": "c"}]),
+    plan = prepare(v, ChatTask(model="m", messages=msgs({"role": "USER", "content": "c"})),
                    SETTINGS)
-    assert [(m["role"], m["content"]) for m in plan.messages] == [
+    assert [(m.role, m.content) for m in plan.messages] == [
         ("system", "Be brief."), ("user", "a"), ("assistant", "b"), ("user", "c")]
     # A request that opens with its own system message replaces the model's SYSTEM.
     own = prepare(view(CHATML_TOOLS, system="Be brief."),
-                  ChatTask(model="m", messages=[{"role": "system", "content": "Mine."}]),
+                  ChatTask(model="m", messages=msgs({"role": "system", "content": "Mine."})),
                   SETTINGS)
-    assert [m["content"] for m in own.messages] == ["Mine."]
+    assert [m.content for m in own.messages] == ["Mine."]
 
 
 def test_images_are_checked_against_the_limits() -> None:
@@ -139,8 +143,8 @@ def test_images_are_checked_against_the_limits() -> None:
     plan = prepare(v, CompletionTask(model="m", prompt="x", images=[png()]), SETTINGS)
     assert plan.images == [png()]
     few = load_settings({"CORRAL_MAX_IMAGES": "1"}, warn=False)
-    chat = ChatTask(model="m", messages=[{"role": "user", "content": "x",
-                                             "images": [png(), png()]}])
+    chat = ChatTask(model="m", messages=msgs({"role": "user", "content": "x",
+                                              "images": [png(), png()]}))
     with pytest.raises(BadRequest, match="CORRAL_MAX_IMAGES"):
         prepare(v, chat, few)
     with pytest.raises(BadRequest, match="image 0"):

@@ -35,6 +35,7 @@ def test_preselection_matches_the_full_chain(starter_gguf: Path, options: dict) 
 
     from corral.runner import native
     from corral.runner.context import EngineConfig, LlamaContext
+    from corral.options import Options
     from corral.runner.jobs import SamplingParams
     from corral.runner.sampling import Sampler
 
@@ -45,7 +46,7 @@ def test_preselection_matches_the_full_chain(starter_gguf: Path, options: dict) 
         native.fill_batch(llama.batch, [(t, i, 0, i == len(prompt) - 1)
                                         for i, t in enumerate(prompt)], llama.n_batch)
         assert L.llama_decode(llama.ctx, llama.batch) == 0
-        params = SamplingParams.from_options(options)
+        params = SamplingParams.from_options(Options.parse(options))
         banned = [1, 106]  # as ignore_eos bans end-of-generation tokens
         fast = Sampler(params, llama.vocab, llama.n_vocab, 256, banned=banned)
         full = Sampler(params, llama.vocab, llama.n_vocab, 256, banned=banned, preselect=False)

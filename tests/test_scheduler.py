@@ -11,6 +11,7 @@ import pytest
 
 from corral.config import FOREVER, load_settings
 from corral.errors import RunnerError, ServerBusy
+from corral.options import Options
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.runner.loadconfig import LoadConfig
@@ -87,7 +88,7 @@ def record(tmp_path: Path, name: str) -> ModelRecord:
 
 def acquire(s: Scheduler, rec: ModelRecord, keep_alive: float | None = None,
             **options: Any):  # type: ignore[no-untyped-def]
-    return s.acquire(s.admit(rec), rec, options, keep_alive)
+    return s.acquire(s.admit(rec), rec, Options.parse(options), keep_alive)
 
 
 def tick(s: Scheduler, clock: Clock, seconds: float) -> None:
@@ -221,7 +222,7 @@ def test_changed_load_option_reloads_after_active_requests(tmp_path: Path, clock
     assert not got and first.refcount == 1
     s.release(first)
     t.join(timeout=5)
-    assert got[0] is not first and got[0].options["num_ctx"] == 2048
+    assert got[0] is not first and got[0].options.num_ctx == 2048
     assert len(FakeRunner.started) == 2 and FakeRunner.started[0].stopped
     same = acquire(s, rec, num_ctx=2048, temperature=0.1, num_gpu=-1)
     assert same is got[0]

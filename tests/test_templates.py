@@ -7,6 +7,7 @@ import time
 import pytest
 
 from corral.registry.models import FALLBACK_TEMPLATE
+from corral.server.chat import Message
 from corral.server.prompt import PromptBuilder
 from corral.server.templates.gotemplate import GoTemplate, TemplateError
 from corral.server.templates.jinja import JinjaTemplate
@@ -90,7 +91,7 @@ def test_jinja_chat_template_renders() -> None:
     tmpl = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}\n"
             "{% endfor %}{% if add_generation_prompt %}<model>{% endif %}")
     builder = PromptBuilder(None, tmpl, bos="<bos>", eos="<eos>")
-    text, add_bos = builder.chat([{"role": "user", "content": " hi "}])
+    text, add_bos = builder.chat([Message("user", " hi ")])
     assert text == "<bos><user>hi\n<model>" and add_bos is False
 
 
@@ -98,8 +99,8 @@ def test_fallback_and_messages_mode() -> None:
     builder = PromptBuilder()
     assert builder.kind == "fallback" and builder.go and builder.go.source == FALLBACK_TEMPLATE
     text, add_bos = builder.chat([
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": " Hello."}, {"role": "user", "content": "Bye"}])
+        Message("system", "Be brief."), Message("user", "Hi"),
+        Message("assistant", " Hello."), Message("user", "Bye")])
     assert text == "Be brief.\n\nUser: Hi\nAssistant: Hello.\nUser: Bye\nAssistant:"
     assert add_bos is True
 
@@ -107,7 +108,6 @@ def test_fallback_and_messages_mode() -> None:
 def test_legacy_template_runs_per_turn_and_cuts_last_response() -> None:
     builder = PromptBuilder("{{ if .System }}[S]{{ .System }}{{ end }}[U]{{ .Prompt }}[A]"
                             "{{ .Response }}[E]")
-    text, _ = builder.chat([{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
-                            {"role": "assistant", "content": "b"},
-                            {"role": "user", "content": "c"}])
+    text, _ = builder.chat([Message("system", "s"), Message("user", "a"),
+                            Message("assistant", "b"), Message("user", "c")])
     assert text == "[S]s[U]a[A]b[E][U]c[A]"

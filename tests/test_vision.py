@@ -22,6 +22,7 @@ from corral.runner.loadconfig import LoadConfig
 from corral.registry.gguf import inspect_gguf
 from corral.runner.process import RunnerService, build
 from corral.runner.wire import CompletionJob, DoneLine
+from corral.server.chat import Message
 from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt
 from tests.vision_model import png_bytes, write_projector
 
@@ -74,7 +75,7 @@ def rendered(service: RunnerService, body: dict[str, Any]) -> dict[str, Any]:
     """A chat body as the daemon sends it: text with media markers, and the images."""
     if "messages" not in body:
         return body
-    messages, images = mark_messages(body["messages"])
+    messages, images = mark_messages([Message.of(m) for m in body["messages"]])
     text, add_bos = BUILDERS[id(service)].chat(messages)
     rest = {k: v for k, v in body.items() if k != "messages"}
     return {**rest, "prompt": text, "add_bos": add_bos, "images": images}

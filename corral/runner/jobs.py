@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Union
 
 from corral.errors import CorralError
+from corral.options import Options
 from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
@@ -35,9 +36,9 @@ class SamplingParams:
     seed: int = -1
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "SamplingParams":
+    def from_options(cls, options: Options) -> "SamplingParams":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in options.items() if k in names})
+        return cls(**{k: v for k, v in options.values().items() if k in names})
 
     def penalized(self) -> bool:
         return self.repeat_last_n != 0 and (

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from corral.errors import BadRequest
+from corral.options import Options
 
 DEFAULT_BATCH = 512
 
@@ -40,24 +41,25 @@ class LoadConfig:
     cache_dir: str = ""
 
     @classmethod
-    def from_options(cls, model: str, options: dict[str, Any], **settings: Any) -> "LoadConfig":
-        """From coerced load options (Ollama's names) plus daemon settings."""
+    def from_options(cls, model: str, options: Options, **settings: Any) -> "LoadConfig":
+        """From load options (Ollama's names) plus daemon settings."""
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
         return cls(model=model,
-                   num_ctx=int(options.get("num_ctx", cls.num_ctx)),
-                   n_batch=int(options.get("num_batch", DEFAULT_BATCH)),
-                   n_threads=int(options.get("num_thread", 0)),
-                   num_gpu=int(options.get("num_gpu", -1)),
-                   main_gpu=int(options.get("main_gpu", 0)),
-                   use_mmap=bool(options.get("use_mmap", True)),
+                   num_ctx=given(options.num_ctx, cls.num_ctx),
+                   n_batch=given(options.num_batch, DEFAULT_BATCH),
+                   n_threads=given(options.num_thread, 0),
+                   num_gpu=given(options.num_gpu, -1),
+                   main_gpu=given(options.main_gpu, 0),
+                   use_mmap=given(options.use_mmap, True),
                    **settings)
 
     @staticmethod
-    def rpc_from(options: dict[str, Any], default: tuple[str, ...]) -> tuple[str, ...]:
+    def rpc_from(options: Options, default: tuple[str, ...]) -> tuple[str, ...]:
         """A request's or Modelfile's `rpc_servers` (possibly "" for none), else the setting."""
-        value = options.get("rpc_servers")
-        if value is None:
+        if options.rpc_servers is None:
             return default
-        return tuple(e for e in str(value).split(",") if e)
+        return tuple(e for e in options.rpc_servers.split(",") if e)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from corral.errors import BadRequest
-from corral.options import coerce_options
+from corral.options import Options
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class CompletionJob:
     images: tuple[str, ...] = ()  # base64, in the order of the prompt's media markers
     context: tuple[int, ...] = ()  # tokens before the text (native /api/generate's context)
     grammar: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # coerced (corral.options)
+    options: Options = Options()
     id: str = ""  # for /cancel
     truncate: bool = True
     shift: bool = True
@@ -39,6 +39,7 @@ class CompletionJob:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["images"], out["context"] = list(self.images), list(self.context)
+        out["options"] = self.options.values()
         return out
 
     @classmethod
@@ -61,7 +62,7 @@ class CompletionJob:
         logprobs = body.get("logprobs", -1)
         return cls(prompt=prompt, add_bos=_flag(body, "add_bos", True), images=tuple(images),
                    context=tuple(context), grammar=grammar or None,
-                   options=coerce_options(body.get("options")), id=str(body.get("id") or ""),
+                   options=Options.parse(body.get("options")), id=str(body.get("id") or ""),
                    truncate=_flag(body, "truncate", True), shift=_flag(body, "shift", True),
                    special=_flag(body, "special", False),
                    logprobs=logprobs if isinstance(logprobs, int) else -1)

@@ -11,11 +11,10 @@ import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, ModelNotFound
-from corral.options import coerce_options
+from corral.options import Options
 from corral.registry.models import ModelRecord, Records
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_problem
@@ -62,17 +61,17 @@ class ModelView:
     embedding: bool  # the weights pool into embeddings
     vision: bool  # a projector the runner can load beside these weights
     capabilities: tuple[str, ...]
-    defaults: Mapping[str, Any]  # the model's PARAMETERs, coerced
+    defaults: Options  # the model's PARAMETERs, coerced
 
     @property
     def name(self) -> str:
         return self.record.name.full()
 
-    def options(self, requested: Any) -> dict[str, Any]:
-        """Built-in defaults < the model's PARAMETERs < the request's options."""
-        merged = dict(self.defaults)
-        merged.update(coerce_options(requested))
-        return merged
+    def options(self, requested: Any) -> Options:
+        """The model's PARAMETERs < the request's options (its JSON object, checked here,
+        after the model is found: an unknown model is a 404 before a bad option is a 400,
+        as in Ollama)."""
+        return Options.parse(requested).over(self.defaults)
 
     def with_template(self, template: str | None) -> ModelView:
         """The view a request that brings its own chat template sees (/corral/render)."""
@@ -153,7 +152,7 @@ class Models:
         vision = self._vision(record)
         return ModelView(record, template, None if record.template else jinja, embedding,
                          vision, capabilities(template, embedding, vision),
-                         MappingProxyType(coerce_options(record.parameters)))
+                         Options.parse(record.parameters))
 
     def _vision(self, record: ModelRecord) -> bool:
         # A GGUF that merely describes a vision tower, without a projector, cannot see.

@@ -15,6 +15,7 @@ from typing import Any
 
 from corral.registry.models import FALLBACK_TEMPLATE
 from corral.runner.vision import MARKER as MEDIA_MARKER
+from corral.server.chat import Message, Tool
 from corral.server.templates.gotemplate import GoTemplate
 from corral.server.templates.jinja import JinjaTemplate
 
@@ -32,15 +33,14 @@ def _mark(content: str, n: int) -> str:
     return prefix + content
 
 
-def mark_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def mark_messages(messages: list[Message]) -> tuple[list[Message], list[str]]:
     """Messages with a media marker where each image goes, and the images (base64, as
     checked at the edge) in the order of their markers."""
     images: list[str] = []
     out = []
     for m in messages:
-        own = list(m.get("images") or [])
-        images += own
-        out.append({**m, "content": _mark(m.get("content") or "", len(own))} if own else m)
+        images += m.images
+        out.append(m.with_content(_mark(m.content, len(m.images))) if m.images else m)
     return out, images
 
 
@@ -48,51 +48,47 @@ def mark_prompt(prompt: str, images: list[str]) -> str:
     return _mark(prompt, len(images)) if images else prompt
 
 
-def _go_message(m: dict[str, Any]) -> dict[str, Any]:
-    calls = [{"Function": {"Name": c.get("function", {}).get("name", ""),
-                           "Arguments": c.get("function", {}).get("arguments", {})}}
-             for c in m.get("tool_calls") or []]
-    return {"Role": m.get("role", ""), "Content": m.get("content") or "", "ToolCalls": calls,
-            "Thinking": m.get("thinking") or "", "ToolName": m.get("tool_name") or "",
-            "ToolCallID": m.get("tool_call_id") or "", "Images": m.get("images") or []}
+def _go_message(m: Message) -> dict[str, Any]:
+    calls = [{"Function": {"Name": c.name, "Arguments": c.arguments}} for c in m.tool_calls]
+    return {"Role": m.role, "Content": m.content, "ToolCalls": calls,
+            "Thinking": m.thinking, "ToolName": m.tool_name,
+            "ToolCallID": m.tool_call_id, "Images": list(m.images)}
 
 
-def _go_tool(t: dict[str, Any]) -> dict[str, Any]:
-    fn = t.get("function", {}) or {}
-    return {"Type": t.get("type", "function"),
-            "Function": {"Name": fn.get("name", ""), "Description": fn.get("description", ""),
-                         "Parameters": fn.get("parameters", {})}}
+def _go_tool(t: Tool) -> dict[str, Any]:
+    return {"Type": "function",
+            "Function": {"Name": t.name, "Description": t.description,
+                         "Parameters": t.parameters}}
 
 
-def _system_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _system_into_user(messages: list[Message]) -> list[Message]:
     """For a template that cannot show a system message (Gemma's raises on the role,
     Phi-3's drops it): its text opens the next user message, as llama.cpp's chat layer
     does, so it still reaches the model."""
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     pending: list[str] = []
     for m in messages:
-        if m.get("role") == "system":
-            pending.append(m.get("content") or "")
-        elif m.get("role") == "user" and pending:
-            out.append({**m, "content": "\n".join(pending + [m.get("content") or ""])})
+        if m.role == "system":
+            pending.append(m.content)
+        elif m.role == "user" and pending:
+            out.append(m.with_content("\n".join(pending + [m.content])))
             pending = []
         else:
             out.append(m)
     if pending:
-        out.append({"role": "user", "content": "\n".join(pending)})
+        out.append(Message("user", "\n".join(pending)))
     return out
 
 
-def _collate(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+def _collate(messages: list[Message]) -> tuple[str, list[Message]]:
     """Ollama's collate: system messages joined into .System; same-role runs merged."""
-    system = [m.get("content") or "" for m in messages if m.get("role") == "system"]
-    merged: list[dict[str, Any]] = []
+    system = [m.content for m in messages if m.role == "system"]
+    merged: list[Message] = []
     for m in messages:
-        if merged and merged[-1]["role"] == m.get("role") and m.get("role") in ("user", "system"):
-            merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n\n" +
-                          (m.get("content") or "")}
+        if merged and merged[-1].role == m.role and m.role in ("user", "system"):
+            merged[-1] = merged[-1].with_content(merged[-1].content + "\n\n" + m.content)
         else:
-            merged.append({**m, "content": m.get("content") or ""})
+            merged.append(m)
     return "\n\n".join(system), merged
 
 
@@ -116,7 +112,7 @@ class PromptBuilder:
     def supports_suffix(self) -> bool:
         return self.go is not None and ".Suffix" in self.go.source
 
-    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+    def chat(self, messages: list[Message], tools: list[Tool] | None = None,
              think: bool | str | None = None) -> tuple[str, bool]:
         """Prompt text, and whether the tokenizer should add BOS itself.
 
@@ -128,7 +124,8 @@ class PromptBuilder:
             if not self.jinja.supports_system:
                 messages = _system_into_user(messages)
             extra = {"reasoning_effort": level} if level else {}
-            text = self.jinja.render(messages=messages, tools=tools or None,
+            text = self.jinja.render(messages=[m.shown() for m in messages],
+                                     tools=[t.shown() for t in tools] if tools else None,
                                      add_generation_prompt=True, bos_token=self.bos,
                                      eos_token=self.eos, enable_thinking=bool(think), **extra)
             return text, not (self.bos and text.startswith(self.bos))
@@ -142,18 +139,18 @@ class PromptBuilder:
             return self.go.render(data), True
         return self._legacy(merged, data), True
 
-    def _legacy(self, messages: list[dict[str, Any]], data: dict[str, Any]) -> str:
+    def _legacy(self, messages: list[Message], data: dict[str, Any]) -> str:
         """Templates without .Messages run once per user turn; the last one is cut at .Response."""
         assert self.go is not None
         turns: list[tuple[str, str | None]] = []
         for m in messages:
-            if m["role"] == "user":
-                turns.append((m["content"], None))
-            elif m["role"] == "assistant":
+            if m.role == "user":
+                turns.append((m.content, None))
+            elif m.role == "assistant":
                 if turns and turns[-1][1] is None:
-                    turns[-1] = (turns[-1][0], m["content"])
+                    turns[-1] = (turns[-1][0], m.content)
                 else:
-                    turns.append(("", m["content"]))
+                    turns.append(("", m.content))
         if not turns or turns[-1][1] is not None:
             turns.append(("", None))
         out = []
@@ -171,8 +168,7 @@ class PromptBuilder:
             text = self.go.render({"System": system or "", "Prompt": prompt, "Suffix": suffix,
                                    "Response": ""})
             return text, True
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}]
+        messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
         return self.chat(messages, think=think)
 
 

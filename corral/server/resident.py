@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Iterator, Protocol
 
+from corral.options import Options
 from corral.registry.models import ModelRecord
 from corral.runner.wire import (CompletionJob, DoneLine, EmbedJob, Embeddings, Health, LoadReport,
                                TokenLine)
@@ -39,7 +40,7 @@ class Resident:
     """A model the scheduler has loaded, is loading or is unloading, with its runner."""
 
     record: ModelRecord
-    options: dict[str, Any]  # normalised load-time options
+    options: Options  # the load-time options it was loaded with
     slots: int
     runner: Runner | None = None
     state: ModelState = ModelState.LOADING

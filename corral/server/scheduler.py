@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from dataclasses import replace
+from typing import Callable, Iterator
 
 from corral.config import FOREVER, Settings, state_dir
 from corral.errors import CorralError, RunnerError, ServerBusy
-from corral.options import LOAD_OPTIONS
+from corral.options import Options
 from corral.process import physical_cores, physical_memory_available, physical_memory_total
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
@@ -80,7 +81,7 @@ class Scheduler:
             self.pending += 1
             return Ticket(None)
 
-    def acquire(self, ticket: "Ticket", record: ModelRecord, options: dict[str, Any],
+    def acquire(self, ticket: "Ticket", record: ModelRecord, options: Options,
                 keep_alive: float | None) -> Resident:
         """Return a READY model with this request counted in; loads or reloads as needed."""
         load_opts = self._load_options(options)
@@ -93,7 +94,7 @@ class Scheduler:
                     if current is not None and current.state is ModelState.READY:
                         if self._forget_if_dead(current):
                             continue
-                        if not _changed(current.options, load_opts):
+                        if not load_opts.differs(current.options):
                             current.refcount += 1
                             if ticket.entry is not current:
                                 current.inflight += 1
@@ -147,7 +148,7 @@ class Scheduler:
             self.cond.notify_all()
 
     @contextmanager
-    def hold(self, record: ModelRecord, options: dict[str, Any],
+    def hold(self, record: ModelRecord, options: Options,
              keep_alive: float | None) -> Iterator[Resident]:
         """Count a request in, hold a ready model for it, and always release it; the
         cores are shared again as the set of busy models changes."""
@@ -159,7 +160,7 @@ class Scheduler:
             self.release(entry)
             self.share_cores()
 
-    def load(self, record: ModelRecord, options: dict[str, Any],
+    def load(self, record: ModelRecord, options: Options,
              keep_alive: float | None) -> float:
         """Hold the model without generating (Ollama's empty prompt, a preload); returns
         the seconds it took to be ready."""
@@ -173,7 +174,7 @@ class Scheduler:
         runner loaded with an explicit num_thread keeps it and takes no part."""
         with self.cond:
             ready = [m for m in self.loaded.values() if m.state is ModelState.READY
-                     and m.runner is not None and "num_thread" not in m.options]
+                     and m.runner is not None and m.options.num_thread is None]
             new = shares(self.cores, [m.key for m in ready if m.refcount > 0],
                          [m.key for m in ready if m.refcount == 0])
             changed = [(m.runner, new[m.key]) for m in ready if m.threads != new[m.key]]
@@ -198,14 +199,13 @@ class Scheduler:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def _load_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        opts = {k: options[k] for k in LOAD_OPTIONS if k in options}
-        opts.setdefault("num_ctx", self.settings.context_length)
-        if opts.get("num_gpu") == -1:
-            del opts["num_gpu"]  # auto never forces a reload
-        return opts
+    def _load_options(self, options: Options) -> Options:
+        opts = options.load()
+        # auto (-1) never forces a reload
+        return replace(opts, num_ctx=opts.num_ctx or self.settings.context_length,
+                       num_gpu=None if opts.num_gpu == -1 else opts.num_gpu)
 
-    def _choose_slots(self, record: ModelRecord, opts: dict[str, Any]) -> int:
+    def _choose_slots(self, record: ModelRecord, opts: Options) -> int:
         """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up
         to CORRAL_MAX_SLOTS: the cap elastic KV may grow to (it starts at one)."""
         if self.settings.num_parallel > 0:
@@ -223,17 +223,17 @@ class Scheduler:
             return 1
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self._cache_ram()
-        return memory.slots_that_fit(info, int(opts["num_ctx"]), budget, cap,
+        return memory.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                      self.settings.kv_cache_type)
 
-    def _pool_tokens(self, record: ModelRecord, opts: dict[str, Any], slots: int) -> int:
+    def _pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
         """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
         allows (one buffer either way: it is allocated whole when the model loads)."""
         if not self.settings.kv_pool:
             return 0
         if self.settings.kv_pool_tokens:
             return self.settings.kv_pool_tokens  # the user's size, as given
-        want = slots * int(opts["num_ctx"])
+        want = slots * int(opts.num_ctx or 0)
         try:
             info = self.inspect(record)
         except CorralError:
@@ -391,7 +391,3 @@ def _cache_bytes(entry: Resident) -> int:
     except CorralError:
         return 0
 
-
-def _changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """A load-time option the request names differs from the loaded one."""
-    return any(old.get(k) != v for k, v in new.items())

@@ -20,6 +20,7 @@ from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ImageBlock, Mes
                                        ToolChoice, ToolResultBlock, ToolUseBlock, URLSource,
                                        Usage)
 from corral.errors import CorralError, Shape, format_error
+from corral.server.chat import Message, Tool, ToolCall, tool_named
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.models import require_model
@@ -42,46 +43,33 @@ def _image_of(block: ImageBlock) -> str:
     return block.source.data
 
 
-def _blocks(role: str, content: str | list[Block]) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: tool results first, as Ollama orders them."""
+def _blocks(role: str, content: str | list[Block],
+            earlier: list[Message]) -> list[Message]:
+    """One Anthropic message as chat messages: tool results first, as Ollama orders them,
+    each with the name of the call it answers (from `earlier`), for templates that
+    print it."""
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    text, thinking, calls, results, images = [], "", [], [], []
+        return [Message(role, content)]
+    text, thinking, images = [], "", []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
     for block in content:
         if isinstance(block, TextBlock):
             text.append(block.text)
         elif isinstance(block, ThinkingBlock):
             thinking = block.thinking
         elif isinstance(block, ToolUseBlock):
-            calls.append({"id": block.id,
-                          "function": {"name": block.name, "arguments": block.input}})
+            calls.append(ToolCall(block.name, block.input, block.id))
         elif isinstance(block, ToolResultBlock):
-            results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": _text_of(block.content)})
+            results.append(Message("tool", _text_of(block.content),
+                                   tool_name=tool_named(earlier, block.tool_use_id),
+                                   tool_call_id=block.tool_use_id))
         else:
             images.append(_image_of(block))
     out = list(results)
     if text or calls or thinking or images:
-        message: dict[str, Any] = {"role": role, "content": "".join(text)}
-        if images:
-            message["images"] = images
-        if calls:
-            message["tool_calls"] = calls
-        if thinking:
-            message["thinking"] = thinking
-        out.append(message)
+        out.append(Message(role, "".join(text), tuple(images), thinking, tuple(calls)))
     return out
-
-
-def _named(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool results get the name of the call they answer, for templates that print it."""
-    names: dict[str, str] = {}
-    for m in messages:
-        for call in m.get("tool_calls") or []:
-            names[call["id"]] = call["function"]["name"]
-        if m["role"] == "tool":
-            m["tool_name"] = names.get(m.get("tool_call_id", ""), "")
-    return messages
 
 
 def _tool_choice(choice: Choice | None) -> Forced:
@@ -104,21 +92,19 @@ def _think(wire: MessagesRequest) -> bool | str | None:
 
 
 def parse_messages(wire: MessagesRequest) -> ChatTask:
-    messages: list[dict[str, Any]] = []
+    messages: list[Message] = []
     system = _text_of(wire.system)
     if system:
-        messages.append({"role": "system", "content": system})
+        messages.append(Message("system", system))
     for m in wire.messages:
-        messages += _blocks(m.role, m.content)
+        messages += _blocks(m.role, m.content, messages)
     options: dict[str, Any] = {"num_predict": wire.max_tokens}
     for option, value in (("temperature", wire.temperature), ("top_p", wire.top_p),
                           ("top_k", wire.top_k), ("stop", wire.stop_sequences)):
         if value is not None:
             options[option] = value
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": t.input_schema}}
-             for t in wire.tools or []]
-    return ChatTask(model=require_model(wire.model), messages=_named(messages),
+    tools = [Tool(t.name, t.description, t.input_schema) for t in wire.tools or []]
+    return ChatTask(model=require_model(wire.model), messages=messages,
                     options=options, think=_think(wire), grammar=wire.grammar or None,
                     tools=tools, tool_choice=_tool_choice(wire.tool_choice))
 

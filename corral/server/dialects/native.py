@@ -15,7 +15,9 @@ from corral.api.wire import parse
 from corral.api.wire.manage import RenderExtras
 from corral.api.wire.native import (ChatRequest, EmbeddingsRequest, EmbedRequest,
                                     Final, GenerateRequest, Generation)
+from corral.api.wire.native import Message as WireMessage
 from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.server.chat import Message, ToolCall, function_tool
 from corral.server.http import Handler, Request
 from corral.server.models import require_model
 from corral.server.pipeline.embed import embed as embed_inputs
@@ -52,10 +54,16 @@ def parse_generate(wire: GenerateRequest) -> CompletionTask:
                              context=list(wire.context or []), images=list(wire.images or []))
 
 
+def _message(m: WireMessage) -> Message:
+    calls = tuple(ToolCall(c.function.name, c.function.arguments, c.id or "")
+                  for c in m.tool_calls or [])
+    return Message(m.role, m.content or "", tuple(m.images or ()), m.thinking or "", calls,
+                   m.tool_name or "", m.tool_call_id or "")
+
+
 def parse_chat(wire: ChatRequest) -> ChatTask:
-    messages = [m.model_dump(exclude_none=True) for m in wire.messages or []]
-    tools = [t.model_dump() for t in wire.tools or []]
-    return ChatTask(**_common(wire), messages=messages, tools=tools)
+    return ChatTask(**_common(wire), messages=[_message(m) for m in wire.messages or []],
+                    tools=[function_tool(t) for t in wire.tools or []])
 
 
 class Lines:

@@ -17,6 +17,7 @@ from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRe
                                     CompletionRequest, Message, Sampling,
                                     TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.server.chat import Message as ChatMessage, ToolCall, function_tool, tool_named
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
 from corral.server.models import require_model
@@ -69,7 +70,7 @@ def tool_choice_of(choice: ChatToolChoice) -> ToolChoice:
     return ToolChoice(ChoiceMode(choice or "auto"))
 
 
-def _message(m: Message, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+def _message(m: Message, earlier: list[ChatMessage]) -> ChatMessage:
     content, images = m.content, []
     if isinstance(content, list):
         texts = []
@@ -80,34 +81,20 @@ def _message(m: Message, earlier: list[dict[str, Any]]) -> dict[str, Any]:
                 url = part.image_url
                 images.append(from_data_uri(url if isinstance(url, str) else url.url))
         content = "\n".join(texts)
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                           "content": content or ""}
-    if images:
-        out["images"] = images
     calls = []
     for call in m.tool_calls or []:
         try:
             args = json.loads(call.function.arguments or "{}")
         except ValueError:
             raise BadRequest("invalid tool call arguments") from None
-        calls.append({"id": call.id, "function": {"name": call.function.name, "arguments": args}})
-    if calls:
-        out["tool_calls"] = calls
-    if m.reasoning:
-        out["thinking"] = m.reasoning
-    if m.role == "tool":
-        out["tool_call_id"] = m.tool_call_id or ""
-        out["tool_name"] = m.name or _name_of_call(earlier, out["tool_call_id"])
-    return out
-
-
-def _name_of_call(earlier: list[dict[str, Any]], call_id: str) -> str:
-    """The tool a `tool_call_id` answers, from the assistant turn that made the call."""
-    for m in reversed(earlier):
-        for call in m.get("tool_calls") or []:
-            if call_id and call.get("id") == call_id:
-                return str(call["function"].get("name") or "")
-    return ""
+        if not isinstance(args, dict | None):
+            raise BadRequest("tool call arguments must be a JSON object")
+        calls.append(ToolCall(call.function.name, args or {}, call.id or ""))
+    call_id = (m.tool_call_id or "") if m.role == "tool" else ""
+    return ChatMessage("system" if m.role == "developer" else m.role, content or "",
+                       tuple(images), m.reasoning or "", tuple(calls),
+                       (m.name or tool_named(earlier, call_id)) if m.role == "tool" else "",
+                       call_id)
 
 
 def structured(kind: str | None, schema: dict[str, Any] | None, what: str) -> Any:
@@ -130,7 +117,7 @@ def _format(wire: ChatCompletionRequest) -> Any:
 
 
 def parse_chat(wire: ChatCompletionRequest) -> ChatTask:
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     for m in wire.messages:
         messages.append(_message(m, messages))
     effort = wire.reasoning.effort if wire.reasoning is not None else wire.reasoning_effort
@@ -139,7 +126,7 @@ def parse_chat(wire: ChatCompletionRequest) -> ChatTask:
         model=require_model(wire.model), messages=messages,
         options=_options(wire, wire.max_completion_tokens or wire.max_tokens),
         think=think_of_effort(effort), format=_format(wire), grammar=_grammar(wire),
-        logprobs=logprobs, n=wire.n, tools=[t.model_dump() for t in wire.tools or []],
+        logprobs=logprobs, n=wire.n, tools=[function_tool(t) for t in wire.tools or []],
         tool_choice=tool_choice_of(wire.tool_choice))
 
 

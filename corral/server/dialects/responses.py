@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
                                        ReasoningItem, Response, ResponsesRequest, TextPart,
                                        Usage)
 from corral.errors import BadRequest, CorralError
+from corral.server.chat import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
@@ -46,12 +48,12 @@ def _text(content: Content, images: list[str] | None = None) -> str:
     return "".join(parts)
 
 
-def _messages(wire: ResponsesRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(wire: ResponsesRequest) -> list[Message]:
+    out: list[Message] = []
     if wire.instructions:
-        out.append({"role": "system", "content": wire.instructions})
+        out.append(Message("system", wire.instructions))
     if isinstance(wire.input, str):
-        return out + [{"role": "user", "content": wire.input}]
+        return out + [Message("user", wire.input)]
     thinking = ""
     for item in wire.input:
         if isinstance(item, ReasoningItem):
@@ -60,37 +62,31 @@ def _messages(wire: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             images: list[str] = []
             role = "system" if item.role == "developer" else item.role
-            message = {"role": role, "content": _text(item.content, images)}
-            out.append({**message, "images": images} if images else message)
+            text = _text(item.content, images)
+            out.append(Message(role, text, tuple(images)))
         elif isinstance(item, FunctionCallItem):
             _call(out, item)
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "tool_name": _name(out, item.call_id), "content": _text(item.output)})
-        if thinking and out[-1]["role"] == "assistant":
-            out[-1]["thinking"], thinking = thinking, ""
+            out.append(Message("tool", _text(item.output), tool_call_id=item.call_id,
+                               tool_name=tool_named(out, item.call_id)))
+        if thinking and out[-1].role == "assistant":
+            out[-1], thinking = replace(out[-1], thinking=thinking), ""
     return out
 
 
-def _call(out: list[dict[str, Any]], item: FunctionCallItem) -> None:
+def _call(out: list[Message], item: FunctionCallItem) -> None:
     """A function_call item joins the assistant message before it, or starts one."""
     try:
         args = json.loads(item.arguments or "{}")
     except ValueError:
         raise BadRequest("function_call arguments must be JSON") from None
-    call = {"id": item.call_id, "function": {"name": item.name, "arguments": args}}
-    if out and out[-1]["role"] == "assistant":
-        out[-1].setdefault("tool_calls", []).append(call)
+    if not isinstance(args, dict | None):
+        raise BadRequest("function_call arguments must be a JSON object")
+    call = ToolCall(item.name, args or {}, item.call_id)
+    if out and out[-1].role == "assistant":
+        out[-1] = replace(out[-1], tool_calls=out[-1].tool_calls + (call,))
     else:
-        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def _name(earlier: list[dict[str, Any]], call_id: str) -> str:
-    for m in reversed(earlier):
-        for call in m.get("tool_calls") or []:
-            if call["id"] == call_id:
-                return str(call["function"]["name"])
-    return ""
+        out.append(Message("assistant", tool_calls=(call,)))
 
 
 def _format(wire: ResponsesRequest) -> Any:
@@ -111,10 +107,8 @@ def parse_responses(wire: ResponsesRequest) -> ChatTask:
     choice = wire.tool_choice
     forced = ToolChoice(ChoiceMode.NAMED, choice.name) if isinstance(choice, FunctionChoice) \
         else ToolChoice(ChoiceMode(choice or "auto"))
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description or "",
-        "parameters": t.parameters or {"type": "object", "properties": {}}}}
-        for t in wire.tools or []]
+    tools = [Tool(t.name, t.description or "", t.parameters or dict(EMPTY_SCHEMA))
+             for t in wire.tools or []]
     return ChatTask(model=require_model(wire.model), messages=_messages(wire),
                        options=options, format=_format(wire), grammar=wire.grammar or None,
                        think=think_of_effort(wire.reasoning.effort if wire.reasoning else None),

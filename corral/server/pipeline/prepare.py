@@ -5,11 +5,12 @@ against the same view always gives the same plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from corral.config import Settings
 from corral.errors import BadRequest
+from corral.options import Options
+from corral.server.chat import Message, Tool
 from corral.server.harmony import uses_harmony
 from corral.server.images import check_images
 from corral.server.models import ModelView
@@ -24,18 +25,18 @@ class Plan:
 
     request: Task
     view: ModelView
-    options: dict[str, Any]
+    options: Options
     fmt: Format
-    tools: list[dict[str, Any]]  # as the template and parser see them (none for "none")
+    tools: list[Tool]  # as the template and parser see them (none for "none")
     grammar: str | None  # a raw or `format` grammar; a tool_choice one is made per prompt
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat, checked
+    messages: list[Message] = field(default_factory=list)  # chat, checked
     images: list[str] = field(default_factory=list)  # completion, checked
     special: bool = False  # control tokens as text (harmony's markers)
     think: bool | str | None = None  # the request's, or on for a thinking model that left it out
 
     @property
     def tool_names(self) -> set[str]:
-        return {str(t["function"]["name"]) for t in self.tools}
+        return {t.name for t in self.tools}
 
 
 def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
@@ -50,7 +51,7 @@ def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
     grammar = request_grammar(request.grammar, request.format, limits.max_grammar_bytes)
     raw = not isinstance(request, ChatTask) and request.raw  # text as written, unsplit
     fmt = Format() if raw else reply_format(view.template, bool(think), bool(tools))
-    messages: list[dict[str, Any]] = []
+    messages: list[Message] = []
     images: list[str] = []
     if isinstance(request, ChatTask):
         messages = chat_messages(view, request.messages, limits)
@@ -60,7 +61,7 @@ def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
                 messages, images, special=uses_harmony(view.template), think=think)
 
 
-def _tools(view: ModelView, request: Task) -> list[dict[str, Any]]:
+def _tools(view: ModelView, request: Task) -> list[Tool]:
     """The tools the prompt lists; and a completion's suffix, which needs `insert`."""
     if not isinstance(request, ChatTask):
         if request.suffix and "insert" not in view.capabilities:
@@ -77,7 +78,8 @@ def _tools(view: ModelView, request: Task) -> list[dict[str, Any]]:
     return [] if choice.mode is ChoiceMode.NONE else list(request.tools)
 
 
-def checked_images(view: ModelView, images: Any, limits: Settings, seen: int = 0) -> list[str]:
+def checked_images(view: ModelView, images: list[str], limits: Settings,
+                   seen: int = 0) -> list[str]:
     """A request's images, checked; a model without a working projector gets Ollama's
     400 before anything is decoded."""
     if not view.vision:
@@ -85,26 +87,20 @@ def checked_images(view: ModelView, images: Any, limits: Settings, seen: int = 0
     return check_images(images, limits, seen)
 
 
-def chat_messages(view: ModelView, messages: Any, limits: Settings) -> list[dict[str, Any]]:
+def chat_messages(view: ModelView, messages: list[Message],
+                  limits: Settings) -> list[Message]:
     """Checked request messages after the model's own MESSAGES and SYSTEM."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise BadRequest("messages must be a list of objects")
     out = []
     seen = 0  # images so far, for the per-request limit
     for m in messages:
-        role = str(m.get("role", "")).lower()
+        role = m.role.lower()
         if role not in ("system", "user", "assistant", "tool"):
             raise BadRequest(f"invalid message role {role!r}")
-        content = m.get("content") or ""
-        if not isinstance(content, str):
-            raise BadRequest("message content must be a string")
-        message = {**m, "role": role, "content": content}
-        if m.get("images"):
-            message["images"] = checked_images(view, m["images"], limits, seen)
-            seen += len(message["images"])
-        out.append(message)
+        images = tuple(checked_images(view, list(m.images), limits, seen)) if m.images else ()
+        seen += len(images)
+        out.append(replace(m, role=role, images=images))
     record = view.record
-    full = list(record.messages) + out
-    if record.system and not (full and full[0].get("role") == "system"):
-        full.insert(0, {"role": "system", "content": record.system})
+    full = [Message.of(m) for m in record.messages] + out
+    if record.system and not (full and full[0].role == "system"):
+        full.insert(0, Message("system", record.system))
     return full

@@ -1,17 +1,16 @@
 """Dialect-neutral requests and the events a generation yields.
 
-Messages and tools are Ollama-shaped dicts, as the templates read them:
-{"role", "content", "images", "tool_calls": [{"id", "function": {"name",
-"arguments"}}], "thinking", "tool_name", "tool_call_id"} and {"type": "function",
-"function": {"name", "description", "parameters"}}.
+Messages and tools are the records of server.chat, whichever API they came in; the
+options are the request's JSON object, checked against the model in `prepare`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
+from corral.server.chat import Message, Tool
 from corral.server.reply import Piece
 
 
@@ -37,7 +36,9 @@ class TaskBase:
     """What every generation request carries, whichever API it came from."""
 
     model: str
-    options: dict[str, Any] = field(default_factory=dict)  # the request's, unchecked yet
+    # The request's JSON object, checked in `prepare` once its model is found: an unknown
+    # model is a 404 before a bad option is a 400, as in Ollama.
+    options: Mapping[str, Any] = field(default_factory=dict)
     keep_alive: float | None = None
     think: bool | str | None = None
     format: Any = None  # None, "json" or a JSON schema (dict)
@@ -50,8 +51,8 @@ class TaskBase:
 
 @dataclass(kw_only=True)
 class ChatTask(TaskBase):
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 

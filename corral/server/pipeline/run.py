@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.errors import RunnerError
+from corral.options import Options
 from corral.runner.wire import CompletionJob, DoneLine, LoadReport
 from corral.server.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
@@ -124,9 +125,9 @@ def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Ite
     """One sequence: hold the model, render, stream pieces, end with its Finished."""
     model, started = plan.view.record.name.display(), time.perf_counter()
     job_id = uuid.uuid4().hex
-    options = dict(plan.options)
-    if index and int(options.get("seed", -1)) >= 0:
-        options["seed"] = int(options["seed"]) + index  # n choices, n different samples
+    options = plan.options
+    if index and options.seed is not None and options.seed >= 0:
+        options = replace(options, seed=options.seed + index)  # n choices, n samples
     with services.scheduler.hold(plan.view.record, options, plan.request.keep_alive) as entry:
         runner = entry.runner
         assert runner is not None
@@ -147,7 +148,7 @@ def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Ite
         yield _final(stats, index, parser.calls > 0, load, started)
 
 
-def _runner_body(plan: Plan, report: LoadReport, options: dict[str, Any],
+def _runner_body(plan: Plan, report: LoadReport, options: Options,
                  job_id: str) -> tuple[CompletionJob, bool]:
     """The runner's job: rendered text and images, and whether a think block is open."""
     request, shown = plan.request, render(plan, report)
@@ -215,7 +216,7 @@ def render_only(services: Services, request: Task, jinja: str | None = None, bos
     shown = render(plan, report, builder)
     return {"model": request.model, "prompt": shown.text, "add_bos": shown.add_bos,
             "images": len(shown.images), "think": plan.think, "thinking_open": shown.opened,
-            "tools": [t["function"]["name"] for t in plan.tools]}
+            "tools": [t.name for t in plan.tools]}
 
 
 def _stream(services: Services, entry: Resident, body: CompletionJob, parser: ReplyParser,

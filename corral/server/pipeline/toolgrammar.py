@@ -10,10 +10,10 @@ reads any other: the grammar only removes the model's freedom not to call.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from corral.errors import BadRequest
 from corral.runner.capi import pure_module
+from corral.server.chat import EMPTY_SCHEMA, Tool
 from corral.server.pipeline.gbnf import check_schema
 from corral.server.reply import MISTRAL_TAG, TOOL_TAGS, Format
 
@@ -37,13 +37,13 @@ def _call_rule(fmt: Format, name: str, args: str) -> str:
     return f"{_literal(before)} {args} {_literal(after)}"
 
 
-def tool_grammar(fmt: Format, tools: list[dict[str, Any]], only: str | None,
+def tool_grammar(fmt: Format, tools: list[Tool], only: str | None,
                  thinking: bool, thinking_open: bool) -> str:
     """A grammar for exactly one call of `only` (or of any tool, when None).
 
     `thinking`: the model may think first (a whole think block, or the rest of one
     the prompt left open), as the template's own tags delimit it."""
-    wanted = [t for t in tools if only is None or t["function"]["name"] == only]
+    wanted = [t for t in tools if only is None or t.name == only]
     if not wanted:
         raise BadRequest(f"tool_choice names {only!r}, which is not among the tools")
     grammars = pure_module("llama_grammar")
@@ -51,16 +51,15 @@ def tool_grammar(fmt: Format, tools: list[dict[str, Any]], only: str | None,
                                          raw_pattern=False)
     calls = []
     for i, tool in enumerate(wanted):
-        fn = tool["function"]
-        schema = fn.get("parameters") or {"type": "object", "properties": {}}
-        check_schema(schema, f"the parameters of tool {fn['name']!r}")
+        schema = tool.parameters or dict(EMPTY_SCHEMA)
+        check_schema(schema, f"the parameters of tool {tool.name!r}")
         try:
             schema = converter.resolve_refs(schema, f"tool{i}")
             args = converter.visit(schema, f"tool{i}-args")
         except Exception as exc:  # noqa: BLE001 - the converter raises many kinds
-            raise BadRequest(f"invalid parameters schema for tool {fn['name']!r}: "
+            raise BadRequest(f"invalid parameters schema for tool {tool.name!r}: "
                              f"{exc}") from None
-        calls.append(_call_rule(fmt, str(fn["name"]), args))
+        calls.append(_call_rule(fmt, tool.name, args))
     root = "(" + " | ".join(calls) + ")"
     if thinking and fmt.think is not None:
         opening, closing = fmt.think
