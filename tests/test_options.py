@@ -1,4 +1,5 @@
-"""The typed options record: one table, checked once, layered, and back to JSON."""
+"""The typed options record (one table, checked once, layered, back to JSON) and the
+runner wire's typed job and token lines."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def test_only_load_fields_decide_a_reload() -> None:
     assert not asked.differs(loaded)  # what the request does not name never differs
     assert Options(num_ctx=4096).differs(loaded)
     assert Options(num_thread=2).differs(loaded)
+
+
+def test_a_job_and_its_token_lines_cross_the_runner_wire_typed() -> None:
+    from corral.runner.wire import CompletionJob, Logprob, TokenLine, read_line
+
+    job = CompletionJob(prompt="hi", options=Options(temperature=0.0, stop=("END",), seed=3))
+    assert CompletionJob.from_json(json.loads(json.dumps(job.to_json()))) == job
+    entry = Logprob("a", -0.5, (97,), (Logprob("a", -0.5, (97,)), Logprob("b", -2.0, (98,))))
+    line = TokenLine("a", (entry,))
+    wire = json.loads(json.dumps(line.to_json()))
+    assert "top_logprobs" not in wire["logprobs"][0]["top_logprobs"][0]  # OpenAI's shape
+    assert read_line(wire) == line

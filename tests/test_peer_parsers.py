@@ -58,5 +58,5 @@ def test_tool_calls(case: dict[str, Any]) -> None:
     parser = ReplyParser(FORMATS[case["template"]], set(TOOLS["tools"]))
     pieces = [p for text in case["inputs"] for p in parser.feed(text)]
     assert texts(pieces)[1] == case["content"]
-    assert [{"name": p.call["function"]["name"], "arguments": p.call["function"]["arguments"]}
+    assert [{"name": p.call.name, "arguments": p.call.arguments}
             for p in pieces if p.kind is Kind.CALL and p.call is not None] == case["calls"]

@@ -30,8 +30,7 @@ def merged(pieces: list[Piece]) -> list[tuple[str, Any]]:
     for p in pieces:
         if p.kind is Kind.CALL:
             assert p.call is not None
-            out.append(("call", (p.call["function"]["name"], p.call["function"]["arguments"],
-                                 p.call["function"]["index"])))
+            out.append(("call", (p.call.name, p.call.arguments, p.call.index)))
         elif out and out[-1][0] == p.kind.value:
             out[-1] = (p.kind.value, out[-1][1] + p.text)
         else:
@@ -74,9 +73,9 @@ def test_content_before_a_call_streams_before_it_completes() -> None:
     assert parser.feed('all>{"name": "get_weather", "arguments": {"city": "Paris"}') == []
     [call] = parser.feed("}</tool_call>")
     assert call.kind is Kind.CALL and call.call is not None
-    assert call.call["function"] == {"index": 0, "name": "get_weather",
-                                     "arguments": {"city": "Paris"}}
-    assert call.call["id"].startswith("call_")
+    assert call.call.native()["function"] == {"index": 0, "name": "get_weather",
+                                              "arguments": {"city": "Paris"}}
+    assert call.call.id.startswith("call_")
 
 
 @pytest.mark.parametrize("fmt,text,expected", [
@@ -166,4 +165,4 @@ def test_an_unclosed_call_of_no_known_tool_is_text_once() -> None:
     parser = ReplyParser(TAGS, TOOLS)
     later = parser.feed('<tool_call>[{"name": "add", "arguments": {}}, {"name": "x"}]'
                         '</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>')
-    assert [p.call["function"]["index"] for p in later if p.call] == [0]
+    assert [p.call.index for p in later if p.call] == [0]

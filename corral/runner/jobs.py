@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from corral.errors import CorralError
 from corral.options import Options
-from corral.runner.wire import DoneLine
+from corral.runner.wire import DoneLine, Logprob
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan
@@ -49,7 +49,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Token:
     text: str
-    logprobs: tuple[dict[str, Any], ...] = ()  # one per token in `text`, when asked for
+    logprobs: tuple[Logprob, ...] = ()  # one per token in `text`, when asked for
 
 
 @dataclass(frozen=True)

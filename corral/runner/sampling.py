@@ -17,6 +17,7 @@ import numpy as np
 
 from corral.errors import InvalidOption
 from corral.runner.jobs import Job, SamplingParams
+from corral.runner.wire import Logprob
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(L.llama_token_data)
@@ -57,7 +58,7 @@ class Sampler:
         self.n_vocab = n_vocab
         self.vocab = vocab
         self.logprobs = logprobs  # -1: off; else how many alternatives each token reports
-        self.entries: list[dict[str, Any]] = []  # since the last emitted piece
+        self.entries: list[Logprob] = []  # since the last emitted piece
         self.chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         self.grammar = compile_grammar(vocab, grammar) if grammar else None
         self._candidates: np.ndarray | None = None
@@ -107,11 +108,11 @@ class Sampler:
             self.entries.append(self._logprob_entry(ctx, index, token))
         return token
 
-    def take_logprobs(self) -> tuple[dict[str, Any], ...]:
+    def take_logprobs(self) -> tuple[Logprob, ...]:
         entries, self.entries = tuple(self.entries), []
         return entries
 
-    def _logprob_entry(self, ctx: Any, index: int, token: int) -> dict[str, Any]:
+    def _logprob_entry(self, ctx: Any, index: int, token: int) -> Logprob:
         """The chosen token's log-probability under the model, with the most likely
         alternatives: from the same logits row the sampler just read."""
         from corral.runner.native import token_bytes
@@ -121,19 +122,16 @@ class Sampler:
         top = float(np.max(logits))
         norm = top + float(np.log(np.sum(np.exp(logits - top))))
 
-        def entry(tok: int) -> dict[str, Any]:
+        def entry(tok: int, top: tuple[Logprob, ...] = ()) -> Logprob:
             raw = token_bytes(self.vocab, tok)
-            return {"token": raw.decode("utf-8", "replace"), "logprob": float(logits[tok] - norm),
-                    "bytes": list(raw)}
+            return Logprob(raw.decode("utf-8", "replace"), float(logits[tok] - norm),
+                           tuple(raw), top)
 
-        out = entry(token)
-        if self.logprobs > 0:
-            best = top_ids(logits, self.logprobs)
-            best = best[np.argsort(-logits[best], kind="stable")]
-            out["top_logprobs"] = [entry(int(t)) for t in best]
-        else:
-            out["top_logprobs"] = []
-        return out
+        if self.logprobs <= 0:
+            return entry(token)
+        best = top_ids(logits, self.logprobs)
+        best = best[np.argsort(-logits[best], kind="stable")]
+        return entry(token, tuple(entry(int(t)) for t in best))
 
     def _choose(self, ctx: Any, index: int) -> int:
         if self.grammar is not None:

@@ -76,14 +76,39 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One sampled token's log-probability under the model, with the most likely
+    alternatives (which carry none of their own)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+    top: tuple["Logprob", ...] = ()
+
+    def to_json(self, alternatives: bool = True) -> dict[str, Any]:
+        """OpenAI chat's entry, which Ollama's `logprobs` also uses."""
+        out: dict[str, Any] = {"token": self.token, "logprob": self.logprob,
+                               "bytes": list(self.bytes)}
+        if alternatives:
+            out["top_logprobs"] = [t.to_json(False) for t in self.top]
+        return out
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> "Logprob":
+        return cls(str(entry["token"]), float(entry["logprob"]),
+                   tuple(int(b) for b in entry.get("bytes") or ()),
+                   tuple(cls.from_json(t) for t in entry.get("top_logprobs") or ()))
+
+
+@dataclass(frozen=True)
 class TokenLine:
     """A piece of text the runner sampled, with its log-probabilities when asked."""
 
     content: str
-    logprobs: tuple[dict[str, Any], ...] = ()  # the dialects' shape, passed through
+    logprobs: tuple[Logprob, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"content": self.content, **({"logprobs": list(self.logprobs)}
+        return {"content": self.content, **({"logprobs": [e.to_json() for e in self.logprobs]}
                                             if self.logprobs else {})}
 
 
@@ -121,7 +146,8 @@ def read_line(line: dict[str, Any]) -> TokenLine | DoneLine:
     """One line of the runner's stream, typed (error lines are raised before this)."""
     if line.get("done"):
         return DoneLine.from_json(line)
-    return TokenLine(str(line.get("content", "")), tuple(line.get("logprobs") or ()))
+    return TokenLine(str(line.get("content", "")),
+                     tuple(Logprob.from_json(e) for e in line.get("logprobs") or ()))
 
 
 @dataclass(frozen=True)

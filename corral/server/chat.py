@@ -21,10 +21,16 @@ class ToolCall:
     name: str
     arguments: Json = field(default_factory=dict)
     id: str = ""
+    index: int = 0  # a call the model made: its place among the reply's calls
 
     def shown(self) -> Json:
         call: Json = {"function": {"name": self.name, "arguments": self.arguments}}
         return {"id": self.id, **call} if self.id else call
+
+    def native(self) -> Json:
+        """A call the model made, as Ollama's /api/chat writes it."""
+        return {"id": self.id, "function": {"index": self.index, "name": self.name,
+                                            "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.runner.wire import Logprob
+from corral.server.chat import ToolCall
 from corral.server.harmony import HarmonyParser, uses_harmony
 
 
@@ -40,8 +42,8 @@ class Kind(enum.Enum):
 class Piece:
     kind: Kind
     text: str = ""
-    call: dict[str, Any] | None = None  # Ollama's shape: {id, function: {index, name, arguments}}
-    logprobs: tuple[dict[str, Any], ...] = ()  # the tokens that brought this piece
+    call: ToolCall | None = None
+    logprobs: tuple[Logprob, ...] = ()  # the tokens that brought this piece
     index: int = 0  # the choice it belongs to, when a request asked for n > 1
 
 
@@ -381,11 +383,9 @@ class ReplyParser:
             return None
         return name, args
 
-    def _numbered(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
-        call = {"id": call_id(), "function": {"index": self.calls, "name": name,
-                                               "arguments": args}}
+    def _numbered(self, name: str, args: dict[str, Any]) -> ToolCall:
         self.calls += 1
-        return call
+        return ToolCall(name, args, call_id(), self.calls - 1)
 
     def _harmony_piece(self, kind: str, text: str, name: str | None) -> Piece:
         if kind == "call":

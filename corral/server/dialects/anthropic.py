@@ -212,10 +212,10 @@ def _opened(piece: Piece) -> dict[str, Any]:
 
 
 def _tool_use(piece: Piece) -> dict[str, Any]:
-    assert piece.call is not None
-    fn = piece.call["function"]
-    return {"type": "tool_use", "id": "toolu_" + piece.call["id"].removeprefix("call_"),
-            "name": fn["name"], "input": fn["arguments"]}
+    call = piece.call
+    assert call is not None
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+            "name": call.name, "input": call.arguments}
 
 
 def messages(services: Services) -> Callable[[Request, Handler], None]:

@@ -84,7 +84,7 @@ class Lines:
                 continue
             out = {**self._head(), **self._body(event), "done": False}
             if event.logprobs:
-                out["logprobs"] = list(event.logprobs)
+                out["logprobs"] = [e.to_json() for e in event.logprobs]
             yield out
 
     def _body(self, piece: Piece) -> dict[str, Any]:
@@ -97,7 +97,8 @@ class Lines:
         elif piece.kind is Kind.THINKING:
             message["thinking"] = piece.text
         else:
-            message["tool_calls"] = [piece.call]
+            assert piece.call is not None
+            message["tool_calls"] = [piece.call.native()]
         return {"message": message}
 
     def _final(self, final: Finished) -> Final:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import random
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from corral.api.wire.common import ChatToolChoice, FunctionChoice
 from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRequest,
                                     CompletionRequest, Message, Sampling,
                                     TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
+from corral.runner.wire import Logprob
 from corral.server.chat import Message as ChatMessage, ToolCall, function_tool, tool_named
 from corral.server.http import Handler, Request
 from corral.server.images import from_data_uri
@@ -137,11 +138,10 @@ def parse_completion(wire: CompletionRequest) -> CompletionTask:
                              grammar=_grammar(wire), logprobs=wire.logprobs, n=wire.n)
 
 
-def openai_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An Ollama-shaped call as OpenAI's: arguments as a JSON string, with its index."""
-    fn = call["function"]
-    return {"index": fn.get("index", 0), "id": call["id"], "type": "function",
-            "function": {"name": fn["name"], "arguments": json.dumps(fn["arguments"])}}
+def openai_call(call: ToolCall) -> dict[str, Any]:
+    """A call the model made, as OpenAI's: arguments as a JSON string, with its index."""
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
 def finish_reason(final: Finished) -> str:
@@ -204,10 +204,10 @@ class ChatChunks(Stream):
         yield from self.closing()
 
     def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None,
-               logprobs: tuple[dict[str, Any], ...] = ()) -> bytes:
+               logprobs: tuple[Logprob, ...] = ()) -> bytes:
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
         if logprobs:
-            choice["logprobs"] = {"content": list(logprobs)}
+            choice["logprobs"] = {"content": [e.to_json() for e in logprobs]}
         return self.sse({**self.head, "choices": [choice]})
 
     def whole(self, events: Iterator[Event]) -> ChatCompletion:
@@ -218,7 +218,7 @@ class ChatChunks(Stream):
                 continue
             got = parts.setdefault(event.index, {"content": [], "reasoning": [], "calls": [],
                                                  "logprobs": []})
-            got["logprobs"] += event.logprobs
+            got["logprobs"] += [e.to_json() for e in event.logprobs]
             if event.kind is Kind.CALL:
                 assert event.call is not None
                 got["calls"].append(openai_call(event.call))
@@ -265,13 +265,13 @@ class TextChunks(Stream):
             else:
                 yield self.sse({**self.head, "choices": [{
                     "text": event.text, "index": event.index, "finish_reason": None,
-                    "logprobs": legacy_logprobs(list(event.logprobs)) if self.logprobs
+                    "logprobs": legacy_logprobs(event.logprobs) if self.logprobs
                     else None}]})
         yield from self.closing()
 
     def whole(self, events: Iterator[Event]) -> TextCompletion:
         texts: dict[int, list[str]] = {}
-        entries: dict[int, list[dict[str, Any]]] = {}
+        entries: dict[int, list[Logprob]] = {}
         for event in events:
             if isinstance(event, Finished):
                 self.finals[event.index] = event
@@ -287,16 +287,15 @@ class TextChunks(Stream):
                 "usage": usage(self.finals)}
 
 
-def legacy_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+def legacy_logprobs(entries: Sequence[Logprob], offset: int = 0) -> dict[str, Any]:
     """The completions API's logprobs: parallel lists, alternatives as {token: logprob}."""
     offsets, at = [], offset
     for e in entries:
         offsets.append(at)
-        at += len(e["token"])
-    return {"tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries],
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets}
 
 

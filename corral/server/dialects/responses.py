@@ -151,11 +151,11 @@ class Items:
         if self.open is not None and self.open["type"] != kind:
             events += self._close()
         if piece.kind is Kind.CALL:
-            assert piece.call is not None
-            fn = piece.call["function"]
+            call = piece.call
+            assert call is not None
             item = {"type": "function_call", "id": "fc_" + secrets.token_hex(8),
-                    "call_id": piece.call["id"], "name": fn["name"],
-                    "arguments": json.dumps(fn["arguments"]), "status": "completed"}
+                    "call_id": call.id, "name": call.name,
+                    "arguments": json.dumps(call.arguments), "status": "completed"}
             self.output.append(item)
             index = len(self.output) - 1
             events += [("response.output_item.added", {"output_index": index, "item": {

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.errors import RunnerError
 from corral.options import Options
-from corral.runner.wire import CompletionJob, DoneLine, LoadReport
+from corral.runner.wire import CompletionJob, DoneLine, LoadReport, Logprob
 from corral.server.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.prepare import Plan, prepare
@@ -224,7 +224,7 @@ def _stream(services: Services, entry: Resident, body: CompletionJob, parser: Re
     """The runner's lines as pieces; `ended` gets the final line."""
     runner, model = entry.runner, entry.record.name.display()
     assert runner is not None
-    held: list[dict[str, Any]] = []  # log-probabilities wait for the piece their text makes
+    held: list[Logprob] = []  # log-probabilities wait for the piece their text makes
     first = True
     try:
         for line in runner.completion(body):
@@ -243,7 +243,7 @@ def _stream(services: Services, entry: Resident, body: CompletionJob, parser: Re
     yield from _tagged(parser.finish(), held, index)
 
 
-def _tagged(pieces: list[Piece], held: list[dict[str, Any]], index: int) -> Iterator[Piece]:
+def _tagged(pieces: list[Piece], held: list[Logprob], index: int) -> Iterator[Piece]:
     for piece in pieces:
         piece = replace(piece, index=index, logprobs=tuple(held)) if held or index else piece
         held.clear()
