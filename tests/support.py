@@ -63,3 +63,10 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
             return False
 
     wait_for(accepts, timeout, 0.1)
+
+
+def embed(engine: Any, inputs: list[list[int]], truncate: bool = True) -> list[list[float]]:
+    """Embed on an engine and wait, as the runner process does for /embed."""
+    from corral.runner.jobs import Embed
+
+    return list(engine.run_embed(Embed(inputs, truncate)))

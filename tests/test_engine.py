@@ -13,6 +13,7 @@ from corral.runner.context import EngineConfig
 from corral.errors import ContextOverflow
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
+from tests.support import embed
 
 pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 
@@ -170,11 +171,11 @@ def test_json_grammar_constrains_output(engine: Engine) -> None:
 
 
 def test_embeddings(engine: Engine) -> None:
-    [a, b] = engine.embed([engine.tokenize("hello world"), engine.tokenize("goodbye")])
+    [a, b] = embed(engine, [engine.tokenize("hello world"), engine.tokenize("goodbye")])
     assert len(a) == len(b) == 640 and a != b
     with pytest.raises(ContextOverflow):
-        engine.embed([engine.tokenize("word " * 600)], truncate=False)
-    assert len(engine.embed([engine.tokenize("word " * 600)])[0]) == 640
+        embed(engine, [engine.tokenize("word " * 600)], truncate=False)
+    assert len(embed(engine, [engine.tokenize("word " * 600)])[0]) == 640
 
 
 def test_embedding_context_is_sized_to_its_inputs(starter_gguf: Path) -> None:
@@ -182,13 +183,13 @@ def test_embedding_context_is_sized_to_its_inputs(starter_gguf: Path) -> None:
     eng.start()
     try:
         short = eng.tokenize("hello world")
-        [first] = eng.embed([short])
+        [first] = embed(eng, [short])
         assert eng.embedder.capacity == 512  # not num_ctx: its KV grows with its inputs
-        eng.embed([eng.tokenize("word " * 700)])
+        embed(eng, [eng.tokenize("word " * 700)])
         assert eng.embedder.capacity == 1024
-        eng.embed([eng.tokenize("word " * 5000)])  # truncated to num_ctx
+        embed(eng, [eng.tokenize("word " * 5000)])  # truncated to num_ctx
         assert eng.embedder.capacity == 2048
-        [again] = eng.embed([short])
+        [again] = embed(eng, [short])
         assert again == first  # the context's size does not change the vector
     finally:
         eng.stop()

@@ -20,6 +20,7 @@ from corral.errors import ContextOverflow
 from corral.runner.context import EngineConfig
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
+from tests.support import embed
 
 pytestmark = pytest.mark.model
 
@@ -77,7 +78,7 @@ def operation(engine: Engine, kind: str, words: int) -> None:
                                  num_predict=4, truncate=False))
         assert isinstance(end, Failed) and isinstance(end.error, ContextOverflow)
     elif kind == "embed":
-        engine.embed([tok(long_text)])
+        embed(engine, [tok(long_text)])
 
 
 # No shrinking: each example costs seconds of real decoding, and the failing

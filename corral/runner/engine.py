@@ -115,9 +115,6 @@ class Engine(Postprocess):
         self._commands.put(Submit(job))
         return job
 
-    def embed(self, inputs: list[list[int]], truncate: bool = True) -> list[list[float]]:
-        return self.run_embed(Embed(inputs, truncate))
-
     def run_embed(self, command: Embed) -> list[list[float]]:
         """Embed and wait; `command.cancel()` from another thread stops it between slices."""
         self._commands.put(command)

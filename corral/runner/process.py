@@ -8,7 +8,9 @@ port and load report), then serves:
     POST /completion              a CompletionJob (runner.wire) -> NDJSON: {"content"} lines,
                                   then a final {"done": true, ...}
     POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
-    POST /tokenize, /detokenize
+    POST /tokenize, /detokenize   the model's own tokenizer, as llama-server's: the daemon
+                                  renders text and needs neither; tests and tools that
+                                  count tokens against a runner do
     POST /cancel                  {"id"}
     POST /threads                 {"n"}: the daemon's share of the cores, from now on
     POST /cache/clear             drop the prompt cache's RAM (memory is wanted elsewhere)
