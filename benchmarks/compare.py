@@ -5,7 +5,8 @@ Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
 
 - llama-server with 4 slots, with 8 slots and `--kv-unified`, with 16 slots and
   `--kv-unified` (`-c 65536`: the tuned peer), and with 1 slot (Ollama's default);
-- Corral in its default mode (elastic KV up to the memory fit) and in pool mode.
+- Corral in its default mode (elastic KV up to the memory fit), the same through Ollama's
+  native `/api/generate` (`corral native`), and in pool mode.
 
 Then a burst of 16 streams at an idle Corral (one slot's KV): when the last first
 token came against when the first stream finished, and how many growth steps it took.
@@ -67,9 +68,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
 
 
 def bench(url: str, out: Path, args: argparse.Namespace, dataset: str = "random",
-          levels: str = LEVELS) -> list[dict[str, Any]]:
+          levels: str = LEVELS, api: str = "openai") -> list[dict[str, Any]]:
     cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench", STARTER_NAME,
-           "--api", "openai", "--base-url", url, "--concurrency", levels,
+           "--api", api, "--base-url", url, "--concurrency", levels,
            "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
            "--dataset", dataset, "--seed", "1", "--json", str(out)]
     cmd += ["--per-client", str(args.per_client)]
@@ -146,6 +147,8 @@ def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: i
                                                                threads, "--kv-unified")),
         ("llama-server 1", lambda: start_llama_server(binaries, model, 1, ctx, threads)),
         ("corral", lambda: start_corral(0, ctx, threads)),
+        # The same daemon through Ollama's /api/generate: the native route's cost.
+        ("corral native", lambda: start_corral(0, ctx, threads)),
         ("corral pool", lambda: start_corral(0, ctx, threads, KV_POOL="1")),
     ]
 
@@ -183,7 +186,8 @@ def main() -> None:
         url, proc = starter()
         try:
             results[label] = bench(url, work / f"{label.replace(' ', '-')}.json", args,
-                                   levels=args.levels)
+                                   levels=args.levels,
+                                   api="native" if label.endswith("native") else "openai")
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -256,6 +260,8 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
          ratio(ttft("corral", "16"), ttft(ref, "16"))),
         *[(f"c={c} aggregate tok/s, corral vs llama-server 4 (>= 1.0)",
            ratio(tput("corral", c), tput(ref, c))) for c in ("1", "4", "8")],
+        *[(f"c={c} aggregate tok/s, corral native vs corral /v1 (>= 0.95)",
+           ratio(tput("corral native", c), tput("corral", c))) for c in ("1", "4", "16")],
         ("c=16 failed requests, corral (0)",
          str(cell(results, "corral", "16").get("failed", "-"))),
     ]
