@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from corral.config import load_settings
+from corral.options import Options
 from corral.registry.gguf import GGUFInfo
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
@@ -62,7 +63,7 @@ def rec(tmp_path: Path) -> ModelRecord:
 
 
 def test_scheduler_policy(tmp_path: Path) -> None:
-    opts = {"num_ctx": 4096}
+    opts = Options(num_ctx=4096)
     r = rec(tmp_path)
     big, small = 64 << 30, 1200 * MB
     assert scheduler(big)._choose_slots(r, opts) == memory.CPU_MAX_SLOTS == 16

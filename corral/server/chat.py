@@ -9,9 +9,10 @@ client wrote stay JSON: a tool's parameter schema and a call's arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from corral.api.wire.common import FunctionTool
+if TYPE_CHECKING:  # pydantic comes with the HTTP stack, after the first runner starts
+    from corral.api.wire.common import FunctionTool
 
 Json = dict[str, Any]  # a JSON object a client or a model wrote (a schema, arguments)
 
