@@ -203,21 +203,23 @@ class Options:
             values["stop"] = tuple(values["stop"])
         return cls(**values)
 
+    def _set(self) -> dict[str, Any]:
+        """The options set here, by name, as the record holds them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None}
+
     def over(self, base: "Options") -> "Options":
         """These options layered over `base`: what is set here wins."""
-        return replace(base, **self.values())
+        return replace(base, **self._set())
 
     def values(self) -> dict[str, Any]:
         """The set options by name, as JSON carries them."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()
-                if v is not None}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._set().items()}
 
     def load(self) -> "Options":
         """Only the load-time options: those that need a reload when they change."""
-        return Options(**{k: v for k, v in self.values().items() if k in LOAD_OPTIONS})
+        return Options(**{k: v for k, v in self._set().items() if k in LOAD_OPTIONS})
 
     def differs(self, loaded: "Options") -> bool:
         """An option set here differs from `loaded`'s (a load needs a reload)."""
-        return any(getattr(self, f.name) is not None
-                   and getattr(self, f.name) != getattr(loaded, f.name) for f in fields(self))
+        return any(getattr(loaded, k) != v for k, v in self._set().items())

@@ -146,8 +146,9 @@ def read_line(line: dict[str, Any]) -> TokenLine | DoneLine:
     """One line of the runner's stream, typed (error lines are raised before this)."""
     if line.get("done"):
         return DoneLine.from_json(line)
+    entries = line.get("logprobs")  # once per token: nothing to build when none were asked
     return TokenLine(str(line.get("content", "")),
-                     tuple(Logprob.from_json(e) for e in line.get("logprobs") or ()))
+                     tuple(map(Logprob.from_json, entries)) if entries else ())
 
 
 @dataclass(frozen=True)

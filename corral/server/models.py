@@ -19,6 +19,7 @@ from corral.registry.models import ModelRecord, Records
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_problem
 from corral.registry.store import Store
+from corral.server.chat import Message
 from corral.server.reply import template_calls_tools, template_thinks
 
 if TYPE_CHECKING:
@@ -66,6 +67,11 @@ class ModelView:
     @property
     def name(self) -> str:
         return self.record.name.full()
+
+    @functools.cached_property
+    def messages(self) -> tuple[Message, ...]:
+        """The model's MESSAGE layers as records, made once for every request it serves."""
+        return tuple(Message.of(m) for m in self.record.messages)
 
     def options(self, requested: Any) -> Options:
         """The model's PARAMETERs < the request's options (its JSON object, checked here,

@@ -100,7 +100,7 @@ def chat_messages(view: ModelView, messages: list[Message],
         seen += len(images)
         out.append(replace(m, role=role, images=images))
     record = view.record
-    full = [Message.of(m) for m in record.messages] + out
+    full = list(view.messages) + out
     if record.system and not (full and full[0].role == "system"):
         full.insert(0, Message("system", record.system))
     return full
