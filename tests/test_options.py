@@ -57,3 +57,8 @@ def test_a_job_and_its_token_lines_cross_the_runner_wire_typed() -> None:
     wire = json.loads(json.dumps(line.to_json()))
     assert "top_logprobs" not in wire["logprobs"][0]["top_logprobs"][0]  # OpenAI's shape
     assert read_line(wire) == line
+
+
+def test_a_layered_stop_stays_a_tuple_in_the_record() -> None:
+    merged = Options.parse({"stop": ["b"]}).over(Options.parse({"stop": ["a"]}))
+    assert merged.stop == ("b",) and merged.values()["stop"] == ["b"]
