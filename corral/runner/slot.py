@@ -92,8 +92,18 @@ class Slot:
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens a and b share. The engine thread asks this of every slot
+    and cache entry at each placement, over prompts of thousands of tokens: whole chunks
+    are compared as slices (in C) and only the chunk that differs is walked in Python."""
+    if type(a) is not type(b):  # a tuple's slice never equals a list's
+        a, b = list(a), list(b)
     n = min(len(a), len(b))
     i = 0
+    while i + PREFIX_CHUNK <= n and a[i:i + PREFIX_CHUNK] == b[i:i + PREFIX_CHUNK]:
+        i += PREFIX_CHUNK
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+PREFIX_CHUNK = 64
