@@ -5,6 +5,7 @@ branches from a running slot or holds a sequence for a prefix about to be comput
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from corral.runner.jobs import Job
 from corral.runner.promptcache import MIN_TOKENS, PromptCache
 from corral.runner.scheduler import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
 from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState, common_prefix
 from tests.gguf_files import write_tiny_gguf
 
 A = list(range(100, 300))  # 200 tokens
@@ -56,6 +57,29 @@ def test_an_entry_extended_by_a_longer_one_goes_and_a_covered_one_is_not_saved()
     assert [len(e.tokens) for e in cache.entries] == [200]
     assert not cache.worth_saving(A[:150]) and not cache.add(A[:150], b"c")
     assert PromptCache(budget=0).worth_saving(A) is False  # off
+
+
+def test_a_state_adding_a_few_tokens_to_an_entry_is_not_kept_beside_it() -> None:
+    """Sixteen requests after one document differ in a short question: one copy is kept."""
+    cache = PromptCache(budget=1000)
+    assert cache.add(A + [1] * 10, b"a")
+    assert not cache.worth_saving(A + [2] * (MIN_TOKENS - 1))
+    assert not cache.add(A + [2] * (MIN_TOKENS - 1), b"b")
+    assert cache.worth_saving(A + [3] * MIN_TOKENS) and cache.add(A + [3] * MIN_TOKENS, b"c")
+    assert sorted(len(e.tokens) for e in cache.entries) == [210, 200 + MIN_TOKENS]
+
+
+def test_common_prefix_matches_a_walk_over_lists_and_tuples() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 300))]
+        cut = rng.randint(0, len(a))
+        b = a[:cut] + [rng.randint(0, 2) for _ in range(rng.randint(0, 200))]
+        walk = 0
+        while walk < min(len(a), len(b)) and a[walk] == b[walk]:
+            walk += 1
+        assert common_prefix(a, b) == common_prefix(tuple(a), b) == walk
+        assert common_prefix(b, tuple(a)) == walk
 
 
 def test_spilled_entries_go_to_the_disk_tier(tmp_path: Path) -> None:

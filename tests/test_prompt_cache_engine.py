@@ -136,6 +136,32 @@ def test_a_burst_at_an_idle_model_computes_its_shared_prefix_once(
     assert computed <= 1.2 * len(prompts["a2"]), computed  # a1 is a prefix of a2
 
 
+def test_a_document_that_other_slots_hold_is_copied_out_once(starter_gguf: Path) -> None:
+    """Four requests after one document differ in a short question. A slot taken from
+    them copies nothing out while other slots hold the document; the last one to go is
+    kept, once, and a later question after the document restores it."""
+    engine = Engine(str(starter_gguf), config(n_slots=4, cache_ram=256 << 20))
+    tok = engine.tokenize
+    doc = tok(DOC_A)
+    questions = [doc + tok(f" Question {i}: why?", add_special=False) for i in range(5)]
+    jobs = [engine.submit(Job(prompt=list(q), params=GREEDY, num_predict=8))
+            for q in questions[:4]]
+    engine.start()
+    try:
+        for job in jobs:
+            collect(job)
+        entries = []
+        for day in ("Monday", "Tuesday", "Wednesday", "Thursday"):  # each takes a slot
+            ask(engine, tok(f"{day}. " + DOC_B))
+            entries.append(engine.status()["cache_entries"])
+        _, stats = ask(engine, questions[4])
+        status = engine.status()
+    finally:
+        engine.stop()
+    assert entries == [0, 0, 0, 1]
+    assert status["cache_hits"] == 1 and stats.prompt_eval_count < 16
+
+
 def test_the_disk_tier_keeps_a_prompt_across_a_restart(starter_gguf: Path, tmp_path: Path,
                                                        baseline: dict[str, str]) -> None:
     disk = {"cache_disk": 512 << 20, "cache_dir": str(tmp_path)}

@@ -44,6 +44,7 @@ from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, R
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.postprocess import Postprocess
+from corral.runner.promptcache import State
 from corral.runner.scheduler import Placement, Refusal, Scheduler, Source
 from corral.runner.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slot import Slot, SlotState
@@ -244,16 +245,17 @@ class Engine(Postprocess):
                 self._finish(slot, DoneReason.CANCEL)
 
     def _admit(self) -> None:
+        donors: dict[tuple[int, int], State] = {}  # states read from donor slots this round
         while (decision := self.scheduler.next(self.slots)) is not None:
             if isinstance(decision, Refusal):
                 decision.seq.end(Failed(decision.error))
                 continue
             try:
-                self._place(decision)
+                self._place(decision, donors)
             except BadRequest as exc:
                 decision.seq.end(Failed(exc))
 
-    def _place(self, p: Placement) -> None:
+    def _place(self, p: Placement, donors: dict[tuple[int, int], State]) -> None:
         """Start (or resume) a sequence on its slot, with the prefix the scheduler chose."""
         seq, job, tokens = p.seq, p.seq.job, p.tokens
         resuming = seq.state is SeqState.PREEMPTED
@@ -268,7 +270,8 @@ class Engine(Postprocess):
         if self.resizer is not None and self.resizer.capacity.warm(
                 len(slot.cached) - kept, slot.last_used, self.clock()):
             self._overwritten += 1  # another conversation's prefix goes: want a stream more
-        keep = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams)
+        keep = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
+                                 [s.reusable() for s in self.slots if s is not slot], donors)
         p.slot.assign(seq, tokens[:keep])
         if sampler is None:
             seq.resume(tokens, keep)

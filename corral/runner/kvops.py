@@ -3,14 +3,15 @@ shift them, save them to the prompt cache, and fill them from it or from another
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import llama_cpp as L
 
 from corral.runner import seqstate
 from corral.runner.caches import PrefixCaches
+from corral.runner.promptcache import State
 from corral.runner.scheduler import Placement, Source
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slot import Slot, SlotState, common_prefix
 
 
 def drop(mem: Any, slot: Slot) -> None:
@@ -60,31 +61,41 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
 
 # ---- prefixes from elsewhere: the prompt cache and other slots ---------------------------
 
-def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0) -> None:
-    """Before a slot's cached tokens past `keep` are overwritten: if enough would be lost
-    and no cache entry holds them yet, copy the slot's state into the prompt cache."""
+def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
+         held: Iterable[Sequence[int]] = ()) -> None:
+    """Before a slot's cached tokens past `keep` are overwritten: if enough would be lost,
+    copy the slot's state into the prompt cache. Lost is what neither `keep`, another
+    slot staying in the context (`held`: the last of them is saved when it goes) nor a
+    cache entry holds: sixteen requests that shared a document and differ in a short
+    question leave one copy of it, and a slot taken from them copies nothing out."""
     tokens = slot.reusable()
-    if len(tokens) - keep < caches.ram.min_tokens or not caches.wanted(tokens):
+    kept = max((common_prefix(other, tokens) for other in held), default=0)
+    if len(tokens) - max(keep, kept) < caches.ram.min_tokens or not caches.wanted(tokens):
         return
     data = seqstate.get(ctx, slot.seq_id)
     if data is not None:
         caches.keep(tokens, data)
 
 
-def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int) -> int:
+def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int,
+                held: Iterable[Sequence[int]] = (),
+                donors: dict[tuple[int, int], State] | None = None) -> int:
     """Put the placement's prefix into its slot's KV; returns the tokens it holds after
     (0 when a copy failed: the prompt is then prefilled whole). The slot's own cache
-    goes to the prompt cache first if the placement overwrites it."""
+    goes to the prompt cache first if the placement overwrites it and neither the other
+    slots (`held`) nor the cache hold it. `donors` keeps the states read from donor
+    slots between placements of one round (no decode runs between them, so a donor's
+    KV is unchanged): fifteen requests branching from one slot read it once."""
     slot = p.slot
-    save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0)
+    save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0, held)
     if p.source in (Source.NONE, Source.REUSE):
         if p.keep and L.llama_memory_seq_rm(mem, slot.seq_id, p.keep, -1):
             return p.keep
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         return 0
     branch = p.donor is not None
-    data = seqstate.get(ctx, p.donor.seq_id) if p.donor is not None else caches.fetch(p.entry,
-                                                                                    p.disk)
+    data = donor_state(ctx, p.donor, donors) if p.donor is not None \
+        else caches.fetch(p.entry, p.disk)
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     # A partial removal fails on memories that cannot roll back (recurrent models).
     if data is not None and seqstate.put(ctx, data, slot.seq_id, streams) \
@@ -97,3 +108,16 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     caches.refused(p.entry)
     return 0
+
+
+def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], State] | None) -> \
+        State | None:
+    """A donor slot's state, read once per round of placements (keyed by its sequence
+    and length: a slot that took a prefix this round is a new key)."""
+    key = (donor.seq_id, donor.n_past)
+    if donors is not None and key in donors:
+        return donors[key]
+    data = seqstate.get(ctx, donor.seq_id)
+    if donors is not None and data is not None:
+        donors[key] = data
+    return data
