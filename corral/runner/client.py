@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -21,6 +22,10 @@ from corral.runner.wire import (Cancel, CompletionJob, DoneLine, EmbedJob, Embed
 
 if TYPE_CHECKING:
     import httpx
+
+
+# How long an unloading runner with a disk tier may take to write its prompt cache there.
+DISK_FLUSH_WAIT = 60.0
 
 
 def _httpx() -> ModuleType:
@@ -91,12 +96,19 @@ class RunnerProcess:
         return self.proc.pid if self.proc is not None else -1
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ask the runner to end, wait for it, and kill it past `timeout` (a minute at
+        least with a disk tier: on its way out it writes its prompt cache there)."""
         if self.alive():
+            assert self.proc is not None
             try:
                 self._client().post("/shutdown", timeout=2.0)
             except (_httpx().HTTPError, RunnerError):
-                pass
-            assert self.proc is not None
+                # Busy past the request's timeout (a context being made holds the GIL):
+                # SIGTERM asks the same, and is read once it can be.
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
+            if self.config.cache_disk:
+                timeout = max(timeout, DISK_FLUSH_WAIT)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

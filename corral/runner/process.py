@@ -217,8 +217,10 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, {"cancelled": self.service.cancel(read_command(Cancel,
                                                                                body).id)})
             elif route == "/shutdown":
-                self._send(200, {"status": "shutting down"})
+                # Started before the reply: a daemon that gave up waiting for it (the
+                # engine thread held the GIL) must not leave us running.
                 threading.Thread(target=_shutdown, args=(self.service,), daemon=True).start()
+                self._send(200, {"status": "shutting down"})
             else:
                 raise NotFound("not found")
         except CorralError as exc:
