@@ -68,9 +68,11 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
     slot staying in the context (`held`: the last of them is saved when it goes) nor a
     cache entry holds: sixteen requests that shared a document and differ in a short
     question leave one copy of it, and a slot taken from them copies nothing out."""
-    tokens = slot.reusable()
+    tokens, least = slot.reusable(), caches.ram.min_tokens
+    if len(tokens) - keep < least:  # a warm turn keeps its slot's tokens: nothing to look at
+        return
     kept = max((common_prefix(other, tokens) for other in held), default=0)
-    if len(tokens) - max(keep, kept) < caches.ram.min_tokens or not caches.wanted(tokens):
+    if len(tokens) - kept < least or not caches.wanted(tokens):
         return
     data = seqstate.get(ctx, slot.seq_id)
     if data is not None:
