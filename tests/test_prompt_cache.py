@@ -59,14 +59,16 @@ def test_an_entry_extended_by_a_longer_one_goes_and_a_covered_one_is_not_saved()
     assert PromptCache(budget=0).worth_saving(A) is False  # off
 
 
-def test_a_state_adding_a_few_tokens_to_an_entry_is_not_kept_beside_it() -> None:
-    """Sixteen requests after one document differ in a short question: one copy is kept."""
+def test_an_entry_a_few_tokens_off_a_newer_one_goes_with_it() -> None:
+    """Sixteen requests after one document differ in a short question: one copy is kept,
+    the newest; one that holds min_tokens more of its own stays."""
     cache = PromptCache(budget=1000)
     assert cache.add(A + [1] * 10, b"a")
-    assert not cache.worth_saving(A + [2] * (MIN_TOKENS - 1))
-    assert not cache.add(A + [2] * (MIN_TOKENS - 1), b"b")
-    assert cache.worth_saving(A + [3] * MIN_TOKENS) and cache.add(A + [3] * MIN_TOKENS, b"c")
-    assert sorted(len(e.tokens) for e in cache.entries) == [210, 200 + MIN_TOKENS]
+    assert cache.add(A + [2] * (MIN_TOKENS - 1), b"b")  # a's 10 tokens of its own: a goes
+    assert [e.data for e in cache.entries] == [b"b"]
+    assert cache.add(A + [3] * MIN_TOKENS, b"c")  # b holds MIN_TOKENS - 1 of its own: b goes
+    assert cache.add(B, b"d") and cache.add(A[:150] + [5] * MIN_TOKENS, b"e")
+    assert sorted(e.data for e in cache.entries) == [b"c", b"d", b"e"]  # c keeps 50 + 32
 
 
 def test_common_prefix_matches_a_walk_over_lists_and_tuples() -> None:

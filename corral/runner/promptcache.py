@@ -13,8 +13,9 @@ this cache, and restores the entry sharing the longest prefix with a new prompt.
 Pure policy over bytes, used by the engine thread alone: the longest common prefix
 wins (ties: the most recently used); entries are evicted least recently used to stay
 within the byte budget; an entry whose tokens are a prefix of another's holds nothing
-the longer one does not, so it goes when the longer one comes, and a state that adds
-fewer than min_tokens to what an entry holds is not kept beside it. Everything that changes
+the longer one does not, so it goes when the longer one comes, and so does one that
+holds fewer than min_tokens the newer one does not (the same document with another
+short question). Everything that changes
 the KV besides the tokens (model, adapters, KV type, context parameters) is fixed for
 one runner process, and an image's tokens are placeholders derived from its hash
 (runner.vision), so the tokens alone are the key here; the disk tier
@@ -82,21 +83,25 @@ class PromptCache:
             return None, 0
         return best, best_n
 
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry already holds these tokens' KV (it may hold more after them)."""
+        n = len(tokens)
+        return any(len(e.tokens) >= n and e.tokens[:n] == tuple(tokens) for e in self.entries)
+
     def worth_saving(self, tokens: Sequence[int]) -> bool:
-        """Whether these tokens' state would hold at least min_tokens that no entry does:
-        a state an entry covers, or extends by a few tokens (sixteen requests after one
-        document, differing in a short question), is not copied a second time."""
-        if self.budget <= 0 or len(tokens) < self.min_tokens:
-            return False
-        return len(tokens) - self.lookup(tokens)[1] >= self.min_tokens
+        return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
     def add(self, tokens: Sequence[int], data: State) -> Entry | None:
         """Keep a state; None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):
             return None
-        # Entries that are prefixes of this one are redundant now.
-        self.entries = [e for e in self.entries if e.tokens != key[:len(e.tokens)]]
+        # Entries that hold fewer than min_tokens this one does not are redundant now: the
+        # turn it continues (its prefix), or the same document with another short
+        # question (sixteen requests at once, which then leave one copy, the newest).
+        least = self.min_tokens
+        self.entries = [e for e in self.entries
+                        if len(e.tokens) - common_prefix(e.tokens, key) >= least]
         self._clock += 1
         entry = Entry(key, data, self._clock)
         self.entries.append(entry)
