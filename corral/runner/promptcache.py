@@ -15,11 +15,11 @@ wins (ties: the most recently used); entries are evicted least recently used to 
 within the byte budget; an entry whose tokens are a prefix of another's holds nothing
 the longer one does not, so it goes when the longer one comes, and so does one that
 holds fewer than min_tokens the newer one does not (the same document with another
-short question). Everything that changes
-the KV besides the tokens (model, adapters, KV type, context parameters) is fixed for
-one runner process, and an image's tokens are placeholders derived from its hash
-(runner.vision), so the tokens alone are the key here; the disk tier
-(runner.diskcache), which outlives the process, adds the rest to its key.
+short question). Everything that changes the KV besides the tokens (model, adapters,
+KV type, context parameters) is fixed for one runner process, and an image's tokens
+are placeholders derived from its hash (runner.vision), so the tokens alone are the key
+here; the disk tier (runner.diskcache), which outlives the process, adds the rest to
+its key.
 """
 
 from __future__ import annotations
