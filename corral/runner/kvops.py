@@ -80,8 +80,7 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
 
 
 def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int,
-                held: Iterable[Sequence[int]] = (),
-                donors: dict[tuple[int, int], State] | None = None) -> int:
+                held: Iterable[Sequence[int]], donors: dict[tuple[int, int], State]) -> int:
     """Put the placement's prefix into its slot's KV; returns the tokens it holds after
     (0 when a copy failed: the prompt is then prefilled whole). The slot's own cache
     goes to the prompt cache first if the placement overwrites it and neither the other
@@ -112,14 +111,13 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     return 0
 
 
-def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], State] | None) -> \
-        State | None:
+def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], State]) -> State | None:
     """A donor slot's state, read once per round of placements (keyed by its sequence
     and length: a slot that took a prefix this round is a new key)."""
     key = (donor.seq_id, donor.n_past)
-    if donors is not None and key in donors:
-        return donors[key]
-    data = seqstate.get(ctx, donor.seq_id)
-    if donors is not None and data is not None:
+    if key not in donors:
+        data = seqstate.get(ctx, donor.seq_id)
+        if data is None:
+            return None
         donors[key] = data
-    return data
+    return donors[key]

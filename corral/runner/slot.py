@@ -91,6 +91,9 @@ class Slot:
         return sequence
 
 
+PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix
+
+
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     """How many leading tokens a and b share. The engine thread asks this of every slot
     and cache entry at each placement, over prompts of thousands of tokens: whole chunks
@@ -104,6 +107,3 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-PREFIX_CHUNK = 64
