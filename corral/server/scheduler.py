@@ -54,6 +54,7 @@ class Scheduler:
         self.loaded: dict[str, Resident] = {}
         self.cond = threading.Condition()
         self.pending = 0
+        self.blocked = 0  # requests waiting in acquire for a load, an unload or room
         self._load_lock = threading.Lock()
         self._stopping = False
         self._timer = threading.Thread(target=self._expire_loop, name="keepalive", daemon=True)
@@ -107,11 +108,8 @@ class Scheduler:
                         current.reload = True
                         if current.refcount == 0:
                             self._begin_unload(current)
-                    if current is not None:
-                        self.cond.wait(timeout=0.5)
-                        continue
-                    if not self._make_room(record):
-                        self.cond.wait(timeout=0.5)
+                    if current is not None or not self._make_room(record):
+                        self._wait()
                         continue
                     slots = self._choose_slots(record, load_opts)
                     entry = Resident(record, load_opts, slots,
@@ -123,6 +121,15 @@ class Scheduler:
             with self.cond:
                 self._settle(ticket)
                 self.cond.notify_all()
+
+    def _wait(self) -> None:
+        """Wait (lock held) for a model to load, unload or free up; `blocked` counts the
+        requests doing so, for anyone who must know one is waiting (tests among them)."""
+        self.blocked += 1
+        try:
+            self.cond.wait(timeout=0.5)
+        finally:
+            self.blocked -= 1
 
     def _settle(self, ticket: "Ticket") -> None:
         """Undo the admission count once the request holds (or gave up on) a model."""
@@ -352,21 +359,26 @@ class Scheduler:
             if entry.refcount == 0:
                 self._begin_unload(entry)
 
+    def expire_once(self, now: float) -> float:
+        """One pass of the keep-alive timer at `now`: dead runners are forgotten and
+        expired idle models begin to unload. Returns the seconds until the next deadline
+        (at most 1). The timer thread calls it; tests call it with their own clock."""
+        with self.cond:
+            deadlines = []
+            for entry in list(self.loaded.values()):
+                if self._forget_if_dead(entry):
+                    continue
+                if entry.refcount == 0 and entry.expires_at is not None:
+                    if entry.expires_at <= now:
+                        self._begin_unload(entry)
+                    else:
+                        deadlines.append(entry.expires_at)
+            return max(min([d - now for d in deadlines] + [1.0]), 0.01)
+
     def _expire_loop(self) -> None:
         with self.cond:
             while not self._stopping:
-                now = self.clock()
-                deadlines = []
-                for entry in list(self.loaded.values()):
-                    if self._forget_if_dead(entry):
-                        continue
-                    if entry.refcount == 0 and entry.expires_at is not None:
-                        if entry.expires_at <= now:
-                            self._begin_unload(entry)
-                        else:
-                            deadlines.append(entry.expires_at)
-                wait = min([d - now for d in deadlines] + [1.0])
-                self.cond.wait(timeout=max(wait, 0.01))
+                self.cond.wait(timeout=self.expire_once(self.clock()))
 
     def running(self) -> list[Resident]:
         with self.cond:
