@@ -122,6 +122,11 @@ class RunnerError(CorralError):
     """The model runner failed or died."""
 
 
+class EngineFailed(RunnerError):
+    """The runner's engine thread failed: the runner refuses work and exits, and the daemon
+    forgets it at once, so the next request loads the model afresh."""
+
+
 class Shape(str, enum.Enum):
     """Which API's error body a response uses."""
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import llama_cpp as L
 
-from corral.errors import BadRequest, RunnerError
+from corral.errors import BadRequest, EngineFailed, RunnerError
 from corral.runner import imagefeed, kvops, native, seqstate
 from corral.runner.admission import generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
@@ -39,7 +39,7 @@ from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, GrowthState, Resizer
 from corral.runner.reserve import Reserve
 from corral.runner.wire import DoneLine
-from corral.runner.jobs import (ClearCache, Command, Done, Embed, Failed, Job, Resized,
+from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, Resized,
                                 SetThreads, Stop, Submit)
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
@@ -60,14 +60,20 @@ TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a mil
 class Engine(Postprocess):
     def __init__(self, model_path: str, config: EngineConfig,
                  clock: Callable[[], float] = time.perf_counter,
-                 llama: LlamaContext | None = None, load_seconds: float = 0.0) -> None:
+                 llama: LlamaContext | None = None, load_seconds: float = 0.0,
+                 step_hook: Callable[[StepPlan], None] | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
         self.clock = clock
-        self._commands: queue.Queue[Command] = queue.Queue()
+        self._commands = Inbox()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # A failed engine thread is final: `failed` is set, `failure` says why, every job
+        # held or sent later ends with it, and the runner process exits (runner.process).
+        self.failed = threading.Event()
+        self.failure: EngineFailed | None = None
+        self._step_hook = step_hook  # tests: makes a chosen step raise, as a bug would
         self.steps = self.sampled = 0  # decode steps; tokens sampled since load (a rate)
         self.step_time = 0.0  # seconds inside steps
         self.native_time = 0.0  # of which in llama_decode and samplers
@@ -107,14 +113,19 @@ class Engine(Postprocess):
         self._thread.start()
 
     def submit(self, job: Job) -> Job:
-        if self._stopping:
-            raise RunnerError("engine is shutting down")
+        self._refuse_if_stopped()
         if not job.prompt:
             raise BadRequest("empty prompt")
         imagefeed.check_images(job, self.n_vocab, self.n_batch)
         job.submitted = self.clock()
         self._commands.put(Submit(job))
         return job
+
+    def _refuse_if_stopped(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._stopping:
+            raise RunnerError("engine is shutting down")
 
     def run_embed(self, command: Embed) -> list[list[float]]:
         """Embed and wait; `command.cancel()` from another thread stops it between slices."""
@@ -123,6 +134,10 @@ class Engine(Postprocess):
         if isinstance(result, Failed):
             raise result.error
         return result
+
+    def running(self) -> bool:
+        """The engine thread is alive (false before start and once it ended)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def set_threads(self, n: int) -> None:
         self._commands.put(SetThreads(max(1, min(n, 1024))))
@@ -167,15 +182,22 @@ class Engine(Postprocess):
                     self._embedded_at, self._transient = self.clock(), True
                 plan = self._schedule()
                 if plan is not None:
+                    if self._step_hook is not None:
+                        self._step_hook(plan)
                     t0 = self.clock()
                     self._postprocess(plan, self._run_batch(plan))
                     self.step_time += self.clock() - t0
                     self.steps += 1
-        except Exception as exc:  # a bug here must not leave clients hanging
+        except Exception as exc:  # a bug here must not leave any client hanging
             log.exception("engine thread failed")
-            self._fail_everyone(f"engine failed: {exc}")
+            self.failure = EngineFailed(f"the model's engine failed: {exc}")
+            self._stopping = True
         finally:
-            self._fail_everyone("runner is shutting down")
+            error = self.failure or RunnerError("runner is shutting down")
+            self._fail_everyone(error)
+            self._commands.close(error)
+            if self.failure is not None:
+                self.failed.set()  # the runner process exits; the daemon loads afresh
 
     def _idle(self) -> bool:
         return not self.scheduler.waiting and not self._embeds and all(
@@ -183,7 +205,7 @@ class Engine(Postprocess):
 
     def _drain(self, block: bool) -> None:
         try:
-            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=0.5 if block else None)
         except queue.Empty:
             return
         while True:
@@ -201,7 +223,7 @@ class Engine(Postprocess):
             elif isinstance(item, ClearCache):
                 self._transient = self._transient or self.caches.ram.clear() > 0
             try:
-                item = self._commands.get_nowait()
+                item = self._commands.get()
             except queue.Empty:
                 return
 
@@ -343,8 +365,7 @@ class Engine(Postprocess):
             for slot in slots:
                 self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
 
-    def _fail_everyone(self, message: str) -> None:
-        error = RunnerError(message)
+    def _fail_everyone(self, error: RunnerError) -> None:
         for slot in self.slots:
             if slot.sequence is not None:
                 self._fail(slot, error)

@@ -136,3 +136,40 @@ class ClearCache:
 
 
 Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache]
+
+
+class Inbox:
+    """The engine thread's command queue. Once the loop has ended, `close` answers what is
+    still queued with its reason, and a later Submit or Embed is refused with it, so that
+    no caller waits on a queue nobody reads."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Command] = queue.Queue()
+        self._gate = threading.Lock()
+        self.closed: CorralError | None = None
+
+    def put(self, command: Command) -> None:
+        with self._gate:
+            if self.closed is not None and isinstance(command, (Submit, Embed)):
+                raise self.closed
+            self._queue.put(command)
+
+    def get(self, timeout: float | None = None) -> Command:
+        """The next command; queue.Empty after `timeout` seconds (None: at once)."""
+        return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, error: CorralError) -> None:
+        with self._gate:
+            self.closed = error
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Submit):
+                item.job.events.put(Failed(error))
+            elif isinstance(item, Embed):
+                item.reply.put(Failed(error))

@@ -25,17 +25,19 @@ import json
 import logging
 import math
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
+from corral.errors import BadRequest, CorralError, NotFound, RunnerError, Shape, format_error
+from corral.runner.batchplan import StepPlan
 from corral.runner.engine import Engine
-from corral.runner.jobs import Done, Embed, Job, SamplingParams, Token
+from corral.runner.jobs import Done, Embed, Failed, Job, JobEvent, SamplingParams, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
 from corral.runner.wire import (Cancel, CompletionJob, Detokenize, EmbedJob, Embeddings, Health,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
+STREAM_DRAIN = 5.0  # seconds a failed runner waits for its streams' error lines to go out
 
 
 class RunnerService:
@@ -59,6 +62,8 @@ class RunnerService:
         self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
+        self.streams = 0  # completions being answered, under `ended`
+        self.ended = threading.Condition()
 
     def prompt_tokens(self, wire: CompletionJob) -> tuple[list[int], list["ImageSpan"]]:
         """The prompt's tokens and its images' spans. The daemon rendered the text; each
@@ -102,6 +107,20 @@ class RunnerService:
             with self.lock:
                 self.jobs[job.id] = job
         return job
+
+    def opened(self) -> None:
+        with self.ended:
+            self.streams += 1
+
+    def closed(self) -> None:
+        with self.ended:
+            self.streams -= 1
+            self.ended.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """Wait until no completion is being answered, `timeout` seconds at most."""
+        with self.ended:
+            self.ended.wait_for(lambda: self.streams == 0, timeout=timeout)
 
     def forget(self, job: Job | Embed) -> None:
         with self.lock:
@@ -182,7 +201,10 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def do_GET(self) -> None:
-        if self.path == "/health":
+        failure = self.service.engine.failure
+        if self.path == "/health" and failure is not None:  # the daemon forgets us at once
+            self._send(*format_error(failure, Shape.RUNNER))
+        elif self.path == "/health":
             vision = self.service.vision
             health = Health.from_json({**self.service.engine.status(),
                                        "images_encoded": vision.encoded if vision else 0})
@@ -230,12 +252,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _completion(self, body: dict[str, Any]) -> None:
         job = self.service.job(CompletionJob.from_json(body))
+        self.service.opened()
+        try:
+            self._stream(job)
+        finally:
+            self.service.closed()
+
+    def _stream(self, job: Job) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
         self.end_headers()
         try:
             while True:
-                event = job.events.get()
+                event = _next_event(job, self.service.engine)
                 if isinstance(event, Token):
                     line = TokenLine(event.text, tuple(event.logprobs or ())).to_json()
                 elif isinstance(event, Done):
@@ -252,16 +281,31 @@ class Handler(BaseHTTPRequestHandler):
             self.service.forget(job)
 
 
+# How often a stream waiting for its next token looks at the engine: an event that never
+# comes (the engine thread gone without answering it) ends the stream, not the runner.
+EVENT_POLL = 1.0
+
+
+def _next_event(job: Job, engine: Engine) -> JobEvent:
+    while True:
+        try:
+            return job.events.get(timeout=EVENT_POLL)
+        except queue.Empty:
+            if engine.failure is not None or not engine.running():
+                return Failed(engine.failure or RunnerError("the engine has stopped"))
+
+
 def _shutdown(service: RunnerService) -> None:
     if service.server is not None:
         service.server.shutdown()
 
 
-def build(config: LoadConfig, loaded: LoadedModel | None = None) -> RunnerService:
+def build(config: LoadConfig, loaded: LoadedModel | None = None,
+          step_hook: Callable[[StepPlan], None] | None = None) -> RunnerService:
     loaded = loaded or load(config)
     est = loaded.estimate
     engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,
-                    load_seconds=loaded.seconds)
+                    load_seconds=loaded.seconds, step_hook=step_hook)
     import llama_cpp as L
 
     from corral.runner import native
@@ -292,13 +336,22 @@ def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
     server.shutdown()
 
 
-def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
+def _exit_on_failure(service: RunnerService, server: ThreadingHTTPServer) -> None:
+    """A failed engine ends the process, once the streams it held have sent their error
+    lines (a few seconds at most): the daemon sees a crash and loads the model afresh."""
+    service.engine.failed.wait()
+    service.drain(STREAM_DRAIN)
+    server.shutdown()
+
+
+def main(argv: list[str] | None = None, pending: Pending | None = None,
+         step_hook: Callable[[StepPlan], None] | None = None) -> int:
     pending = pending or Pending(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if pending.args.verbose else logging.WARNING,
                         stream=sys.stderr, format="runner %(levelname)s %(message)s")
     try:
         loaded = pending.result()
-        service = build(loaded.config, loaded)
+        service = build(loaded.config, loaded, step_hook)
     except CorralError as exc:
         print(json.dumps(format_error(exc, Shape.RUNNER)[1]), flush=True)
         return 1
@@ -313,6 +366,7 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
         target=server.shutdown, daemon=True).start())
     service.engine.start()
     threading.Thread(target=_exit_with_parent, args=(os.getppid(), server), daemon=True).start()
+    threading.Thread(target=_exit_on_failure, args=(service, server), daemon=True).start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report.to_json()}), flush=True)
     try:
@@ -321,7 +375,7 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
         service.engine.stop()
         if service.vision is not None:
             service.vision.close()
-    return 0
+    return 1 if service.engine.failure is not None else 0
 
 
 if __name__ == "__main__":
