@@ -278,6 +278,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("DEBUG", "debug", 0, "0", "debug logging (1) and tracebacks; 2 for trace", _parse_debug),
     Spec("LOAD_TIMEOUT", "load_timeout", 300.0, "5m",
          "give up on a model load after this long (negative: never)", parse_duration),
+    Spec("RUNNER_TIMEOUT", "runner_timeout", 60.0, "1m",
+         "a runner that answers no health check this long while requests need it is "
+         "killed and replaced", parse_duration),
     Spec("API_KEY", "api_key", None, "", "require 'Authorization: Bearer <key>' when set",
          _parse_api_key),
     # Bounds on the work one request may ask for; over a bound is a 400 (413 for bodies).
@@ -331,6 +334,7 @@ class Settings:
     nohistory: bool
     debug: int
     load_timeout: float
+    runner_timeout: float
     api_key: str | None
     max_body: int
     max_header_bytes: int

@@ -9,10 +9,13 @@ from typing import Any, Callable
 
 from corral.config import load_settings
 from corral.registry.store import Store
+from corral.runner.loadconfig import LoadConfig
 from corral.server.daemon import Daemon
+from corral.server.resident import Runner
 
 
 def start_daemon(store: Store | None, tmp: Path, capacity: int | None = None,
+                 runner_factory: Callable[[LoadConfig], Runner] | None = None,
                  **env: str) -> Daemon:
     """A daemon over a view of `store` (manifests copied, blobs linked), or an empty store;
     `capacity` bytes at most in its blobs (a full disk, without mounting one)."""
@@ -28,7 +31,7 @@ def start_daemon(store: Store | None, tmp: Path, capacity: int | None = None,
     settings = load_settings({"CORRAL_HOST": "127.0.0.1:0", "CORRAL_MODELS": str(root),
                               "CORRAL_NUM_PARALLEL": "2", "CORRAL_CONTEXT_LENGTH": "1024",
                               **{f"CORRAL_{k}": v for k, v in env.items()}})
-    return Daemon(settings, store=Store(root, capacity)).start()
+    return Daemon(settings, runner_factory, store=Store(root, capacity)).start()
 
 
 DaemonFactory = Callable[..., Daemon]  # (store, root=None, **CORRAL_settings) -> started daemon

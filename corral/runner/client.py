@@ -1,4 +1,9 @@
-"""The daemon's side of a runner process: start it, talk to it, notice when it dies."""
+"""The daemon's side of a runner process: start it, talk to it, notice when it dies.
+
+Every call has a deadline. Control calls have their own few seconds. A completion or an
+embedding has none on the socket, since a long prompt may rightly take minutes before its
+first token on a CPU: its deadline is the scheduler's health watch, which kills a runner
+that answers no health check for CORRAL_RUNNER_TIMEOUT, and so ends its streams."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, Iterator
 
 from corral.process import package_parent
-from corral.errors import RunnerError, from_wire
+from corral.errors import CorralError, EngineFailed, RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import (Cancel, CompletionJob, DoneLine, EmbedJob, Embeddings, Health,
                                LoadReport, Threads, TokenLine, Tokenize, read_line)
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
 
 # How long an unloading runner with a disk tier may take to write its prompt cache there.
 DISK_FLUSH_WAIT = 60.0
+CONTROL_DEADLINE = 2.0  # /threads, /cache/clear, /cancel, /shutdown: a note, not work
+CALL_DEADLINE = 30.0  # /tokenize, /detokenize: work, but bounded by one text
 
 
 def _httpx() -> ModuleType:
@@ -46,6 +53,7 @@ class RunnerProcess:
         self.port = 0
         self.report = LoadReport()
         self._http: httpx.Client | None = None
+        self._failed = False  # its engine failed (errors.EngineFailed): it is on its way out
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -89,7 +97,14 @@ class RunnerProcess:
         return self.report
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Running and able to work: a runner whose engine failed counts as dead at once,
+        before its process has exited, so the next request loads a fresh one."""
+        return self.proc is not None and self.proc.poll() is None and not self._failed
+
+    def _check(self, error: CorralError) -> CorralError:
+        if isinstance(error, EngineFailed):
+            self._failed = True
+        return error
 
     @property
     def pid(self) -> int:
@@ -101,7 +116,7 @@ class RunnerProcess:
         if self.alive():
             assert self.proc is not None
             try:
-                self._client().post("/shutdown", timeout=2.0)
+                self._client().post("/shutdown", timeout=CONTROL_DEADLINE)
             except (_httpx().HTTPError, RunnerError):
                 # Busy past the request's timeout (a context being made holds the GIL):
                 # SIGTERM asks the same, and is read once it can be.
@@ -138,14 +153,16 @@ class RunnerProcess:
             raise RunnerError("runner is not running")
         return self._http
 
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, path: str, body: dict[str, Any],
+              timeout: float | None = CALL_DEADLINE) -> dict[str, Any]:
         try:
-            resp = self._client().post(path, json=body)
+            resp = self._client().post(path, json=body, timeout=_httpx().Timeout(
+                30.0, read=timeout))
         except _httpx().HTTPError as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
         data = resp.json()
         if resp.status_code >= 400:
-            raise from_wire(resp.status_code, data)
+            raise self._check(from_wire(resp.status_code, data))
         return dict(data)
 
     def completion(self, job: CompletionJob) -> Iterator[TokenLine | DoneLine]:
@@ -154,13 +171,13 @@ class RunnerProcess:
             with self._client().stream("POST", "/completion", json=job.to_json()) as resp:
                 if resp.status_code >= 400:
                     resp.read()
-                    raise from_wire(resp.status_code, resp.json())
+                    raise self._check(from_wire(resp.status_code, resp.json()))
                 for raw in resp.iter_lines():
                     if not raw:
                         continue
                     line = json.loads(raw)
                     if "error" in line:
-                        raise from_wire(None, line)
+                        raise self._check(from_wire(None, line))
                     typed = read_line(line)
                     yield typed
                     if isinstance(typed, DoneLine):
@@ -181,25 +198,25 @@ class RunnerProcess:
         """The runner's share of the cores (server.threads); a runner that does not
         answer keeps what it had."""
         try:
-            self._client().post("/threads", json=asdict(Threads(n)), timeout=2.0)
+            self._client().post("/threads", json=asdict(Threads(n)), timeout=CONTROL_DEADLINE)
         except (_httpx().HTTPError, RunnerError):
             pass
 
     def clear_cache(self) -> None:
         """Drop the runner's prompt cache from RAM: the memory is wanted for a model."""
         try:
-            self._client().post("/cache/clear", json={}, timeout=2.0)
+            self._client().post("/cache/clear", json={}, timeout=CONTROL_DEADLINE)
         except (_httpx().HTTPError, RunnerError):
             pass
 
     def cancel(self, job_id: str) -> None:
         try:
-            self._call("/cancel", asdict(Cancel(job_id)))
+            self._call("/cancel", asdict(Cancel(job_id)), CONTROL_DEADLINE)
         except (RunnerError, ValueError):
             pass
 
     def embed(self, job: EmbedJob) -> Embeddings:
-        return Embeddings.from_json(self._call("/embed", job.to_json()))
+        return Embeddings.from_json(self._call("/embed", job.to_json(), timeout=None))
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return list(self._call("/tokenize", asdict(Tokenize(text, add_special)))["tokens"])
@@ -207,9 +224,14 @@ class RunnerProcess:
     def detokenize(self, tokens: list[int]) -> str:
         return str(self._call("/detokenize", {"tokens": list(tokens)})["content"])
 
-    def health(self) -> Health:
+    def health(self, timeout: float = 5.0) -> Health:
+        """What the runner says of itself; RunnerError when it does not answer in time,
+        EngineFailed (and dead from now on) when its engine failed."""
         try:
-            resp = self._client().get("/health", timeout=5.0)
-        except _httpx().HTTPError as exc:
+            resp = self._client().get("/health", timeout=timeout)
+            data = resp.json()
+        except (_httpx().HTTPError, ValueError) as exc:
             raise RunnerError(f"runner process is unreachable: {exc}") from None
-        return Health.from_json(resp.json())
+        if resp.status_code >= 400:
+            raise self._check(from_wire(resp.status_code, data))
+        return Health.from_json(data)

@@ -182,11 +182,10 @@ def delete(services: Services) -> Any:
 
 
 def _health(entry: Resident) -> Health | None:
-    """What the model's runner says of itself now; None when it cannot say."""
-    try:
-        return entry.runner.health() if entry.runner is not None else None
-    except CorralError:
-        return None
+    """What the model's runner said of itself at the scheduler's last health check (every
+    few seconds); None before the first. Read, never asked: `ps`, `show` and /metrics
+    answer at once even while a runner does not."""
+    return entry.health
 
 
 def _sizes(entry: Resident, health: Health | None) -> tuple[int, int, int, int]:

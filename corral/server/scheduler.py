@@ -9,6 +9,7 @@ transition is in this file.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,6 +25,8 @@ from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import memory
 from corral.runner.loadconfig import LoadConfig
+from corral.server.courier import Courier
+from corral.server.fit import MemoryFit, cache_bytes
 from corral.server.resident import Resident, ModelState, Runner, Ticket
 from corral.server.threads import shares
 
@@ -32,6 +35,7 @@ __all__ = ["Resident", "ModelState", "Runner", "Scheduler", "Ticket"]
 log = logging.getLogger("corral.scheduler")
 
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
+HEALTH_EVERY = 2.0  # seconds between two rounds of health checks of the loaded runners
 
 
 class Scheduler:
@@ -46,10 +50,8 @@ class Scheduler:
         self.settings = settings
         self.runner_factory = runner_factory
         self.clock = clock
-        self.free_memory = free_memory
-        self.free_vram = free_vram
-        self.total_memory = total_memory
-        self.inspect = inspect  # the daemon passes its store's cached reader
+        self.fit = MemoryFit(settings, free_memory, free_vram, total_memory, inspect)
+        self.courier = Courier()  # calls to runners that no request waits for
         self.cores = cores or physical_cores()  # what the busy runners share
         self.loaded: dict[str, Resident] = {}
         self.cond = threading.Condition()
@@ -59,6 +61,8 @@ class Scheduler:
         self._stopping = False
         self._timer = threading.Thread(target=self._expire_loop, name="keepalive", daemon=True)
         self._timer.start()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch_loop, name="watch", daemon=True).start()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ class Scheduler:
                         raise RunnerError("server is shutting down")
                     current = self.loaded.get(record.digest)
                     if current is not None and current.state is ModelState.READY:
-                        if self._forget_if_dead(current):
+                        if self._forget_if_dead(current) or \
+                                self._forget_if_silent(current, self.clock(), wanted=True):
                             continue
                         if not load_opts.differs(current.options):
                             current.refcount += 1
@@ -111,7 +116,7 @@ class Scheduler:
                     if current is not None or not self._make_room(record):
                         self._wait()
                         continue
-                    slots = self._choose_slots(record, load_opts)
+                    slots = self.fit.slots(record, load_opts)
                     entry = Resident(record, load_opts, slots,
                                    keep_alive=self.settings.keep_alive if keep_alive is None
                                    else keep_alive)
@@ -184,11 +189,11 @@ class Scheduler:
                      and m.runner is not None and m.options.num_thread is None]
             new = shares(self.cores, [m.key for m in ready if m.refcount > 0],
                          [m.key for m in ready if m.refcount == 0])
-            changed = [(m.runner, new[m.key]) for m in ready if m.threads != new[m.key]]
             for m in ready:
-                m.threads = new[m.key]
-        for runner, n in changed:  # outside the lock: each is a call to a runner
-            runner.set_threads(n)  # type: ignore[union-attr]
+                if m.threads != new[m.key] and m.runner is not None:
+                    m.threads = new[m.key]
+                    self.courier.send((id(m.runner), "threads"),
+                                      functools.partial(m.runner.set_threads, m.threads))
 
     def runner_failed(self, entry: Resident) -> None:
         """A request saw the runner die: mark it unloaded so the next request reloads."""
@@ -204,6 +209,41 @@ class Scheduler:
             return True
         return False
 
+    # ---- watching the runners ----------------------------------------------------------------
+
+    def watch_once(self) -> None:
+        """One round of health checks: each runner is asked outside the lock, with the
+        client's deadline, so a runner that does not answer delays only this round."""
+        for entry in self.running():
+            if entry.runner is None:
+                continue
+            try:
+                health = entry.runner.health()
+            except CorralError:
+                with self.cond:
+                    if not self._forget_if_dead(entry):
+                        if entry.silent_since is None:
+                            entry.silent_since = self.clock()
+                        self._forget_if_silent(entry, self.clock(), wanted=entry.refcount > 0)
+                continue
+            with self.cond:
+                entry.health, entry.silent_since = health, None
+
+    def _watch_loop(self) -> None:
+        while not self._stopped.wait(HEALTH_EVERY):
+            self.watch_once()
+
+    def _forget_if_silent(self, entry: Resident, now: float, wanted: bool) -> bool:
+        """A runner that answered no health check for CORRAL_RUNNER_TIMEOUT while a request
+        wants it is stopped, swapped out or wedged: it is killed (its requests end with an
+        error) and the next request loads the model afresh (lock held)."""
+        silent = entry.silent_since
+        if not wanted or silent is None or now - silent < self.settings.runner_timeout:
+            return False
+        self._forget(entry, f"the runner answered nothing for {now - silent:.0f} s "
+                            "(CORRAL_RUNNER_TIMEOUT); it was killed")
+        return True
+
     # ---- loading -------------------------------------------------------------------------
 
     def _load_options(self, options: Options) -> Options:
@@ -212,54 +252,15 @@ class Scheduler:
         return replace(opts, num_ctx=opts.num_ctx or self.settings.context_length,
                        num_gpu=None if opts.num_gpu == -1 else opts.num_gpu)
 
-    def _choose_slots(self, record: ModelRecord, opts: Options) -> int:
-        """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up
-        to CORRAL_MAX_SLOTS: the cap elastic KV may grow to (it starts at one)."""
-        if self.settings.num_parallel > 0:
-            return self.settings.num_parallel
-        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if self.free_vram() > 0 else
-                                          memory.CPU_MAX_SLOTS)
-        if self.settings.kv_pool:
-            return cap  # sequences share the pool; num_ctx caps each, reserves nothing
-        try:
-            info = self.inspect(record)
-        except CorralError:
-            return 1
-        budget = self._budget()
-        if budget <= 0:
-            return 1
-        if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
-            budget -= self._cache_ram()
-        return memory.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
-                                     self.settings.kv_cache_type)
-
-    def _pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
-        """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
-        allows (one buffer either way: it is allocated whole when the model loads)."""
-        if not self.settings.kv_pool:
-            return 0
-        if self.settings.kv_pool_tokens:
-            return self.settings.kv_pool_tokens  # the user's size, as given
-        want = slots * int(opts.num_ctx or 0)
-        try:
-            info = self.inspect(record)
-        except CorralError:
-            return want
-        budget = self._budget()
-        if budget <= 0:
-            return want
-        return memory.pool_tokens_that_fit(info, want, budget, slots,
-                                           self.settings.kv_cache_type)
-
     def _make_room(self, record: ModelRecord) -> bool:
         """Evict idle models (shortest keep-alive first) until the new one may load."""
         limit = self.settings.max_loaded_models or 3
         need = record.model_path.stat().st_size if record.model_path.exists() else 0
         while True:
             live = [m for m in self.loaded.values() if m.state is not ModelState.UNLOADING]
-            fits = len(live) < limit and (not live or need <= self._spare_memory(live))
+            fits = len(live) < limit and (not live or need <= self.fit.spare(live))
             if fits:
-                if live and need > self._budget():
+                if live and need > self.fit.budget():
                     self._clear_caches(live)  # prompt caches go before any model does
                 return not any(m.state is ModelState.UNLOADING for m in self.loaded.values())
             idle = [m for m in live if m.refcount == 0 and m.state is ModelState.READY]
@@ -269,26 +270,10 @@ class Scheduler:
                                               m.expires_at or 0))
             self._begin_unload(victim)
 
-    def _budget(self) -> int:
-        """Free memory where the model's KV goes: VRAM on a GPU, else RAM (<= 0: unknown)."""
-        return self.free_vram() or self.free_memory()
-
-    def _spare_memory(self, live: list[Resident]) -> int:
-        """Free memory, with the loaded models' prompt caches counted as free: they are
-        dropped before any model is evicted (in host RAM, so only for a CPU load)."""
-        free = self._budget()
-        if free <= 0:
-            return 1 << 62
-        return free if self.free_vram() else free + sum(_cache_bytes(m) for m in live)
-
     def _clear_caches(self, live: list[Resident]) -> None:
         for m in live:
-            if m.runner is not None and _cache_bytes(m):
-                m.runner.clear_cache()
-
-    def _cache_ram(self) -> int:
-        free = 0 if self.free_vram() else self.free_memory()  # a GPU's KV is not in RAM
-        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
+            if m.runner is not None and cache_bytes(m):
+                self.courier.send((id(m.runner), "clear"), m.runner.clear_cache)
 
     def _load(self, entry: Resident) -> None:
         with self._load_lock:  # one load at a time
@@ -296,7 +281,7 @@ class Scheduler:
                 str(entry.record.model_path), entry.options, n_slots=entry.slots,
                 flash_attn=self.settings.flash_attention,
                 kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
-                kv_pool=self._pool_tokens(entry.record, entry.options, entry.slots),
+                kv_pool=self.fit.pool_tokens(entry.record, entry.options, entry.slots),
                 # Auto mode is elastic: one slot's KV while idle, growing to the memory
                 # fit as requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start.
                 start_slots=1 if self.settings.num_parallel <= 0 and not self.settings.kv_pool
@@ -304,7 +289,7 @@ class Scheduler:
                 deterministic=self.settings.deterministic,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
                 projector=str(entry.record.projector) if entry.record.projector else None,
-                cache_ram=self._cache_ram(), cache_disk=self.settings.cache_disk,
+                cache_ram=self.fit.cache_ram(), cache_disk=self.settings.cache_disk,
                 cache_dir=str(state_dir() / "kvcache"),
                 rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
             runner = self.runner_factory(config)
@@ -385,6 +370,7 @@ class Scheduler:
             return [m for m in self.loaded.values() if m.state is ModelState.READY]
 
     def stop(self) -> None:
+        self._stopped.set()
         with self.cond:
             self._stopping = True
             entries = list(self.loaded.values())
@@ -394,12 +380,4 @@ class Scheduler:
                 entry.runner.stop(timeout=5)
         with self.cond:
             self.loaded.clear()
-
-
-def _cache_bytes(entry: Resident) -> int:
-    """Bytes the model's prompt cache holds in RAM now (0 when unknown)."""
-    try:
-        return entry.runner.health().cache.bytes if entry.runner else 0
-    except CorralError:
-        return 0
 

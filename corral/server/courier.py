@@ -1,0 +1,48 @@
+"""Calls to runners that nobody waits for: a runner's share of the cores, a prompt cache to
+drop. They go through one thread, so that a runner that does not answer (stopped, swapping,
+wedged in native code) delays only these notes, never a request or the scheduler's lock.
+A newer note for the same runner and purpose replaces one not yet sent: only the last
+share of the cores matters."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Hashable
+
+log = logging.getLogger("corral.courier")
+
+
+class Courier:
+    def __init__(self) -> None:
+        self._notes: dict[Hashable, Callable[[], None]] = {}  # in the order first sent
+        self._cond = threading.Condition()
+        self._delivering = False
+        threading.Thread(target=self._run, name="courier", daemon=True).start()
+
+    def send(self, key: Hashable, note: Callable[[], None]) -> None:
+        """Deliver `note()` soon, after the notes before it; each call has its own deadline
+        (the runner client's), so one stuck runner holds the others back by that much."""
+        with self._cond:
+            self._notes[key] = note
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._notes))
+                key = next(iter(self._notes))
+                note = self._notes.pop(key)
+                self._delivering = True
+            try:
+                note()
+            except Exception:  # a note that fails is lost; the next one may do better
+                log.exception("a note to a runner failed")
+            with self._cond:
+                self._delivering = False
+
+    @property
+    def pending(self) -> int:
+        """Notes not yet delivered, the one on its way included."""
+        with self._cond:
+            return len(self._notes) + self._delivering

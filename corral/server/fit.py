@@ -1,0 +1,91 @@
+"""The memory fit: how many slots a model gets, how big a KV pool, and whether another
+model fits beside the loaded ones. It reads free memory and the runners' last health
+answers (Resident.health), and never calls a runner: the scheduler asks it under its lock.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from corral.config import Settings
+from corral.errors import CorralError
+from corral.options import Options
+from corral.process import physical_memory_available, physical_memory_total
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.registry.models import ModelRecord
+from corral.runner import memory
+from corral.server.resident import Resident
+
+
+class MemoryFit:
+    def __init__(self, settings: Settings,
+                 free_memory: Callable[[], int] = physical_memory_available,
+                 free_vram: Callable[[], int] = memory.daemon_free_gpu_memory,
+                 total_memory: Callable[[], int] = physical_memory_total,
+                 inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path)
+                 ) -> None:
+        self.settings = settings
+        self.free_memory = free_memory
+        self.free_vram = free_vram
+        self.total_memory = total_memory
+        self.inspect = inspect  # the daemon passes its store's cached reader
+
+    def slots(self, record: ModelRecord, opts: Options) -> int:
+        """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up
+        to CORRAL_MAX_SLOTS: the cap elastic KV may grow to (it starts at one)."""
+        if self.settings.num_parallel > 0:
+            return self.settings.num_parallel
+        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if self.free_vram() > 0 else
+                                          memory.CPU_MAX_SLOTS)
+        if self.settings.kv_pool:
+            return cap  # sequences share the pool; num_ctx caps each, reserves nothing
+        try:
+            info = self.inspect(record)
+        except CorralError:
+            return 1
+        budget = self.budget()
+        if budget <= 0:
+            return 1
+        if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
+            budget -= self.cache_ram()
+        return memory.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
+                                     self.settings.kv_cache_type)
+
+    def pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
+        """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
+        allows (one buffer either way: it is allocated whole when the model loads)."""
+        if not self.settings.kv_pool:
+            return 0
+        if self.settings.kv_pool_tokens:
+            return self.settings.kv_pool_tokens  # the user's size, as given
+        want = slots * int(opts.num_ctx or 0)
+        try:
+            info = self.inspect(record)
+        except CorralError:
+            return want
+        budget = self.budget()
+        if budget <= 0:
+            return want
+        return memory.pool_tokens_that_fit(info, want, budget, slots,
+                                           self.settings.kv_cache_type)
+
+    def budget(self) -> int:
+        """Free memory where the model's KV goes: VRAM on a GPU, else RAM (<= 0: unknown)."""
+        return self.free_vram() or self.free_memory()
+
+    def spare(self, live: list[Resident]) -> int:
+        """Free memory, with the loaded models' prompt caches counted as free: they are
+        dropped before any model is evicted (in host RAM, so only for a CPU load)."""
+        free = self.budget()
+        if free <= 0:
+            return 1 << 62
+        return free if self.free_vram() else free + sum(cache_bytes(m) for m in live)
+
+    def cache_ram(self) -> int:
+        free = 0 if self.free_vram() else self.free_memory()  # a GPU's KV is not in RAM
+        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
+
+
+def cache_bytes(entry: Resident) -> int:
+    """Bytes the model's prompt cache held in RAM at its last health answer (0: unknown)."""
+    return entry.health.cache.bytes if entry.health is not None else 0

@@ -1,0 +1,162 @@
+"""Faults that used to be quiet: an engine thread that fails, a runner that stops
+answering. Each ends every request it holds with an error, never a hang, and the next
+request loads the model afresh, while other models, `ps` and `tags` answer as usual."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from corral.errors import EngineFailed
+from corral.registry.store import Store
+from corral.runner.batchplan import StepPlan
+from corral.runner.client import RunnerProcess
+from corral.runner.context import EngineConfig
+from corral.runner.engine import Engine
+from corral.runner.jobs import Done, Embed, Failed, Job, SamplingParams, Token
+from corral.runner.loadconfig import LoadConfig
+from corral.server.daemon import Daemon
+from tests.support import start_daemon, wait_for
+
+MODEL, CHAT = "gemma3:270m-base", "smollm2:135m"
+DEADLINE = 120.0
+
+
+class FailAt:
+    """A step hook that raises at the `n`th step, as a bug in a step would."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.steps = n, 0
+
+    def __call__(self, plan: StepPlan) -> None:
+        self.steps += 1
+        if self.steps == self.n:
+            raise RuntimeError("a bug in the step")
+
+
+def events(job: Job) -> Iterator[Token | Done | Failed]:
+    while True:
+        event = job.events.get(timeout=DEADLINE)
+        yield event
+        if not isinstance(event, Token):
+            return
+
+
+@pytest.mark.model
+def test_a_failed_engine_ends_every_job_and_refuses_new_ones(starter_gguf: Path) -> None:
+    engine = Engine(str(starter_gguf), EngineConfig(n_slots=2, num_ctx=256),
+                    step_hook=FailAt(6))
+    engine.start()
+    try:
+        greedy = SamplingParams(temperature=0)
+        jobs = [engine.submit(Job(prompt=engine.tokenize(p), params=greedy, num_predict=100))
+                for p in ("Once upon a time", "The capital of France is")]
+        for job in jobs:
+            *tokens, last = events(job)
+            assert isinstance(last, Failed) and isinstance(last.error, EngineFailed)
+            assert "a bug in the step" in last.error.message
+        assert engine.failed.wait(DEADLINE) and not engine.running()
+        with pytest.raises(EngineFailed):
+            engine.submit(Job(prompt=engine.tokenize("Hello"), params=greedy))
+        with pytest.raises(EngineFailed):
+            engine.run_embed(Embed([engine.tokenize("Hello")], True))
+    finally:
+        engine.stop()
+
+
+# The real runner process, with a step hook that fails one step of the first runner only:
+# the marker file goes with the failure, so the runner loaded after it works.
+STAND_IN = '''#!{python}
+import sys
+from pathlib import Path
+
+from corral.runner import capi
+capi.install()
+from corral.runner.loading import Pending
+from corral.runner import process
+
+marker, steps = Path({marker!r}), []
+
+def hook(plan):
+    steps.append(plan)
+    if len(steps) == 4 and marker.exists():
+        marker.unlink()
+        raise RuntimeError("a bug in the step")
+
+sys.exit(process.main(pending=Pending(sys.argv[3:]), step_hook=hook))
+'''
+
+
+def runner_pids(d: Daemon) -> dict[str, int]:
+    return {m.record.name.display(): m.runner.pid  # type: ignore[union-attr]
+            for m in d.scheduler.running()}
+
+
+def generate(d: Daemon, model: str = MODEL, stream: bool = False, n: int = 8) -> Any:
+    body = {"model": model, "prompt": "Once upon a time", "raw": True, "stream": stream,
+            "options": {"temperature": 0, "num_predict": n}}
+    if not stream:
+        return httpx.post(d.url + "/api/generate", json=body, timeout=DEADLINE)
+    with httpx.stream("POST", d.url + "/api/generate", json=body, timeout=DEADLINE) as resp:
+        assert resp.status_code == 200
+        return [json.loads(raw) for raw in resp.iter_lines()]
+
+
+@pytest.mark.model
+def test_a_failed_engine_is_a_crash_to_the_daemon(starter_store: Store, tmp_path: Path) -> None:
+    marker = tmp_path / "fail-once"
+    marker.touch()
+    script = tmp_path / "runner"
+    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
+    script.chmod(0o755)
+    d = start_daemon(starter_store, tmp_path / "daemon",
+                     runner_factory=lambda c: RunnerProcess(c, python=str(script)))
+    try:
+        lines = generate(d, stream=True, n=50)  # the stream in flight ends with the error
+        assert "error" in lines[-1] and not lines[-1].get("done")
+        assert "engine failed" in lines[-1]["error"] and not marker.exists()
+        wait_for(lambda: MODEL not in runner_pids(d), DEADLINE)  # forgotten at once
+        again = generate(d)  # the next request loads a fresh runner
+        assert again.status_code == 200 and again.json()["done"]
+    finally:
+        d.shutdown()
+
+
+@pytest.mark.model
+def test_a_stopped_runner_ends_its_request_and_is_replaced(starter_store: Store,
+                                                           tmp_path: Path) -> None:
+    d = start_daemon(starter_store, tmp_path / "daemon", RUNNER_TIMEOUT="3s",
+                     MAX_LOADED_MODELS="2")
+    try:
+        assert generate(d).status_code == 200 and generate(d, CHAT).status_code == 200
+        stopped = runner_pids(d)[MODEL]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            result: list[httpx.Response] = []
+            waiting = threading.Thread(target=lambda: result.append(generate(d)))
+            waiting.start()
+            # While its request waits: ps, tags and the other model answer as usual.
+            listed = httpx.get(d.url + "/api/ps", timeout=DEADLINE).json()["models"]
+            assert {m["name"] for m in listed} >= {MODEL, CHAT}
+            assert httpx.get(d.url + "/api/tags", timeout=DEADLINE).status_code == 200
+            assert generate(d, CHAT).status_code == 200
+            waiting.join(DEADLINE)
+            [resp] = result  # an error status, not a hang
+            assert resp.status_code >= 500 and "error" in resp.json()
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed, as it should be
+                os.kill(stopped, signal.SIGCONT)
+        wait_for(lambda: not Path(f"/proc/{stopped}").exists(), DEADLINE)
+        assert generate(d).status_code == 200  # loaded afresh
+        assert runner_pids(d)[MODEL] != stopped
+    finally:
+        d.shutdown()
