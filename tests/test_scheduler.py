@@ -53,7 +53,7 @@ class FakeRunner:
     cache_bytes = 0  # what its prompt cache holds in RAM
     cleared = False
 
-    def health(self) -> Health:
+    def health(self, timeout: float = 5.0) -> Health:
         return Health(cache=CacheStats(bytes=self.cache_bytes))
 
     def clear_cache(self) -> None:

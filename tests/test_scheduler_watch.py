@@ -85,6 +85,22 @@ def test_a_health_check_that_hangs_holds_no_lock(tmp_path: Path) -> None:
     s.stop()
 
 
+def test_ps_refreshes_without_waiting_on_a_stuck_runner(tmp_path: Path) -> None:
+    s = make(Clock())
+    stuck, other = record(tmp_path, "stuck"), record(tmp_path, "other")
+    s.release(acquire(s, stuck))
+    s.release(acquire(s, other))
+    StuckRunner.stuck = True
+    runner = FakeRunner.started[0]
+    assert isinstance(runner, StuckRunner)
+    done = in_thread(s.refresh)
+    wait_for(lambda: done, DEADLINE)  # back past its short deadline, the call still hangs
+    assert runner.in_call.is_set() and not StuckRunner.gate.is_set()
+    assert s.loaded[other.digest].health is not None  # the one that answered is fresh
+    StuckRunner.gate.set()
+    s.stop()
+
+
 def test_a_share_of_the_cores_that_hangs_delays_no_request(tmp_path: Path) -> None:
     s = make(Clock())
     stuck, other = record(tmp_path, "stuck"), record(tmp_path, "other")

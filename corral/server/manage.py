@@ -120,7 +120,8 @@ def show(services: Services) -> Any:
         if record.messages:
             out["messages"] = record.messages
         loaded = [m for m in services.scheduler.running() if m.record.digest == record.digest]
-        if loaded:  # a Corral extension: the loaded model's prompt cache
+        if loaded:
+            services.scheduler.refresh()  # a Corral extension: the loaded model's prompt cache
             out["prompt_cache"] = prompt_cache(_health(loaded[0]))
         handler.send_json(200, out)
     return route
@@ -182,9 +183,9 @@ def delete(services: Services) -> Any:
 
 
 def _health(entry: Resident) -> Health | None:
-    """What the model's runner said of itself at the scheduler's last health check (every
-    few seconds); None before the first. Read, never asked: `ps`, `show` and /metrics
-    answer at once even while a runner does not."""
+    """What the model's runner last said of itself (Scheduler.refresh asks it first, with a
+    short deadline); None before its first answer. `ps`, `show` and /metrics never wait on
+    a runner that does not answer."""
     return entry.health
 
 
@@ -210,6 +211,7 @@ def ps(services: Services) -> Any:
     def route(req: Request, handler: Handler) -> None:
         now = time.time()
         models = []
+        services.scheduler.refresh()
         for entry in services.scheduler.running():
             report = entry.runner.report if entry.runner is not None else LoadReport()
             if entry.expires_at is not None:
@@ -252,6 +254,7 @@ def root(services: Services) -> Any:
 
 def runner_gauges(scheduler: Scheduler) -> Iterator[tuple[str, dict[str, float]]]:
     """What each loaded runner reports, by /metrics' names (server.metrics)."""
+    scheduler.refresh()
     for entry in scheduler.running():
         values: dict[str, float] = {"slots": entry.slots}
         health = _health(entry)

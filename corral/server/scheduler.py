@@ -36,6 +36,8 @@ log = logging.getLogger("corral.scheduler")
 
 BUSY = "server busy, please try again.  maximum pending requests exceeded"
 HEALTH_EVERY = 2.0  # seconds between two rounds of health checks of the loaded runners
+HEALTH_DEADLINE = 5.0  # for the watch's own checks: an answer slower than this is silence
+FRESH_DEADLINE = 0.5  # for `ps` and the like: past this they show the last answer
 
 
 class Scheduler:
@@ -212,22 +214,39 @@ class Scheduler:
     # ---- watching the runners ----------------------------------------------------------------
 
     def watch_once(self) -> None:
-        """One round of health checks: each runner is asked outside the lock, with the
-        client's deadline, so a runner that does not answer delays only this round."""
-        for entry in self.running():
-            if entry.runner is None:
-                continue
-            try:
-                health = entry.runner.health()
-            except CorralError:
-                with self.cond:
-                    if not self._forget_if_dead(entry):
-                        if entry.silent_since is None:
-                            entry.silent_since = self.clock()
-                        self._forget_if_silent(entry, self.clock(), wanted=entry.refcount > 0)
-                continue
+        """One round of health checks, with the client's deadline (a few seconds)."""
+        self._ask_all(self.running(), HEALTH_DEADLINE)
+
+    def refresh(self) -> None:
+        """Ask the answering runners now, for `ps`, `show` and /metrics, which want what
+        is held this moment: a runner that misses the short deadline, or was silent at the
+        last check and is not asked, is shown by its last answer."""
+        self._ask_all([m for m in self.running() if m.silent_since is None], FRESH_DEADLINE)
+
+    def _ask_all(self, entries: list[Resident], deadline: float) -> None:
+        """Each runner is asked on its own thread, outside the lock, so one that does not
+        answer delays nobody but this call, and that by `deadline` at most."""
+        threads = [threading.Thread(target=self._ask, args=(m, deadline), daemon=True)
+                   for m in entries if m.runner is not None]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(deadline + 1.0)
+
+    def _ask(self, entry: Resident, deadline: float) -> None:
+        runner = entry.runner
+        assert runner is not None
+        try:
+            health = runner.health(deadline)
+        except CorralError:
             with self.cond:
-                entry.health, entry.silent_since = health, None
+                if not self._forget_if_dead(entry):
+                    if entry.silent_since is None:
+                        entry.silent_since = self.clock()
+                    self._forget_if_silent(entry, self.clock(), wanted=entry.refcount > 0)
+            return
+        with self.cond:
+            entry.health, entry.silent_since = health, None
 
     def _watch_loop(self) -> None:
         while not self._stopped.wait(HEALTH_EVERY):
