@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest, CorralError, NotFound, Shape, format_error
 from corral.runner.engine import Engine
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
+# From the daemon's death to our exit: the disk tier's write included, which the next
+# daemon does not wait for (exit_with_parent).
+ORPHAN_GRACE = 3.0
 
 
 class RunnerService:
@@ -284,12 +287,25 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None) -> RunnerServic
     return RunnerService(engine, report, loaded.vision)
 
 
-def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
-    """A daemon that died without stopping us (SIGKILL, a crash) must not leave us behind."""
+def exit_with_parent(parent: int, shutdown: Callable[[], None], poll: float = 0.5,
+                     grace: float = ORPHAN_GRACE,
+                     end: Callable[[int], None] = os._exit) -> None:
+    """A daemon that died without stopping us (SIGKILL, a crash, the OOM killer) must not
+    leave us behind. Its death re-parents us (to init or a subreaper), which getppid shows.
+
+    The usual stop follows, and it writes the disk tier (CORRAL_CACHE_DISK); but no daemon
+    waits for that now, and the next one may be loading this model beside us, into the
+    memory we hold, so the stop gets `grace` seconds and then the process ends where it
+    is. Nothing is left half-written: each disk entry is written to a temporary name and
+    renamed, and the next load removes a stray temporary file. Not PR_SET_PDEATHSIG: it
+    fires when the daemon's thread that started us ends, not the daemon."""
     while os.getppid() == parent:
-        time.sleep(1.0)
+        time.sleep(poll)
     log.warning("the daemon is gone; shutting down")
-    server.shutdown()
+    deadline = threading.Timer(grace, end, args=(1,))
+    deadline.daemon = True
+    deadline.start()
+    shutdown()
 
 
 def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
@@ -312,7 +328,8 @@ def main(argv: list[str] | None = None, pending: Pending | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
         target=server.shutdown, daemon=True).start())
     service.engine.start()
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(), server), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(os.getppid(), server.shutdown),
+                     daemon=True).start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report.to_json()}), flush=True)
     try:
