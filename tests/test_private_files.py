@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -112,14 +113,14 @@ def test_a_real_engine_writes_its_disk_tier_private(chat_gguf: Path, tmp_path: P
 
 
 def test_a_repl_session_keeps_its_history_private(daemon: Daemon, tmp_path: Path) -> None:
-    from tests.test_cli import CORRAL, env_for
-
     state = tmp_path / "state"
     (state / "corral").mkdir(parents=True, mode=0o755)
     history = loose_file(state / "corral" / "history", "an earlier line\n")
-    child = pexpect.spawn(CORRAL[0], [*CORRAL[1:], "run", "smollm2:135m"],
-                          env=env_for(daemon, XDG_STATE_HOME=str(state)),
-                          encoding="utf-8", timeout=120, dimensions=(40, 100))
+    host, port = daemon.address
+    env = dict(os.environ, CORRAL_HOST=f"{host}:{port}", XDG_STATE_HOME=str(state))
+    child = pexpect.spawn(sys.executable, ["-c", "from corral.cli.launch import main; main()",
+                                           "run", "smollm2:135m"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 100))
     child.expect("readable by others")  # the tightening is said where the user sees it
     child.expect(">>> ")
     child.sendline("/set parameter num_predict 1")
