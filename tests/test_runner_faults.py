@@ -23,7 +23,6 @@ from corral.runner.client import RunnerProcess
 from corral.runner.context import EngineConfig
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Failed, Job, SamplingParams, Token
-from corral.runner.loadconfig import LoadConfig
 from corral.server.daemon import Daemon
 from tests.support import start_daemon, wait_for
 

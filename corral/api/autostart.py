@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from corral.config import Settings, state_dir
+from corral.private import open_private, private_dir, write_private
 
 _spawned: subprocess.Popen[bytes] | None = None  # the daemon this process started, if any
 
@@ -45,16 +46,16 @@ def spawn(preload: str | None = None) -> subprocess.Popen[bytes]:
     global _spawned
     if _spawned is not None:
         return _spawned
-    log_dir = state_dir()
-    log_dir.mkdir(parents=True, exist_ok=True)
+    # The log can quote requests (CORRAL_DEBUG): the folder and the file are private.
+    log_dir = private_dir(state_dir())
     extra = ["--preload", preload] if preload else []
-    with open(log_dir / "server.log", "ab") as log:
+    with open_private(log_dir / "server.log", append=True) as log:
         # `python -m corral.server` is `corral serve` without the CLI toolkit's import time.
         # It runs in our own state directory, where no stray module can shadow ours.
         _spawned = subprocess.Popen([sys.executable, "-m", "corral.server", *extra], stdout=log,
                                     stderr=log, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=str(log_dir))
-    (log_dir / "server.pid").write_text(str(_spawned.pid))
+    write_private(log_dir / "server.pid", str(_spawned.pid).encode())
     return _spawned
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 from rich.console import Console
@@ -15,6 +16,7 @@ from corral.cli.tables import verbose_stats
 from corral.config import state_dir
 from corral.errors import CorralError, InvalidOption
 from corral.options import coerce_option
+from corral.private import open_private, private_dir
 
 HELP = """Available Commands:
   /set            Set session variables
@@ -328,20 +330,31 @@ def _read_message(first: str) -> str:
         lines.append(line)
 
 
+def _history(readline: Any) -> Path | None:
+    """The history file, read into readline. What was typed is private: the file is 0600
+    in a 0700 state folder from the start (readline's own write makes a 0600 file too,
+    but only at exit, and says nothing when it replaces a looser one). None when the
+    file cannot be made: the REPL then keeps no history."""
+    try:
+        path = private_dir(state_dir()) / "history"
+        open_private(path, append=True).close()
+    except OSError:
+        return None
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(100)
+    return path
+
+
 def interactive(client: Client, opts: RunOptions) -> None:
     session = Session(client, opts)
     try:
         import readline
     except ImportError:  # pragma: no cover - Windows without pyreadline
         readline = None  # type: ignore[assignment]
-    history = state_dir() / "history"
-    if readline is not None and opts.history:
-        history.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            readline.read_history_file(history)
-        except OSError:
-            pass
-        readline.set_history_length(100)
+    history = _history(readline) if readline is not None and opts.history else None
     with session.err.status("", spinner="dots"):
         for _ in client.stream("/api/generate", _request(opts)):
             pass
@@ -370,7 +383,7 @@ def interactive(client: Client, opts: RunOptions) -> None:
             except (ClientError, CorralError) as exc:
                 print(f"Error: {exc.message}", file=sys.stderr)
     finally:
-        if readline is not None and opts.history:
+        if history is not None:
             try:
                 readline.write_history_file(history)
             except OSError:

@@ -12,7 +12,9 @@ kernel parameters, the llama.cpp version. An entry whose namespace differs, whos
 header does not parse, whose data is short or whose hash does not match is removed
 and never loaded: llama.cpp trusts the bytes it is given. Files are written to a
 temporary name and renamed, so a crash leaves no half entry under a real name; the
-oldest (by last use) go first when the tier is over its size.
+oldest (by last use) go first when the tier is over its size. The headers list prompts,
+so files are 0600 in 0700 folders from creation (corral.private), and older ones are
+tightened when the tier opens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from corral.private import open_private, private_dir, tighten
 from corral.runner.slot import common_prefix
 
 log = logging.getLogger("corral.diskcache")
@@ -50,13 +53,19 @@ class DiskTier:
     def __init__(self, root: Path, budget: int, space: str) -> None:
         self.dir = root / space
         self.budget, self.space = budget, space
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
+        private_dir(self.dir)
         self.entries: list[DiskEntry] = []
         self.rejected = 0  # files removed as corrupt, truncated or foreign
+        loose = 0
         for path in sorted(self.dir.glob("*.kv")):
+            loose += tighten(path, quiet=True)  # one line for them all, below
             entry = self._index(path)
             if entry is not None:
                 self.entries.append(entry)
+        if loose:
+            log.warning("%d prompt cache files in %s were readable by others; made them "
+                        "0600", loose, self.dir)
         for stray in self.dir.glob("*.tmp"):  # a write that a crash cut short
             stray.unlink(missing_ok=True)
         self._evict()
@@ -100,7 +109,7 @@ class DiskTier:
         header = json.dumps({"space": self.space, "tokens": list(key), "size": len(data),
                              "sha256": hashlib.sha256(data).hexdigest()}).encode()
         try:
-            with tmp.open("wb") as f:
+            with open_private(tmp) as f:
                 f.write(MAGIC + len(header).to_bytes(4, "little") + header)
                 f.write(data)
             os.replace(tmp, path)

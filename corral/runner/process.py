@@ -19,11 +19,8 @@ port and load report), then serves:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -32,140 +29,24 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from corral.errors import BadRequest, CorralError, NotFound, RunnerError, Shape, format_error
 from corral.runner.batchplan import StepPlan
 from corral.runner.engine import Engine
-from corral.runner.jobs import Done, Embed, Failed, Job, JobEvent, SamplingParams, Token
+from corral.runner.jobs import Done, Failed, Job, JobEvent, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
-from corral.runner.wire import (Cancel, CompletionJob, Detokenize, EmbedJob, Embeddings, Health,
-                               LoadReport, Threads, TokenLine, Tokenize, read_command)
-
-if TYPE_CHECKING:
-    from corral.runner.vision import ImageSpan, Vision
+from corral.runner.service import RunnerService
+from corral.runner.wire import (Cancel, CompletionJob, Detokenize, EmbedJob, Health, LoadReport,
+                               Threads, TokenLine, Tokenize, read_command)
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
 STREAM_DRAIN = 5.0  # seconds a failed runner waits for its streams' error lines to go out
-
-
-class RunnerService:
-    """Turns wire requests into engine jobs; shared by all handler threads."""
-
-    def __init__(self, engine: Engine, report: LoadReport,
-                 vision: "Vision | None" = None) -> None:
-        self.engine = engine
-        self.vision = vision  # when a projector is loaded
-        self.report = report
-        self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
-        self.lock = threading.Lock()
-        self.server: ThreadingHTTPServer | None = None
-        self.streams = 0  # completions being answered, under `ended`
-        self.ended = threading.Condition()
-
-    def prompt_tokens(self, wire: CompletionJob) -> tuple[list[int], list["ImageSpan"]]:
-        """The prompt's tokens and its images' spans. The daemon rendered the text; each
-        image sits at a media marker in it, in the order of `images`."""
-        images = _decode(list(wire.images))
-        if images and self.vision is None:
-            raise BadRequest("this model does not support images")
-        context = list(wire.context)
-        spans: list[ImageSpan] = []
-        if images:
-            assert self.vision is not None
-            ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context)
-            spans = [span.shifted(len(context)) for span in spans]
-        else:
-            ids = self.engine.tokenize(wire.prompt, add_special=wire.add_bos and not context)
-        tokens = context + ids
-        if not tokens:
-            raise BadRequest("empty prompt")
-        return tokens, spans
-
-    def job(self, wire: CompletionJob) -> Job:
-        options = wire.options
-        tokens, spans = self.prompt_tokens(wire)
-        job = Job(
-            prompt=tokens,
-            params=SamplingParams.from_options(options),
-            num_predict=-1 if options.num_predict is None else options.num_predict,
-            stop=list(options.stop or ()),
-            num_keep=4 if options.num_keep is None else options.num_keep,
-            grammar=wire.grammar,
-            truncate=wire.truncate,
-            shift=wire.shift,
-            ignore_eos=bool(options.ignore_eos),
-            logprobs=wire.logprobs,
-            special=wire.special,
-            id=wire.id,
-            images=tuple(spans),
-        )
-        self.engine.submit(job)
-        if job.id:
-            with self.lock:
-                self.jobs[job.id] = job
-        return job
-
-    def opened(self) -> None:
-        with self.ended:
-            self.streams += 1
-
-    def closed(self) -> None:
-        with self.ended:
-            self.streams -= 1
-            self.ended.notify_all()
-
-    def drain(self, timeout: float) -> None:
-        """Wait until no completion is being answered, `timeout` seconds at most."""
-        with self.ended:
-            self.ended.wait_for(lambda: self.streams == 0, timeout=timeout)
-
-    def forget(self, job: Job | Embed) -> None:
-        with self.lock:
-            self.jobs.pop(job.id, None)
-
-    def cancel(self, job_id: str) -> bool:
-        with self.lock:
-            job = self.jobs.get(job_id)
-        if job is not None:
-            job.cancel()
-        return job is not None
-
-    def embed(self, job: EmbedJob) -> Embeddings:
-        tokens = [self.engine.tokenize(text) for text in job.input]
-        total = sum(len(t) for t in tokens)
-        if job.max_tokens and total > job.max_tokens:
-            raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of "
-                             f"{job.max_tokens} (CORRAL_MAX_EMBED_TOKENS)")
-        command = Embed(tokens, job.truncate, id=job.id)
-        if command.id:
-            with self.lock:
-                self.jobs[command.id] = command
-        try:
-            vectors = self.engine.run_embed(command)
-        finally:
-            self.forget(command)
-        if job.dimensions > 0:
-            vectors = [v[:job.dimensions] for v in vectors]
-        if job.normalize:
-            vectors = [_normalize(v) for v in vectors]
-        return Embeddings(vectors, total)
-
-
-def _decode(images: Any) -> list[bytes]:
-    if not isinstance(images, list):
-        raise BadRequest("images must be a list of base64 strings")
-    try:
-        return [base64.b64decode(i, validate=True) for i in images]
-    except (binascii.Error, TypeError, ValueError):
-        raise BadRequest("an image is not valid base64") from None
-
-
-def _normalize(vector: list[float]) -> list[float]:
-    norm = math.sqrt(sum(x * x for x in vector))
-    return [x / norm for x in vector] if norm > 0 else vector
+# From the daemon's death to our exit: the disk tier's write included, which the next
+# daemon does not wait for (exit_with_parent).
+ORPHAN_GRACE = 3.0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -328,12 +209,25 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
     return RunnerService(engine, report, loaded.vision)
 
 
-def _exit_with_parent(parent: int, server: ThreadingHTTPServer) -> None:
-    """A daemon that died without stopping us (SIGKILL, a crash) must not leave us behind."""
+def exit_with_parent(parent: int, shutdown: Callable[[], None], poll: float = 0.5,
+                     grace: float = ORPHAN_GRACE,
+                     end: Callable[[int], None] = os._exit) -> None:
+    """A daemon that died without stopping us (SIGKILL, a crash, the OOM killer) must not
+    leave us behind. Its death re-parents us (to init or a subreaper), which getppid shows.
+
+    The usual stop follows, and it writes the disk tier (CORRAL_CACHE_DISK); but no daemon
+    waits for that now, and the next one may be loading this model beside us, into the
+    memory we hold, so the stop gets `grace` seconds and then the process ends where it
+    is. Nothing is left half-written: each disk entry is written to a temporary name and
+    renamed, and the next load removes a stray temporary file. Not PR_SET_PDEATHSIG: it
+    fires when the daemon's thread that started us ends, not the daemon."""
     while os.getppid() == parent:
-        time.sleep(1.0)
+        time.sleep(poll)
     log.warning("the daemon is gone; shutting down")
-    server.shutdown()
+    deadline = threading.Timer(grace, end, args=(1,))
+    deadline.daemon = True
+    deadline.start()
+    shutdown()
 
 
 def _exit_on_failure(service: RunnerService, server: ThreadingHTTPServer) -> None:
@@ -365,7 +259,8 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
         target=server.shutdown, daemon=True).start())
     service.engine.start()
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(), server), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(os.getppid(), server.shutdown),
+                     daemon=True).start()
     threading.Thread(target=_exit_on_failure, args=(service, server), daemon=True).start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report.to_json()}), flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Hashable
 
 log = logging.getLogger("corral.courier")
@@ -46,3 +47,14 @@ class Courier:
         """Notes not yet delivered, the one on its way included."""
         with self._cond:
             return len(self._notes) + self._delivering
+
+
+def in_parallel(calls: list[Callable[[], None]], deadline: float) -> None:
+    """Make each call on its own thread and return when all are done, or `deadline` (plus
+    a second) has passed: one runner that does not answer delays nobody but this caller."""
+    threads = [threading.Thread(target=call, daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + deadline + 1.0
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))

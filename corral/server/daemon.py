@@ -14,7 +14,8 @@ import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any, Callable
 
-from corral.config import Settings
+from corral.config import Settings, state_dir
+from corral.private import private_dir
 from corral.process import limit_malloc_arenas, pin_mmap_threshold, trim_malloc
 from corral.errors import CorralError
 from corral.registry.store import Store
@@ -80,6 +81,8 @@ class Daemon:
                  preload: str | None = None, push_options: PushOptions | None = None,
                  store: Store | None = None) -> None:
         self.settings = settings
+        if settings.cache_disk:  # runners write prompts under it (kvcache/): private first
+            private_dir(state_dir())
         # `store`: one the caller made over settings.models, with a quota (capacity).
         self.store = store or Store(settings.models)
         factory = runner_factory or (lambda config: RunnerProcess(config, runner_log))

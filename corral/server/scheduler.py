@@ -9,11 +9,11 @@ transition is in this file.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -25,7 +25,7 @@ from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import memory
 from corral.runner.loadconfig import LoadConfig
-from corral.server.courier import Courier
+from corral.server.courier import Courier, in_parallel
 from corral.server.fit import MemoryFit, cache_bytes
 from corral.server.resident import Resident, ModelState, Runner, Ticket
 from corral.server.threads import shares
@@ -195,7 +195,7 @@ class Scheduler:
                 if m.threads != new[m.key] and m.runner is not None:
                     m.threads = new[m.key]
                     self.courier.send((id(m.runner), "threads"),
-                                      functools.partial(m.runner.set_threads, m.threads))
+                                      partial(m.runner.set_threads, m.threads))
 
     def runner_failed(self, entry: Resident) -> None:
         """A request saw the runner die: mark it unloaded so the next request reloads."""
@@ -215,27 +215,20 @@ class Scheduler:
 
     def watch_once(self) -> None:
         """One round of health checks, with the client's deadline (a few seconds)."""
-        self._ask_all(self.running(), HEALTH_DEADLINE)
+        in_parallel([partial(self._ask, m, HEALTH_DEADLINE) for m in self.running()],
+                    HEALTH_DEADLINE)
 
     def refresh(self) -> None:
         """Ask the answering runners now, for `ps`, `show` and /metrics, which want what
         is held this moment: a runner that misses the short deadline, or was silent at the
         last check and is not asked, is shown by its last answer."""
-        self._ask_all([m for m in self.running() if m.silent_since is None], FRESH_DEADLINE)
-
-    def _ask_all(self, entries: list[Resident], deadline: float) -> None:
-        """Each runner is asked on its own thread, outside the lock, so one that does not
-        answer delays nobody but this call, and that by `deadline` at most."""
-        threads = [threading.Thread(target=self._ask, args=(m, deadline), daemon=True)
-                   for m in entries if m.runner is not None]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(deadline + 1.0)
+        in_parallel([partial(self._ask, m, FRESH_DEADLINE) for m in self.running()
+                     if m.silent_since is None], FRESH_DEADLINE)
 
     def _ask(self, entry: Resident, deadline: float) -> None:
         runner = entry.runner
-        assert runner is not None
+        if runner is None:
+            return
         try:
             health = runner.health(deadline)
         except CorralError:

@@ -1,0 +1,136 @@
+"""The runner's service: wire requests in (runner.wire), engine jobs out (runner.jobs).
+Every handler thread of the runner process (runner.process) shares one."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import threading
+from http.server import ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from corral.errors import BadRequest
+from corral.runner.engine import Engine
+from corral.runner.jobs import Embed, Job, SamplingParams
+from corral.runner.wire import CompletionJob, EmbedJob, Embeddings, LoadReport
+
+if TYPE_CHECKING:
+    from corral.runner.vision import ImageSpan, Vision
+
+
+class RunnerService:
+    """Turns wire requests into engine jobs; shared by all handler threads."""
+
+    def __init__(self, engine: Engine, report: LoadReport,
+                 vision: "Vision | None" = None) -> None:
+        self.engine = engine
+        self.vision = vision  # when a projector is loaded
+        self.report = report
+        self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
+        self.lock = threading.Lock()
+        self.server: ThreadingHTTPServer | None = None
+        self.streams = 0  # completions being answered, under `ended`
+        self.ended = threading.Condition()
+
+    def prompt_tokens(self, wire: CompletionJob) -> tuple[list[int], list["ImageSpan"]]:
+        """The prompt's tokens and its images' spans. The daemon rendered the text; each
+        image sits at a media marker in it, in the order of `images`."""
+        images = _decode(list(wire.images))
+        if images and self.vision is None:
+            raise BadRequest("this model does not support images")
+        context = list(wire.context)
+        spans: list[ImageSpan] = []
+        if images:
+            assert self.vision is not None
+            ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context)
+            spans = [span.shifted(len(context)) for span in spans]
+        else:
+            ids = self.engine.tokenize(wire.prompt, add_special=wire.add_bos and not context)
+        tokens = context + ids
+        if not tokens:
+            raise BadRequest("empty prompt")
+        return tokens, spans
+
+    def job(self, wire: CompletionJob) -> Job:
+        options = wire.options
+        tokens, spans = self.prompt_tokens(wire)
+        job = Job(
+            prompt=tokens,
+            params=SamplingParams.from_options(options),
+            num_predict=-1 if options.num_predict is None else options.num_predict,
+            stop=list(options.stop or ()),
+            num_keep=4 if options.num_keep is None else options.num_keep,
+            grammar=wire.grammar,
+            truncate=wire.truncate,
+            shift=wire.shift,
+            ignore_eos=bool(options.ignore_eos),
+            logprobs=wire.logprobs,
+            special=wire.special,
+            id=wire.id,
+            images=tuple(spans),
+        )
+        self.engine.submit(job)
+        if job.id:
+            with self.lock:
+                self.jobs[job.id] = job
+        return job
+
+    def opened(self) -> None:
+        with self.ended:
+            self.streams += 1
+
+    def closed(self) -> None:
+        with self.ended:
+            self.streams -= 1
+            self.ended.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """Wait until no completion is being answered, `timeout` seconds at most."""
+        with self.ended:
+            self.ended.wait_for(lambda: self.streams == 0, timeout=timeout)
+
+    def forget(self, job: Job | Embed) -> None:
+        with self.lock:
+            self.jobs.pop(job.id, None)
+
+    def cancel(self, job_id: str) -> bool:
+        with self.lock:
+            job = self.jobs.get(job_id)
+        if job is not None:
+            job.cancel()
+        return job is not None
+
+    def embed(self, job: EmbedJob) -> Embeddings:
+        tokens = [self.engine.tokenize(text) for text in job.input]
+        total = sum(len(t) for t in tokens)
+        if job.max_tokens and total > job.max_tokens:
+            raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of "
+                             f"{job.max_tokens} (CORRAL_MAX_EMBED_TOKENS)")
+        command = Embed(tokens, job.truncate, id=job.id)
+        if command.id:
+            with self.lock:
+                self.jobs[command.id] = command
+        try:
+            vectors = self.engine.run_embed(command)
+        finally:
+            self.forget(command)
+        if job.dimensions > 0:
+            vectors = [v[:job.dimensions] for v in vectors]
+        if job.normalize:
+            vectors = [_normalize(v) for v in vectors]
+        return Embeddings(vectors, total)
+
+
+def _decode(images: Any) -> list[bytes]:
+    if not isinstance(images, list):
+        raise BadRequest("images must be a list of base64 strings")
+    try:
+        return [base64.b64decode(i, validate=True) for i in images]
+    except (binascii.Error, TypeError, ValueError):
+        raise BadRequest("an image is not valid base64") from None
+
+
+def _normalize(vector: list[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector] if norm > 0 else vector
