@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,6 +24,11 @@ from corral.runner.client import RunnerProcess
 from corral.runner.context import EngineConfig
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Embed, Failed, Job, SamplingParams, Token
+from corral.options import Options
+from corral.runner.loadconfig import LoadConfig
+from corral.runner.process import Handler
+from corral.runner.service import RunnerService
+from corral.runner.wire import CompletionJob, LoadReport
 from corral.server.daemon import Daemon
 from tests.support import start_daemon, wait_for
 
@@ -68,6 +74,19 @@ def test_a_failed_engine_ends_every_job_and_refuses_new_ones(starter_gguf: Path)
             engine.submit(Job(prompt=engine.tokenize("Hello"), params=greedy))
         with pytest.raises(EngineFailed):
             engine.run_embed(Embed([engine.tokenize("Hello")], True))
+        # The runner's HTTP face says so: its health check and a new completion answer
+        # the failure, in the shape the daemon's client turns back into EngineFailed.
+        server = ThreadingHTTPServer(("127.0.0.1", 0), type(
+            "H", (Handler,), {"service": RunnerService(engine, LoadReport())}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        try:
+            for resp in (httpx.get(url + "/health", timeout=DEADLINE),
+                         httpx.post(url + "/completion", json={"prompt": "Hi"},
+                                    timeout=DEADLINE)):
+                assert resp.status_code == 500 and resp.json()["kind"] == "EngineFailed"
+        finally:
+            server.shutdown()
     finally:
         engine.stop()
 
@@ -95,6 +114,32 @@ sys.exit(process.main(pending=Pending(sys.argv[3:]), step_hook=hook))
 '''
 
 
+def stand_in(tmp_path: Path) -> tuple[Path, Path]:
+    """The stand-in runner's script and its marker, armed: the first runner fails."""
+    marker = tmp_path / "fail-once"
+    marker.touch()
+    script = tmp_path / "runner"
+    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
+    script.chmod(0o755)
+    return script, marker
+
+
+@pytest.mark.model
+def test_a_runner_whose_engine_failed_exits_on_its_own(starter_gguf: Path,
+                                                        tmp_path: Path) -> None:
+    script, _ = stand_in(tmp_path)
+    runner = RunnerProcess(LoadConfig(model=str(starter_gguf), num_ctx=256),
+                           python=str(script))
+    runner.start(timeout=DEADLINE)
+    assert runner.alive() and runner.proc is not None
+    job = CompletionJob("Once upon a time", options=Options(temperature=0, num_predict=50))
+    with pytest.raises(EngineFailed):
+        list(runner.completion(job))
+    assert not runner.alive()  # dead to the daemon at once
+    assert runner.proc.wait(timeout=DEADLINE) == 1  # and gone by itself, unkilled
+    runner.kill()
+
+
 def runner_pids(d: Daemon) -> dict[str, int]:
     return {m.record.name.display(): m.runner.pid  # type: ignore[union-attr]
             for m in d.scheduler.running()}
@@ -112,11 +157,7 @@ def generate(d: Daemon, model: str = MODEL, stream: bool = False, n: int = 8) ->
 
 @pytest.mark.model
 def test_a_failed_engine_is_a_crash_to_the_daemon(starter_store: Store, tmp_path: Path) -> None:
-    marker = tmp_path / "fail-once"
-    marker.touch()
-    script = tmp_path / "runner"
-    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
-    script.chmod(0o755)
+    script, marker = stand_in(tmp_path)
     d = start_daemon(starter_store, tmp_path / "daemon",
                      runner_factory=lambda c: RunnerProcess(c, python=str(script)))
     try:
