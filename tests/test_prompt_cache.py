@@ -91,7 +91,8 @@ def test_spilled_entries_go_to_the_disk_tier(tmp_path: Path) -> None:
     caches.keep(B, b"b" * 10)  # evicts A from RAM, to disk
     hit = caches.lookup(A + [1])
     assert hit.entry is None and hit.disk is not None and hit.n == len(A)
-    assert caches.fetch(None, hit.disk) == b"a" * 10
+    assert disk.load(hit.disk) == b"a" * 10
+    assert caches.lookup(A + [1], disk=False).disk is None  # RAM alone: the engine's own look
 
 
 def test_the_disk_tier_survives_a_restart_and_refuses_corrupt_entries(tmp_path: Path) -> None:

@@ -10,12 +10,14 @@ was prefilled in: 269 tokens then 11 is not always 280 at once, cache or not."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from corral.runner.context import EngineConfig
+from corral.runner.diskcache import DiskEntry, DiskTier, Read
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 
@@ -186,3 +188,109 @@ def test_the_disk_tier_keeps_a_prompt_across_a_restart(starter_gguf: Path, tmp_p
     finally:
         third.stop()
     assert stats.prompt_eval_count == len(prompts["a2"])
+
+
+class HeldReader:
+    """The disk tier's reader, held until the test releases it (a seam of Engine's)."""
+
+    def __init__(self, held: bool = True) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        if not held:
+            self.release.set()
+        self.threads: list[str] = []
+
+    def __call__(self, tier: DiskTier, entry: DiskEntry) -> Read:
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        assert self.release.wait(300)
+        return tier.read(entry)
+
+
+def on_disk(starter_gguf: Path, tmp_path: Path) -> tuple[dict, dict[str, list[int]]]:
+    """The settings of a disk tier that holds a1's prefix (written at an unload)."""
+    disk = {"cache_ram": 64 << 20, "cache_disk": 512 << 20, "cache_dir": str(tmp_path)}
+    first = Engine(str(starter_gguf), config(**disk))
+    first.start()
+    prompts = turns(first)
+    try:
+        ask(first, prompts["a1"])
+    finally:
+        first.stop()
+    assert len(list(tmp_path.glob("*/*.kv"))) == 1
+    return disk, prompts
+
+
+def test_other_slots_decode_while_a_prefix_is_read_from_disk(
+        starter_gguf: Path, tmp_path: Path, baseline: dict[str, str]) -> None:
+    disk, prompts = on_disk(starter_gguf, tmp_path)
+    reader = HeldReader()
+    engine = Engine(str(starter_gguf), config(n_slots=2, **disk), disk_reader=reader)
+    engine.start()
+    try:
+        other = engine.submit(Job(prompt=list(prompts["b1"]), params=GREEDY, num_predict=400,
+                                  ignore_eos=True))
+        assert isinstance(other.events.get(timeout=300), Token)
+        job = engine.submit(Job(prompt=list(prompts["a2"]), params=GREEDY, num_predict=8))
+        assert reader.started.wait(300)
+        while not other.events.empty():  # what came before this point proves nothing
+            other.events.get_nowait()
+        for _ in range(10):  # each made while the read is held
+            assert isinstance(other.events.get(timeout=300), Token)
+        assert job.events.empty()  # it waits for its prefix, not for the others
+        reader.release.set()
+        text, stats = collect(job)
+        other.cancel()
+        collect(other)
+        status = engine.status()
+    finally:
+        engine.stop()
+    assert reader.threads == ["disk-read"]
+    assert text == baseline["a2"]  # the restored prefix, bit for bit
+    assert stats.prompt_eval_count == len(prompts["a2"]) - len(prompts["a1"])
+    assert status["cache_hits"] == 1 and status["cache_tokens_restored"] == len(prompts["a1"])
+
+
+def test_a_corrupt_entry_read_off_the_engine_thread_gives_the_cold_answer(
+        starter_gguf: Path, tmp_path: Path) -> None:
+    disk, prompts = on_disk(starter_gguf, tmp_path)
+    [path] = tmp_path.glob("*/*.kv")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the state: the header still parses
+    path.write_bytes(bytes(raw))
+    reader = HeldReader(held=False)
+    engine = Engine(str(starter_gguf), config(**disk), disk_reader=reader)
+    engine.start()
+    try:
+        text, stats = ask(engine, prompts["a2"])
+        assert engine.caches.disk is not None and engine.caches.disk.rejected == 1
+    finally:
+        engine.stop()
+    cold = Engine(str(starter_gguf), config())
+    cold.start()
+    try:
+        cold_text, cold_stats = ask(cold, prompts["a2"])
+    finally:
+        cold.stop()
+    assert reader.threads == ["disk-read"]
+    assert text == cold_text and stats.prompt_eval_count == cold_stats.prompt_eval_count \
+        == len(prompts["a2"])
+
+
+def test_a_request_waiting_for_its_read_can_be_cancelled(starter_gguf: Path,
+                                                          tmp_path: Path) -> None:
+    disk, prompts = on_disk(starter_gguf, tmp_path)
+    reader = HeldReader()
+    engine = Engine(str(starter_gguf), config(**disk), disk_reader=reader)
+    engine.start()
+    try:
+        job = engine.submit(Job(prompt=list(prompts["a2"]), params=GREEDY, num_predict=8))
+        assert reader.started.wait(300)
+        job.cancel()
+        event = job.events.get(timeout=300)  # while the read is still held
+        assert isinstance(event, Done) and event.stats.done_reason == "cancel"
+        assert engine.status()["waiting"] == 0
+        reader.release.set()
+        _, stats = ask(engine, prompts["a2"])  # the next one reads it again, whole
+    finally:
+        engine.stop()
+    assert stats.prompt_eval_count == len(prompts["a2"]) - len(prompts["a1"])

@@ -38,10 +38,12 @@ class PrefixCaches:
         if disk is not None:
             ram.spill = lambda e: disk.save(e.tokens, e.data)
 
-    def lookup(self, tokens: Sequence[int]) -> Hit:
+    def lookup(self, tokens: Sequence[int], disk: bool = True) -> Hit:
+        """The longest cached prefix of `tokens`; in RAM only when `disk` is false (the
+        disk tier is read off the engine thread: runner.diskread)."""
         entry, n = self.ram.lookup(tokens)
         hit = Hit(n, entry=entry)
-        if self.disk is not None:
+        if self.disk is not None and disk:
             found, n = self.disk.lookup(tokens)
             if found is not None and n > hit.n and n >= self.ram.min_tokens:
                 hit = Hit(n, disk=found)
@@ -59,10 +61,11 @@ class PrefixCaches:
                 and len(data) > self.ram.budget:
             self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk
 
-    def fetch(self, entry: Entry | None, disk: DiskEntry | None) -> State | None:
-        if entry is not None:
-            return entry.data
-        return self.disk.load(disk) if self.disk is not None and disk is not None else None
+    @staticmethod
+    def fetch(entry: Entry | None) -> State | None:
+        """A RAM entry's state. A disk entry's comes read and verified already, off the
+        engine thread (runner.diskread), with the placement."""
+        return entry.data if entry is not None else None
 
     def restored(self, entry: Entry | None, disk: DiskEntry | None, n: int,
                  data: State | None) -> None:

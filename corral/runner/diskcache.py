@@ -3,7 +3,8 @@
 Host memory goes with the runner, so after keep-alive unloads a model, or the daemon
 restarts, a conversation would start from nothing. When the runner stops, and when the
 RAM cache evicts for room, entries are written here, under the state directory; a
-lookup that finds a longer prefix here than in RAM reads it back.
+lookup that finds a longer prefix here than in RAM reads it back, on a helper thread
+while the other slots decode (runner.diskread); everything else is the engine thread's.
 
 Each file is one entry: a magic line, a JSON header (the namespace, the tokens, the
 data's length and SHA-256) and the state. The namespace is a hash of everything that
@@ -41,7 +42,15 @@ def namespace(identity: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-@dataclass
+@dataclass(frozen=True)
+class Read:
+    """What reading an entry gave: its state, or None and why not."""
+
+    data: bytes | None
+    problem: str = ""
+
+
+@dataclass(eq=False)  # an entry is itself: compared by identity, as `entries` holds it
 class DiskEntry:
     tokens: tuple[int, ...]
     path: Path
@@ -82,22 +91,45 @@ class DiskTier:
                 best, best_n = entry, n
         return best, best_n
 
-    def load(self, entry: DiskEntry) -> bytes | None:
-        """The entry's state, verified; None (and the file removed) when it is not whole."""
+    def read(self, entry: DiskEntry) -> "Read":
+        """The entry's state, verified, or why not. Only reads: safe on any thread while
+        the engine thread uses the tier (runner.diskread), which then calls `settle`.
+        A file replaced or removed meanwhile is read whole or not at all (writes rename
+        over it, removals unlink it: an open file keeps its bytes), and is checked like
+        any other: its namespace, its tokens (a file swapped with another entry's holds
+        another prefix), its length and its hash."""
         try:
             with entry.path.open("rb") as f:
                 header = _read_header(f)
                 data = f.read()
         except (OSError, ValueError) as exc:
-            self._reject(entry.path, f"unreadable: {exc}")
+            return Read(None, f"unreadable: {exc}")
+        if header.get("space") != self.space or header.get("tokens") != list(entry.tokens):
+            return Read(None, "not this entry of this model and configuration")
+        if header.get("size") != len(data) or hashlib.sha256(data).hexdigest() != header.get(
+                "sha256"):
+            return Read(None, "its data does not match its header")
+        return Read(data)
+
+    def settle(self, entry: DiskEntry, read: "Read") -> bytes | None:
+        """On the tier's own thread, after `read`: the data, and the entry is the most
+        recently used; or None, and the file is removed, never to be loaded. An entry that
+        went meanwhile (evicted, or extended by a newer one) changes nothing here."""
+        if entry not in self.entries:
+            return read.data
+        if read.data is None:
+            self._reject(entry.path, read.problem)
             return None
-        if (header.get("space") != self.space or header.get("size") != len(data)
-                or hashlib.sha256(data).hexdigest() != header.get("sha256")):
-            self._reject(entry.path, "its data does not match its header")
-            return None
-        os.utime(entry.path)
-        entry.used = entry.path.stat().st_mtime
-        return data
+        try:
+            os.utime(entry.path)
+            entry.used = entry.path.stat().st_mtime
+        except OSError:  # removed by hand meanwhile: the bytes read are still whole
+            pass
+        return read.data
+
+    def load(self, entry: DiskEntry) -> bytes | None:
+        """The entry's state, verified; None (and the file removed) when it is not whole."""
+        return self.settle(entry, self.read(entry))
 
     def save(self, tokens: Sequence[int], data: bytes | bytearray) -> bool:
         key = tuple(tokens)

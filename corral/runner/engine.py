@@ -34,13 +34,14 @@ from corral.runner.admission import generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
 from corral.runner.context import EngineConfig, LlamaContext
 from corral.runner.caches import caches_for
+from corral.runner.diskread import Reader, read_entry, reads_for
 from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
 from corral.runner.growth import Capacity, GrowthState, Resizer
 from corral.runner.reserve import Reserve
 from corral.runner.wire import DoneLine
-from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, Resized,
-                                SetThreads, Stop, Submit)
+from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, PrefixRead,
+                                Resized, SetThreads, Stop, Submit)
 from corral.runner.sampling import for_job
 from corral.runner.kvpool import KVPool
 from corral.runner.postprocess import Postprocess
@@ -61,7 +62,8 @@ class Engine(Postprocess):
     def __init__(self, model_path: str, config: EngineConfig,
                  clock: Callable[[], float] = time.perf_counter,
                  llama: LlamaContext | None = None, load_seconds: float = 0.0,
-                 step_hook: Callable[[StepPlan], None] | None = None) -> None:
+                 step_hook: Callable[[StepPlan], None] | None = None,
+                 disk_reader: Reader = read_entry) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -102,7 +104,8 @@ class Engine(Postprocess):
             if llama.streams < config.n_slots else None
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self.caches = caches_for(model_path, config)
-        self.scheduler = Scheduler(self.num_ctx, self.caches, self.pool)
+        self.scheduler = Scheduler(self.num_ctx, self.caches, self.pool, reads_for(
+            self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
         self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
 
@@ -147,7 +150,7 @@ class Engine(Postprocess):
         return {
             "slots": len(slots), "slots_cap": self.config.n_slots, "threads": self.n_threads,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
-            "waiting": len(self.scheduler.waiting) + len(self._embeds.pending)
+            "waiting": self.scheduler.queued() + len(self._embeds.pending)
             + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
@@ -369,9 +372,8 @@ class Engine(Postprocess):
         for slot in self.slots:
             if slot.sequence is not None:
                 self._fail(slot, error)
-        for seq in self.scheduler.waiting:
+        for seq in self.scheduler.take_all():  # waiting, or waiting for a disk read
             seq.end(Failed(error))
-        self.scheduler.waiting.clear()
         self._embeds.fail_all(error)
 
     def _free(self) -> None:

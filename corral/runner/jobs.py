@@ -3,6 +3,7 @@ thread reads, and the events a job's caller reads back.
 
     caller --Submit/Embed/Stop/SetThreads/ClearCache--> engine thread --Token*, then Done or Failed--> job.events
     growth builder --Resized--> engine thread
+    disk tier reader --PrefixRead--> engine thread
 """
 
 from __future__ import annotations
@@ -135,7 +136,13 @@ class ClearCache:
     """Drop the prompt cache's RAM: the daemon wants the memory for another model."""
 
 
-Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache]
+@dataclass(frozen=True)
+class PrefixRead:
+    """A read of the prompt cache's disk tier is over (runner.diskread): it wakes an engine
+    that waits for work, so the sequence waiting for the read is placed."""
+
+
+Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache, PrefixRead]
 
 
 class Inbox:

@@ -95,8 +95,9 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         return 0
     branch = p.donor is not None
+    # A disk entry's bytes were read and verified off this thread (runner.diskread).
     data = donor_state(ctx, p.donor, donors) if p.donor is not None \
-        else caches.fetch(p.entry, p.disk)
+        else p.data if p.data is not None else caches.fetch(p.entry)
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     # A partial removal fails on memories that cannot roll back (recurrent models).
     if data is not None and seqstate.put(ctx, data, slot.seq_id, streams) \

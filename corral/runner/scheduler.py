@@ -13,11 +13,16 @@ that saves the most prefill:
     RESTORE  an entry of the prompt cache (runner.promptcache), or of its disk tier
     NONE     nothing shared: prefill from the start
 
+A disk entry is read before it is placed: the sequence leaves the queue while a helper
+thread reads it (runner.diskread) and comes back to the front with the bytes, or
+without them (a corrupt entry, a read past its deadline: then it goes as if the tier had
+not had it); the other sequences are placed and decode meanwhile.
+
 A copy costs something, so BRANCH and RESTORE must beat REUSE by MIN_GAIN tokens. A new
 sequence whose prefix a prefilling slot is about to compute is HELD until it has, then
 branches from it: sixteen requests sharing an agent's system prompt prefill it once,
-which also covers the first burst at an idle model while its context grows. Pure: it
-reads slots and the caches and returns decisions; the engine makes the native calls.
+which also covers the first burst at an idle model while its context grows. It reads
+slots and the caches and returns decisions; the engine makes the native calls.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING
 from corral.errors import CorralError
 from corral.runner.admission import align_keep, fit_prompt
 from corral.runner.caches import PrefixCaches
+from corral.runner.diskread import DiskReads, Fetched
 from corral.runner.promptcache import Entry
 from corral.runner.sequence import SeqState
 from corral.runner.slot import Slot, SlotState, common_prefix
@@ -63,6 +69,7 @@ class Placement:
     donor: Slot | None = None
     entry: Entry | None = None
     disk: "DiskEntry | None" = None
+    data: bytes | None = None  # the disk entry's state, read and verified (runner.diskread)
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,23 @@ class Refusal:
 
 
 class Scheduler:
-    def __init__(self, num_ctx: int, caches: PrefixCaches, pool: "KVPool | None" = None) -> None:
-        self.num_ctx, self.caches, self.pool = num_ctx, caches, pool
+    def __init__(self, num_ctx: int, caches: PrefixCaches, pool: "KVPool | None" = None,
+                 reads: DiskReads | None = None) -> None:
+        """`reads` reads the disk tier for it; without them it looks only in RAM."""
+        self.num_ctx, self.caches, self.pool, self.reads = num_ctx, caches, pool, reads
         self.waiting: deque["Sequence"] = deque()  # new and preempted, oldest first
+        self._fetched: dict[int, Fetched] = {}  # id(seq) -> its finished disk read
+
+    def queued(self) -> int:
+        """Sequences not yet placed: waiting, or waiting for a disk read."""
+        return len(self.waiting) + (len(self.reads) if self.reads is not None else 0)
+
+    def take_all(self) -> list["Sequence"]:
+        """Every sequence not yet placed, taken off the queue (the engine is stopping)."""
+        seqs = list(self.waiting) + (self.reads.abandon() if self.reads is not None else [])
+        self.waiting.clear()
+        self._fetched.clear()
+        return seqs
 
     def add(self, seq: "Sequence") -> None:
         self.waiting.append(seq)
@@ -87,11 +108,14 @@ class Scheduler:
 
     def next(self, slots: list[Slot]) -> Placement | Refusal | None:
         """The next sequence to admit, in order, skipping those held for a prefix being
-        computed; None when nothing can start now."""
+        computed or read from disk; None when nothing can start now."""
+        self._collect()
         idle = [s for s in slots if s.state is SlotState.IDLE]
         for seq in list(self.waiting):
             if not idle:
                 return None
+            if seq.job.cancelled.is_set():
+                continue  # the engine ends it (Engine._reap_cancelled)
             if self.pool is not None and not self.pool.admits(slots, self._need(seq)):
                 return None  # no room in the pool yet: it and everything behind it wait
             resuming = seq.state is SeqState.PREEMPTED
@@ -99,12 +123,32 @@ class Scheduler:
                 tokens = fit_prompt(seq.job, seq.generated if resuming else [], self.num_ctx)
             except CorralError as exc:  # ContextOverflow: this request's 400 alone
                 self.waiting.remove(seq)
+                self._fetched.pop(id(seq), None)
                 return Refusal(seq, exc)
             placement = self._place(seq, tokens, idle, slots)
-            if placement is not None:
-                self.waiting.remove(seq)
-                return placement
+            if placement is None:
+                continue
+            self.waiting.remove(seq)
+            if placement.disk is not None and placement.data is None:
+                assert self.reads is not None
+                self.reads.start(seq, placement.disk)  # back with the bytes, or without
+                continue
+            self._fetched.pop(id(seq), None)
+            return placement
         return None
+
+    def _collect(self) -> None:
+        """Sequences whose disk read is over go back to the front of the queue, oldest
+        first; what finished sequences were given is dropped."""
+        if self.reads is None:
+            return
+        done = self.reads.poll()
+        for fetched in done:
+            self._fetched[id(fetched.seq)] = fetched
+        self.waiting.extendleft(reversed([f.seq for f in done]))
+        for key, fetched in list(self._fetched.items()):
+            if fetched.seq.state is SeqState.FINISHED:  # reaped, or failed, while waiting
+                del self._fetched[key]
 
     def _need(self, seq: "Sequence") -> int:
         return min(len(seq.job.prompt) + len(seq.generated), self.num_ctx)
@@ -128,10 +172,17 @@ class Scheduler:
             n = usable(common_prefix(donor.cached, tokens))
             if n >= best.keep + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.BRANCH, donor=donor)
-        hit = self.caches.lookup(tokens)
+        # The disk tier once per sequence: its read is done (bytes or not), or starts now.
+        read = self._fetched.get(id(seq))
+        hit = self.caches.lookup(tokens, disk=read is None and self.reads is not None
+                                 and self.reads.open)
         if (hit.entry or hit.disk) and usable(hit.n) >= best.keep + MIN_GAIN:
             best = Placement(seq, target, tokens, usable(hit.n), Source.RESTORE,
                              entry=hit.entry, disk=hit.disk)
+        if read is not None and read.data is not None and usable(
+                n := common_prefix(read.entry.tokens, tokens)) >= best.keep + MIN_GAIN:
+            best = Placement(seq, target, tokens, usable(n), Source.RESTORE, disk=read.entry,
+                             data=read.data)
         if seq.state is SeqState.WAITING and self._worth_holding(tokens, busy, best.keep):
             return None
         return best
