@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -115,7 +116,37 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     engine.resizer.capacity.shrink_after = 0.5
     _wait(lambda: engine.status()["slots"] == 1, "shrinks after shrink_after")
     assert reserve._ctx is not None and not reserve.owns(engine.llama.ctx)  # put back
-    assert _resident(runs) < pages // 100  # handed back
+    _wait(lambda: _resident(runs) < pages // 100, "handed back at the next rest")
     engine.resizer.capacity.shrink_after = 3600
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone  # cells emptied
     assert engine.status()["slots"] == 4 and reserve.owns(engine.llama.ctx)
+
+
+@linux
+@pytest.mark.model
+def test_a_request_runs_while_the_reserve_is_being_built(starter_gguf: Path) -> None:
+    """The reserve is made off the engine thread: with its build held by a gate, a
+    request sent after the first one gets its tokens and ends; then the build finishes."""
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
+    from tests.support import wait_for
+    from tests.test_engine import PROMPTS, run
+
+    gate = threading.Event()
+    engine = Engine(str(starter_gguf), EngineConfig(n_slots=4, start_slots=1, num_ctx=2048,
+                                                    deterministic=True), reserve_gate=gate)
+    assert engine.resizer is not None and engine.resizer.reserve is not None
+    reserve = engine.resizer.reserve
+    engine.start()
+    try:
+        run(engine, PROMPTS[0], 4)
+        wait_for(lambda: not reserve.pending, timeout=60)  # the first rest began it
+        text, stats = run(engine, PROMPTS[1], 8)  # meanwhile, held at the gate
+        assert text and stats.eval_count == 8
+        assert not reserve.tried.is_set()  # the request did not wait for the build
+        gate.set()
+        assert reserve.tried.wait(120), "the build goes on once the gate opens"
+        assert reserve.ready() or reserve.owns(engine.llama.ctx)
+    finally:
+        gate.set()
+        engine.stop()

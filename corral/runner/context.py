@@ -84,7 +84,7 @@ class LlamaContext:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None
 
-    def new_context(self, streams: int, hold_gil: bool = False) -> Any:
+    def new_context(self, streams: int) -> Any:
         """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
         thread other than the engine's: it touches the model, read-only, and nothing of
         the context in use (runner.growth builds the next one this way)."""
@@ -111,8 +111,7 @@ class LlamaContext:
                                    L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
         cparams.type_k = cparams.type_v = kv_type
-        ctx = (native.init_context_holding_gil if hold_gil else
-               L.llama_init_from_model)(self.model, cparams)
+        ctx = native.init_context(self.model, cparams)
         if not ctx:
             if self.ctx is None:  # the first one: nothing to serve with
                 L.llama_model_free(self.model)
@@ -120,7 +119,7 @@ class LlamaContext:
         if self.adapters is not None:
             handles, scales, n = self.adapters
             if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
-                L.llama_free(ctx)
+                native.free_context(ctx)
                 raise RunnerError("llama.cpp could not apply the adapters")
         return ctx
 
@@ -140,7 +139,7 @@ class LlamaContext:
         return n
 
     def discard(self, ctx: Any) -> None:
-        L.llama_free(ctx)
+        native.free_context(ctx)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         # llama_tokenize only reads the vocab, which is safe from any thread.
@@ -183,7 +182,7 @@ class LlamaContext:
             L.llama_batch_free(self.batch)
             self.batch = None
         if self.ctx:
-            L.llama_free(self.ctx)
+            native.free_context(self.ctx)
             self.ctx = None
         if self.model:
             L.llama_model_free(self.model)

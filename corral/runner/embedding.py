@@ -55,7 +55,7 @@ class Embedder:
         cparams.embeddings = True
         cparams.pooling_type = pooling
         cparams.no_perf = True
-        self.ctx = L.llama_init_from_model(self.model, cparams)
+        self.ctx = native.init_context(self.model, cparams)  # counted: runner.reserve
         if not self.ctx:
             raise RunnerError("llama.cpp could not create an embedding context")
         if self.adapters:
@@ -75,7 +75,7 @@ class Embedder:
             if self.pooling != L.LLAMA_POOLING_TYPE_NONE:
                 self._finish_open(capacity)
                 return
-            L.llama_free(self.ctx)
+            native.free_context(self.ctx)
             self.pooling = L.LLAMA_POOLING_TYPE_MEAN
         self._open(self.pooling, capacity)
         self._finish_open(capacity)
@@ -114,7 +114,7 @@ class Embedder:
             L.llama_batch_free(self.batch)
             self.batch = None
         if self.ctx is not None:
-            L.llama_free(self.ctx)
+            native.free_context(self.ctx)
             self.ctx = None
         self.capacity = 0
 

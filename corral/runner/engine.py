@@ -33,11 +33,11 @@ from corral.runner import imagefeed, kvops, native, seqstate
 from corral.runner.admission import generation_limit
 from corral.runner.batchplan import StepPlan, plan_step
 from corral.runner.context import EngineConfig, LlamaContext
-from corral.runner.caches import caches_for
+from corral.runner.caches import PrefixCaches, caches_for
 from corral.runner.diskread import Reader, read_entry, reads_for
 from corral.runner.embedding import Embedder, EmbedQueue
 from corral.runner.imagefeed import ImageFeed
-from corral.runner.growth import Capacity, GrowthState, Resizer
+from corral.runner.growth import Capacity, Resizer
 from corral.runner.reserve import Reserve
 from corral.runner.wire import DoneLine
 from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, PrefixRead,
@@ -63,7 +63,8 @@ class Engine(Postprocess):
                  clock: Callable[[], float] = time.perf_counter,
                  llama: LlamaContext | None = None, load_seconds: float = 0.0,
                  step_hook: Callable[[StepPlan], None] | None = None,
-                 disk_reader: Reader = read_entry) -> None:
+                 disk_reader: Reader = read_entry, caches: PrefixCaches | None = None,
+                 reserve_gate: threading.Event | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -97,13 +98,15 @@ class Engine(Postprocess):
         self._transient = False  # freed native memory waits to be handed back when idle
         self._overwritten = 0  # warm prefixes placements overwrote since the last tick
         self.slots = [Slot(seq_id=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
-        # The cap's context is made ahead, uncommitted, where the KV is host memory.
-        reserve = Reserve(llama, config.n_slots) if not config.n_gpu_layers else None
+        # The cap's context is made ahead, uncommitted, where the KV is host memory (a
+        # test's reserve_gate holds its build).
+        reserve = Reserve(llama, config.n_slots, reserve_gate) \
+            if not config.n_gpu_layers else None
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
                                self._commands.put, reserve) \
             if llama.streams < config.n_slots else None
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
-        self.caches = caches_for(model_path, config)
+        self.caches = caches or caches_for(model_path, config)  # or a test's
         self.scheduler = Scheduler(self.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
@@ -243,14 +246,10 @@ class Engine(Postprocess):
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
         and every few seconds under load, when the engine may never be idle."""
-        # runner.reserve: once a model has served, at its first rest, with no build on
-        # the builder thread (whose new mappings would be taken for the reserve's).
-        resizer = self.resizer
-        if idle and resizer is not None and resizer.reserve is not None \
-                and resizer.reserve.pending and self.sampled \
-                and resizer.capacity.state is GrowthState.STEADY \
-                and self.llama.streams < resizer.reserve.streams:
-            resizer.reserve.build()
+        # runner.reserve: made on a builder thread after the first rest; its pages are
+        # looked at here, at rest, in pieces, until a command arrives.
+        if idle and self.resizer is not None:
+            self.resizer.rest(self.sampled > 0, lambda: self._commands.qsize() > 0)
         now = self.clock()
         if idle and self.embedder.ctx is not None and now - self._embedded_at > EMBED_KEEP:
             self.embedder.free()

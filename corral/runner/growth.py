@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import RunnerError
-from corral.runner.jobs import Resized
+from corral.runner.jobs import Command, Resized, Wake
 from corral.runner.seqstate import copy_sequence
 from corral.runner.slot import Slot, SlotState
 
@@ -152,9 +152,22 @@ class Resizer:
     and moves the sequences across when the new context arrives (engine thread)."""
 
     def __init__(self, llama: LlamaContext, capacity: Capacity,
-                 post: Callable[[Resized], None], reserve: Reserve | None = None) -> None:
+                 post: Callable[[Command], None], reserve: Reserve | None = None) -> None:
         self.llama, self.capacity, self.post, self.reserve = llama, capacity, post, reserve
         self.resizes = 0
+        self._letting_go: list[threading.Thread] = []
+
+    def rest(self, served: bool, waiting: Callable[[], bool]) -> None:
+        """Engine thread, at rest: once the model has served, the reserve is made on a
+        builder thread; then its pages are looked at and handed back, a piece at a time,
+        until a command is `waiting`."""
+        reserve = self.reserve
+        if reserve is None:
+            return
+        if reserve.pending and served and self.capacity.state is GrowthState.STEADY \
+                and self.llama.streams < reserve.streams:
+            reserve.start(lambda: self.post(Wake()))
+        reserve.settle(waiting)
 
     def tick(self, busy: int, waiting: int, now: float, warm: int = 0) -> None:
         # Warm conversations count only where their streams cost no memory until used:
@@ -203,12 +216,19 @@ class Resizer:
         return moved
 
     def _let_go(self, ctx: Any) -> None:
-        """A context the engine no longer serves from: the reserve's goes back to it."""
+        """A context the engine no longer serves from: the reserve's goes back to it, and
+        any other is freed on a thread of its own (unmapping a big KV takes a while)."""
         if self.reserve is not None and self.reserve.owns(ctx):
             self.reserve.put_back(ctx)
-        else:
-            self.llama.discard(ctx)
+            return
+        self._letting_go = [t for t in self._letting_go if t.is_alive()]
+        thread = threading.Thread(target=self.llama.discard, args=(ctx,), daemon=True,
+                                  name="kv-free")
+        thread.start()
+        self._letting_go.append(thread)
 
     def free(self) -> None:
+        for thread in self._letting_go:  # before the model goes
+            thread.join(timeout=30)
         if self.reserve is not None:
             self.reserve.free()

@@ -4,6 +4,7 @@ thread reads, and the events a job's caller reads back.
     caller --Submit/Embed/Stop/SetThreads/ClearCache--> engine thread --Token*, then Done or Failed--> job.events
     growth builder --Resized--> engine thread
     disk tier reader --PrefixRead--> engine thread
+    reserve builder --Wake--> engine thread (at rest: its pages are to be looked at)
 """
 
 from __future__ import annotations
@@ -142,7 +143,12 @@ class PrefixRead:
     that waits for work, so the sequence waiting for the read is placed."""
 
 
-Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache, PrefixRead]
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do but look again: housekeeping has work for an idle engine."""
+
+
+Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache, PrefixRead, Wake]
 
 
 class Inbox:

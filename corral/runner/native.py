@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any, Sequence
 
 import llama_cpp as L
@@ -15,7 +16,8 @@ import llama_cpp as L
 from corral.process import apply_native_defaults, trim_malloc
 
 _log_hook: Any = None
-_init_holding_gil: Any = None
+_made_lock = threading.Lock()
+_contexts_made = 0
 
 
 def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
@@ -35,17 +37,35 @@ def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
     L.llama_backend_init()
 
 
-def init_context_holding_gil(model: Any, cparams: Any) -> Any:
-    """llama_init_from_model called without releasing the GIL (ctypes.PyDLL): while it
-    runs no other Python thread can allocate, so the large mappings that appear are this
-    context's (runner.reserve hands its KV pages back by address)."""
-    global _init_holding_gil
-    if _init_holding_gil is None:
-        fn = ctypes.PyDLL(L.llama_cpp._lib._name).llama_init_from_model
-        fn.argtypes = L.llama_init_from_model.argtypes
-        fn.restype = L.llama_init_from_model.restype
-        _init_holding_gil = fn
-    return _init_holding_gil(model, cparams)
+def init_context(model: Any, cparams: Any) -> Any:
+    """llama_init_from_model, counted: its beginning and its end each add one to
+    contexts_made(), so a thread can tell whether any context was being made or freed
+    while it made its own (runner.reserve finds its KV pages among the mappings that
+    appeared meanwhile)."""
+    _count()
+    try:
+        return L.llama_init_from_model(model, cparams)
+    finally:
+        _count()
+
+
+def free_context(ctx: Any) -> None:
+    """llama_free, counted as one event of contexts_made()."""
+    try:
+        L.llama_free(ctx)
+    finally:
+        _count()
+
+
+def contexts_made() -> int:
+    with _made_lock:
+        return _contexts_made
+
+
+def _count() -> None:
+    global _contexts_made
+    with _made_lock:
+        _contexts_made += 1
 
 
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
