@@ -16,10 +16,12 @@ from typing import Iterator
 
 import pytest
 
+from corral.runner.caches import PrefixCaches
 from corral.runner.context import EngineConfig
 from corral.runner.diskcache import DiskEntry, DiskTier, Read
 from corral.runner.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
+from corral.runner.promptcache import PromptCache
 
 pytestmark = pytest.mark.model
 
@@ -294,3 +296,30 @@ def test_a_request_waiting_for_its_read_can_be_cancelled(starter_gguf: Path,
     finally:
         engine.stop()
     assert stats.prompt_eval_count == len(prompts["a2"]) - len(prompts["a1"])
+
+
+def test_a_held_disk_write_does_not_hold_the_engine(starter_gguf: Path, tmp_path: Path) -> None:
+    """The disk tier writes on its own thread: with the write held by a gate, the next
+    request decodes to its end; then the write lands."""
+    from tests.support import wait_for
+
+    gate = threading.Event()
+    disk = DiskTier(tmp_path, 512 << 20, "space", background=True, gate=gate)
+    engine = Engine(str(starter_gguf), config(), caches=PrefixCaches(PromptCache(0), disk))
+    engine.start()
+
+    def files() -> list[Path]:
+        return list((tmp_path / "space").glob("*.kv"))
+
+    try:
+        prompts = turns(engine)
+        ask(engine, prompts["a1"])
+        _, stats = ask(engine, prompts["b1"])  # a1's state leaves the slot for the disk
+        assert stats.eval_count == 8 and files() == []  # decoded while its write is held
+        gate.set()
+        wait_for(lambda: len(files()) == 1, timeout=120)
+    finally:
+        gate.set()
+        engine.stop()  # (b1's state is written too, and the writer waited for)
+    assert [e.tokens[:len(prompts["a1"])] for e in disk.entries
+            if e.tokens[:len(prompts["a1"])] == tuple(prompts["a1"])] == [tuple(prompts["a1"])]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from corral.runner.context import EngineConfig
 
 log = logging.getLogger("corral.caches")
+FLUSH_WAIT = 60.0  # seconds an unload waits for the disk tier's writes
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class PrefixCaches:
 
     def flush(self, states: list[tuple[list[int], State]]) -> int:
         """At unload: the given slot states and every RAM entry, newest first, go to the
-        disk tier (when there is one); returns how many were written."""
+        disk tier (when there is one), and the writer is waited for (FLUSH_WAIT at most);
+        returns how many were kept."""
         if self.disk is None:
             return 0
         written = 0
@@ -87,6 +89,9 @@ class PrefixCaches:
             written += self.disk.save(tokens, data)
         for entry in sorted(self.ram.entries, key=lambda e: -e.used):
             written += self.disk.save(entry.tokens, entry.data)
+        if not self.disk.drain(FLUSH_WAIT):
+            log.warning("prompt cache: the disk writer did not finish within %.0f s",
+                        FLUSH_WAIT)
         return written
 
     def describe(self) -> dict[str, int]:
@@ -117,7 +122,8 @@ def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
                     "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_version,
                     "adapters": [file_id(a) + [s] for a, s in cfg.adapters]}
         try:
-            disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity))
+            disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity),
+                            background=True)  # the engine never waits for a write
         except OSError as exc:
             log.warning("prompt cache disk tier off: %s", exc)
     return PrefixCaches(PromptCache(cfg.cache_ram), disk)

@@ -16,6 +16,13 @@ temporary name and renamed, so a crash leaves no half entry under a real name; t
 oldest (by last use) go first when the tier is over its size. The headers list prompts,
 so files are 0600 in 0700 folders from creation (corral.private), and older ones are
 tightened when the tier opens.
+
+In the runner the files are written on a writer thread (background): the engine hands
+over the state's bytes, which nobody changes after, and goes on decoding while they are
+hashed and written; the index stays the engine thread's, which takes in the finished
+writes at its next lookup or save. An entry is found once written; a state whose tokens
+are queued is not queued twice, and one that would take the queue past MAX_QUEUED bytes
+is let go, as a full disk lets it go.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +44,8 @@ from corral.runner.slot import common_prefix
 log = logging.getLogger("corral.diskcache")
 MAGIC = b"CORRAL-KV 1\n"
 MAX_HEADER = 4 << 20  # a header lists tokens as JSON; far more than any num_ctx needs
+MAX_QUEUED = 1 << 30  # bytes of states waiting for the writer thread
+GATE_WAIT = 300.0  # seconds a test's gate may hold a write
 
 
 def namespace(identity: dict[str, Any]) -> str:
@@ -58,10 +70,20 @@ class DiskEntry:
     used: float  # last use (the file's mtime)
 
 
+Key = tuple[int, ...]
+
+
 class DiskTier:
-    def __init__(self, root: Path, budget: int, space: str) -> None:
+    """`background` writes files on a writer thread; `gate`, for tests, holds each write
+    until it is set."""
+
+    def __init__(self, root: Path, budget: int, space: str, background: bool = False,
+                 gate: threading.Event | None = None) -> None:
         self.dir = root / space
-        self.budget, self.space = budget, space
+        self.budget, self.space, self.gate, self.background = budget, space, gate, background
+        self._queued: dict[Key, int] = {}  # tokens -> bytes handed to the writer, not taken in
+        self._todo: queue.Queue[tuple[Key, bytes | bytearray]] = queue.Queue()
+        self._written: queue.Queue[tuple[Key, Path | None]] = queue.Queue()
         private_dir(root)
         private_dir(self.dir)
         self.entries: list[DiskEntry] = []
@@ -78,12 +100,15 @@ class DiskTier:
         for stray in self.dir.glob("*.tmp"):  # a write that a crash cut short
             stray.unlink(missing_ok=True)
         self._evict()
+        if background:
+            threading.Thread(target=self._writer, daemon=True, name="kv-disk-writer").start()
 
     @property
     def size(self) -> int:
         return sum(e.size for e in self.entries)
 
     def lookup(self, tokens: Sequence[int]) -> tuple[DiskEntry | None, int]:
+        self._collect()
         best, best_n = None, 0
         for entry in self.entries:
             n = common_prefix(entry.tokens, tokens)
@@ -132,10 +157,69 @@ class DiskTier:
         return self.settle(entry, self.read(entry))
 
     def save(self, tokens: Sequence[int], data: bytes | bytearray) -> bool:
+        """Keep a state (handed to the writer, in the background); False when it is not."""
+        self._collect()
         key = tuple(tokens)
         if not data or len(data) > self.budget or any(
-                e.tokens[:len(key)] == key for e in self.entries):
+                e.tokens[:len(key)] == key for e in self.entries) or any(
+                q[:len(key)] == key for q in self._queued):
             return False
+        if not self.background:
+            return self._kept(key, self._write(key, data))
+        if self._queued and sum(self._queued.values()) + len(data) > MAX_QUEUED:
+            return False
+        self._queued[key] = len(data)
+        self._todo.put((key, data))
+        return True
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every state handed to the writer is written and taken in; False
+        when `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self._queued:
+            try:
+                self._kept(*self._written.get(timeout=max(deadline - time.monotonic(), 1e-3)))
+            except queue.Empty:
+                return False
+        return True
+
+    def _collect(self) -> None:
+        """Take in the writes that finished."""
+        while self._queued:
+            try:
+                self._kept(*self._written.get_nowait())
+            except queue.Empty:
+                return
+
+    def _kept(self, key: Key, path: Path | None) -> bool:
+        self._queued.pop(key, None)
+        try:
+            st = path.stat() if path is not None else None
+        except OSError:  # removed meanwhile
+            st = None
+        if path is None or st is None:
+            return False
+        # Shorter entries this one extends hold nothing it does not.
+        for old in [e for e in self.entries if e.tokens == key[:len(e.tokens)]]:
+            self._drop(old)
+        self.entries.append(DiskEntry(key, path, st.st_size, st.st_mtime))
+        self._evict()
+        return True
+
+    def _writer(self) -> None:
+        while True:
+            key, data = self._todo.get()
+            try:
+                path = self._write(key, data)
+            except Exception:  # a bug here costs the entry, never the writer
+                log.exception("prompt cache writer")
+                path = None
+            self._written.put((key, path))
+
+    def _write(self, key: Key, data: bytes | bytearray) -> Path | None:
+        """The entry's file (any thread: it touches the file alone); None when not written."""
+        if self.gate is not None:
+            self.gate.wait(GATE_WAIT)
         name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
         path, tmp = self.dir / f"{name}.kv", self.dir / f"{name}.tmp"
         header = json.dumps({"space": self.space, "tokens": list(key), "size": len(data),
@@ -148,13 +232,8 @@ class DiskTier:
         except OSError as exc:  # a full disk costs the entry, never the request
             log.warning("could not write a prompt cache entry: %s", exc)
             tmp.unlink(missing_ok=True)
-            return False
-        # Shorter entries this one extends hold nothing it does not.
-        for old in [e for e in self.entries if e.tokens == key[:len(e.tokens)]]:
-            self._drop(old)
-        self.entries.append(DiskEntry(key, path, path.stat().st_size, path.stat().st_mtime))
-        self._evict()
-        return True
+            return None
+        return path
 
     def _index(self, path: Path) -> DiskEntry | None:
         try:
