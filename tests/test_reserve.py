@@ -62,6 +62,49 @@ def _resident(runs: list[tuple[int, int]]) -> int:
     return sum(_rss(start, (end - start) // PAGE) for start, end in runs)
 
 
+class _Llama:
+    """Makes 'contexts' that are what a KV buffer is after llama.cpp's clear: a private
+    anonymous mapping written with zeros (counted as a context is, by runner.native)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.made, self.freed = size, [], []  # type: ignore[var-annotated]
+
+    def new_context(self, streams: int) -> mmap.mmap:
+        from corral.runner import native
+
+        with native.context_event():
+            area = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for _ in range(self.size >> 20):  # committed, a megabyte at a time
+                area.write(bytes(1 << 20))
+        self.made.append(area)
+        return area
+
+    def discard(self, ctx: mmap.mmap) -> None:
+        self.freed.append(ctx)
+
+
+@linux
+def test_the_reserve_is_made_off_the_engine_and_settled_in_pieces_that_yield() -> None:
+    from corral.runner.reserve import PIECE, Reserve
+
+    llama = _Llama(6 * PIECE)
+    woken = threading.Event()
+    reserve = Reserve(llama, 16)  # type: ignore[arg-type]
+    reserve.start(woken.set)  # returns at once; the builder thread wakes the engine
+    assert woken.wait(60) and not reserve.pending and len(llama.made) == 1
+    looks = []
+    # A command arrives after two pieces: the third look at the queue stops the work.
+    reserve.settle(lambda: looks.append(1) is None and len(looks) > 2)
+    assert len(looks) == 3 and not reserve.ready() and not reserve.tried.is_set()
+    reserve.settle(lambda: False)  # at rest again: the rest of it
+    assert reserve.ready() and reserve.tried.is_set() and llama.freed == []
+    runs = list(reserve._runs)
+    assert sum(b - a for a, b in runs) == 6 * PIECE - 2 * PAGE  # all but the ends
+    assert _resident(runs) == 0
+    assert reserve.take() is llama.made[0] and not reserve.ready()
+    llama.made[0].close()
+
+
 @pytest.fixture(scope="module")
 def reserved(starter_gguf: Path) -> Iterator[object]:
     from corral.runner.context import EngineConfig

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import llama_cpp as L
 
@@ -38,34 +39,35 @@ def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
 
 
 def init_context(model: Any, cparams: Any) -> Any:
-    """llama_init_from_model, counted: its beginning and its end each add one to
-    contexts_made(), so a thread can tell whether any context was being made or freed
-    while it made its own (runner.reserve finds its KV pages among the mappings that
-    appeared meanwhile)."""
-    _count()
-    try:
+    """llama_init_from_model, counted (contexts_made)."""
+    with context_event():
         return L.llama_init_from_model(model, cparams)
-    finally:
-        _count()
 
 
 def free_context(ctx: Any) -> None:
-    """llama_free, counted as one event of contexts_made()."""
-    try:
+    """llama_free, counted (contexts_made)."""
+    with context_event():
         L.llama_free(ctx)
+
+
+@contextmanager
+def context_event() -> Iterator[None]:
+    """Around making or freeing a context: its beginning and its end each add one to
+    contexts_made(), so a thread can tell whether any context came or went while it
+    made its own (runner.reserve finds its KV pages among the mappings that appeared)."""
+    global _contexts_made
+    with _made_lock:
+        _contexts_made += 1
+    try:
+        yield
     finally:
-        _count()
+        with _made_lock:
+            _contexts_made += 1
 
 
 def contexts_made() -> int:
     with _made_lock:
         return _contexts_made
-
-
-def _count() -> None:
-    global _contexts_made
-    with _made_lock:
-        _contexts_made += 1
 
 
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:

@@ -201,7 +201,8 @@ class Reserve:
         if self._closed:
             return
         try:
-            before, made = mappings(), native.contexts_made()
+            made = native.contexts_made()  # read before the mappings, and after them
+            before = mappings()
             ctx = self.llama.new_context(self.streams)
             ranges = appeared(before, mappings(), MIN_MAPPING)
         except RunnerError as exc:
