@@ -92,9 +92,13 @@ def test_the_reserve_is_made_off_the_engine_and_settled_in_pieces_that_yield() -
     reserve = Reserve(llama, 16)  # type: ignore[arg-type]
     reserve.start(woken.set)  # returns at once; the builder thread wakes the engine
     assert woken.wait(60) and not reserve.pending and len(llama.made) == 1
-    looks = []
-    # A command arrives after two pieces: the third look at the queue stops the work.
-    reserve.settle(lambda: looks.append(1) is None and len(looks) > 2)
+    looks: list[int] = []
+
+    def waiting() -> bool:  # a command arrives after two pieces
+        looks.append(1)
+        return len(looks) > 2
+
+    reserve.settle(waiting)  # the third look at the queue stops the work
     assert len(looks) == 3 and not reserve.ready() and not reserve.tried.is_set()
     reserve.settle(lambda: False)  # at rest again: the rest of it
     assert reserve.ready() and reserve.tried.is_set() and llama.freed == []
