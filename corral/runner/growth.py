@@ -12,8 +12,9 @@ slots of a 135M model here), whether or not a second request ever comes. A conte
 of one stream loads in a tenth of that. When requests run at once, the next context
 is made on a builder thread while the current one goes on decoding; then, between
 two steps, the engine copies every cached sequence across (runner.seqstate: bit-exact
-KV, so greedy output is unchanged) and frees the old context; an idle slot's cache that
-a smaller context has no room for goes to the prompt cache (runner.promptcache). Nobody waits longer than that copy, except the requests
+KV, so greedy output is unchanged) and lets the old context go, freed on a thread of
+its own; an idle slot's cache that a smaller context has no room for goes to the
+prompt cache (runner.promptcache). Nobody waits longer than that copy, except the requests
 that needed the new streams, which wait for the build. Sizes are powers of two from
 the start size to the memory-fit cap, so a burst of sixteen takes one step. Where
 runner.reserve has made the cap's context ahead (uncommitted), growth to the cap takes
