@@ -11,6 +11,7 @@ from typing import Any
 
 from corral.config import load_settings
 from corral.errors import RunnerError
+from corral.registry.models import ModelRecord
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import Health
 from corral.server.scheduler import ModelState, Scheduler
@@ -55,6 +56,11 @@ def make(clock: Clock, **env: str) -> Scheduler:
                               **{f"CORRAL_{k}": v for k, v in env.items()}})
     return Scheduler(settings, StuckRunner, clock=clock, free_memory=lambda: 1 << 40,
                      free_vram=lambda: 0, cores=2)
+
+
+def one_model(tmp_path: Path) -> tuple[Clock, Scheduler, ModelRecord]:
+    clock = Clock()
+    return clock, make(clock), record(tmp_path, "stuck")
 
 
 def in_thread(fn: Any) -> list[Any]:
@@ -124,9 +130,7 @@ def _opts() -> tuple[Any, None]:
 
 
 def test_a_silent_runner_that_a_request_needs_is_killed_and_replaced(tmp_path: Path) -> None:
-    clock = Clock()
-    s = make(clock)
-    rec = record(tmp_path, "stuck")
+    clock, s, rec = one_model(tmp_path)
     entry = acquire(s, rec)  # a request is running on it
     StuckRunner.silent = True
     s.watch_once()
@@ -146,9 +150,7 @@ def test_a_silent_runner_that_a_request_needs_is_killed_and_replaced(tmp_path: P
 
 
 def test_an_idle_silent_runner_stays_until_a_request_wants_it(tmp_path: Path) -> None:
-    clock = Clock()
-    s = make(clock)
-    rec = record(tmp_path, "stuck")
+    clock, s, rec = one_model(tmp_path)
     entry = acquire(s, rec)
     s.release(entry)
     StuckRunner.silent = True
@@ -163,9 +165,7 @@ def test_an_idle_silent_runner_stays_until_a_request_wants_it(tmp_path: Path) ->
 
 
 def test_the_fit_reads_the_last_answer_and_a_good_answer_ends_silence(tmp_path: Path) -> None:
-    clock = Clock()
-    s = make(clock)
-    rec = record(tmp_path, "stuck")
+    clock, s, rec = one_model(tmp_path)
     entry = acquire(s, rec)
     assert entry.health is None
     s.watch_once()
