@@ -202,6 +202,16 @@ class Resizer:
         self.resizes += 1
         return moved
 
+    def kv_held(self, current: int) -> int:
+        """Bytes of KV committed now, given `current`, the whole KV of the context the
+        engine serves from. llama.cpp clears a context's KV when it makes it, touching
+        every page, so a built context holds all of it; the reserve's pages were handed
+        back, so it holds what was written since (and nothing while it waits unused)."""
+        reserve = self.reserve
+        if reserve is None:
+            return current
+        return (0 if reserve.owns(self.llama.ctx) else current) + reserve.committed()
+
     def _let_go(self, ctx: Any) -> None:
         """A context the engine no longer serves from: the reserve's goes back to it."""
         if self.reserve is not None and self.reserve.owns(ctx):
