@@ -151,8 +151,8 @@ class Engine(Postprocess):
             + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
-            "sampled": self.sampled, "reserve_streams": self._reserve_streams(),
-            **self.caches.describe()}
+            "sampled": self.sampled, **self.caches.describe(),
+            "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0}
 
     def kv_held(self, kv_cap: int) -> int:
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
@@ -161,11 +161,6 @@ class Engine(Postprocess):
         cells = self.config.kv_pool or self.num_ctx * self.config.n_slots
         current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
         return self.resizer.kv_held(current) if self.resizer is not None else current
-
-    def _reserve_streams(self) -> int:
-        """Streams of the cap's context made ahead (runner.reserve), in use or not; 0: none."""
-        reserve = self.resizer.reserve if self.resizer is not None else None
-        return reserve.streams if reserve is not None and reserve.made() else 0
 
     def clear_cache(self) -> None:
         """Drop the prompt cache's RAM (memory is wanted for another model)."""

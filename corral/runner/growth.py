@@ -212,6 +212,11 @@ class Resizer:
             return current
         return (0 if reserve.owns(self.llama.ctx) else current) + reserve.committed()
 
+    def reserve_streams(self) -> int:
+        """Streams of the cap's context made ahead (runner.reserve), in use or not; 0: none."""
+        reserve = self.reserve
+        return reserve.streams if reserve is not None and reserve.made() else 0
+
     def _let_go(self, ctx: Any) -> None:
         """A context the engine no longer serves from: the reserve's goes back to it."""
         if self.reserve is not None and self.reserve.owns(ctx):
