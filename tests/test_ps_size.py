@@ -15,7 +15,7 @@ from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.wire import LoadReport
 from corral.server.daemon import Daemon
-from corral.server.resident import Resident, refresh_health
+from corral.server.resident import Resident
 from tests.support import DaemonFactory, wait_for
 
 MODEL = "smollm2:135m"
@@ -58,9 +58,10 @@ def _entry(d: Daemon) -> Resident:
 
 
 def _shown(d: Daemon) -> tuple[dict[str, Any], int]:
-    """The model's ps entry, with its health refreshed first, and the runner's RSS then."""
+    """The model's ps entry, with its health checked first (with the watch's deadline,
+    longer than ps' own), and the runner's RSS then."""
     entry = _entry(d)
-    refresh_health(entry)
+    d.services.scheduler.watch_once()
     [model] = httpx.get(d.url + "/api/ps", timeout=30).json()["models"]
     assert isinstance(entry.runner, RunnerProcess)
     return model, _rss(entry.runner.pid)
@@ -83,7 +84,7 @@ def _generate(d: Daemon, prompt: str, n: int = 8) -> None:
 
 
 def _reserve_made(d: Daemon) -> bool:
-    refresh_health(_entry(d))
+    d.services.scheduler.watch_once()
     health = _entry(d).health
     return health is not None and health.reserve_streams > 0
 
