@@ -47,7 +47,7 @@ def test_list_and_ps_tables(daemon: Daemon) -> None:
     assert names == ["NAME", MODEL]
     corral(daemon, "run", MODEL, "Hi")
     ps = corral(daemon, "ps").stdout.splitlines()
-    assert ps[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert ps[0].split() == ["NAME", "ID", "SIZE", "CAP", "PROCESSOR", "CONTEXT", "UNTIL"]
     assert MODEL in ps[1] and "100% CPU" in ps[1] and "1024" in ps[1] and "from now" in ps[1]
 
 

@@ -156,14 +156,20 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     assert pages * PAGE > kv // 2  # the runs are the KV buffer's
     if reserve._ctx is not None:  # made and not yet taken: nothing of it committed
         assert _resident(runs) < pages // 100
+        # What ps counts (runner.growth): the one stream in use, whole, and no more.
+        assert kv // 4 <= engine.kv_held(kv) < kv // 4 + kv // 100
+    assert engine.status()["reserve_streams"] == 4
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone
     # At the cap through the reserve (requests that arrive apart may build a tier first).
     assert engine.status()["slots"] == 4 and reserve.owns(engine.llama.ctx)
     assert _resident(runs) > 0  # in use: the cells written are committed
+    assert 0 < engine.kv_held(kv) == reserve.committed() < kv // 2  # the cells written
     engine.resizer.capacity.shrink_after = 0.5
     _wait(lambda: engine.status()["slots"] == 1, "shrinks after shrink_after")
     assert reserve._ctx is not None and not reserve.owns(engine.llama.ctx)  # put back
     _wait(lambda: _resident(runs) < pages // 100, "handed back at the next rest")
+    # Shrunk: a built context of one stream, whole, beside the reserve's few pages.
+    assert kv // 4 <= engine.kv_held(kv) < kv // 4 + kv // 100
     engine.resizer.capacity.shrink_after = 3600
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone  # cells emptied
     assert engine.status()["slots"] == 4 and reserve.owns(engine.llama.ctx)

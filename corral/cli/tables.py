@@ -102,11 +102,14 @@ def models_table(models: list[dict[str, Any]]) -> str:
 
 
 def ps_table(models: list[dict[str, Any]]) -> str:
+    """Ollama's columns, and CAP beside SIZE: what the model holds now, and what it may
+    grow to as requests run at once (elastic KV), which is what fitting others counts."""
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
+             human_bytes(m["size_cap"]) if "size_cap" in m else "",
              processor(m["size"], m.get("size_vram", 0), m.get("size_rpc", 0)),
              str(m.get("context_length", "")),
              human_until(parse_time(m["expires_at"]))] for m in models]
-    return render(["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"], rows)
+    return render(["NAME", "ID", "SIZE", "CAP", "PROCESSOR", "CONTEXT", "UNTIL"], rows)
 
 
 def show_text(info: dict[str, Any]) -> str:

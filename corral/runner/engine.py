@@ -157,7 +157,16 @@ class Engine(Postprocess):
             + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
-            "sampled": self.sampled, **self.caches.describe()}
+            "sampled": self.sampled, **self.caches.describe(),
+            "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0}
+
+    def kv_held(self, kv_cap: int) -> int:
+        """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
+        the serving context's share of that, by cells, less what the reserve left
+        uncommitted (runner.growth)."""
+        cells = self.config.kv_pool or self.num_ctx * self.config.n_slots
+        current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
+        return self.resizer.kv_held(current) if self.resizer is not None else current
 
     def clear_cache(self) -> None:
         """Drop the prompt cache's RAM (memory is wanted for another model)."""

@@ -216,6 +216,21 @@ class Resizer:
         self.resizes += 1
         return moved
 
+    def kv_held(self, current: int) -> int:
+        """Bytes of KV committed now, given `current`, the whole KV of the context the
+        engine serves from. llama.cpp clears a context's KV when it makes it, touching
+        every page, so a built context holds all of it; the reserve's pages were handed
+        back, so it holds what was written since (and nothing while it waits unused)."""
+        reserve = self.reserve
+        if reserve is None:
+            return current
+        return (0 if reserve.owns(self.llama.ctx) else current) + reserve.committed()
+
+    def reserve_streams(self) -> int:
+        """Streams of the cap's context made ahead (runner.reserve), in use or not; 0: none."""
+        reserve = self.reserve
+        return reserve.streams if reserve is not None and reserve.made() else 0
+
     def _let_go(self, ctx: Any) -> None:
         """A context the engine no longer serves from: the reserve's goes back to it, and
         any other is freed on a thread of its own (unmapping a big KV takes a while)."""

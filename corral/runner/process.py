@@ -87,7 +87,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*format_error(failure, Shape.RUNNER))
         elif self.path == "/health":
             vision = self.service.vision
-            health = Health.from_json({**self.service.engine.status(),
+            engine = self.service.engine
+            health = Health.from_json({**engine.status(),
+                                       "kv_bytes": engine.kv_held(self.service.report.kv),
                                        "images_encoded": vision.encoded if vision else 0})
             self._send(200, {"status": "ok", **health.to_json(),
                              "report": self.service.report.to_json()})

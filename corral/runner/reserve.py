@@ -149,6 +149,19 @@ def _mincore(address: int, length: int, vec: Any) -> int:
 _mincore_fn: Any = None
 
 
+def resident(runs: list[Range]) -> int:
+    """Bytes of the runs' pages in memory now (mincore): those written since they were
+    handed back. A range no longer mapped counts nothing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = 0
+    for start, end in runs:
+        vec = np.zeros((end - start) // PAGE, np.uint8)
+        if libc.mincore(start, end - start, vec.ctypes.data) == 0:
+            total += int(np.count_nonzero(vec & 1)) * PAGE
+    return total
+
+
 def release(runs: list[Range]) -> bool:
     """Hand the pages back to the kernel; they read as zero afterwards."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -274,6 +287,19 @@ class Reserve:
         """Made, and not in use: growth may take it instead of building."""
         with self._lock:
             return self._ctx is not None
+
+    def made(self) -> bool:
+        """Made, in use or not."""
+        with self._lock:
+            return self._ctx is not None or self._owned is not None
+
+    def committed(self) -> int:
+        """Bytes of the pages it handed back that are in memory again (any thread): the
+        cells its sequences wrote since. Its first and last pages and the few it found
+        not zero, never handed back, are left out: kilobytes beside a KV buffer."""
+        with self._lock:
+            runs = list(self._runs) if self._ctx is not None or self._owned is not None else []
+        return resident(runs)
 
     def owns(self, ctx: Any) -> bool:
         return ctx is not None and ctx is self._owned

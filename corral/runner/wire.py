@@ -180,6 +180,20 @@ class LoadReport:
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rpc_servers": list(self.rpc_servers)}
 
+    def held(self, kv: int, cache: int = 0) -> tuple[int, int, int]:
+        """What the model holds with `kv` bytes of KV committed and `cache` bytes in its
+        prompt cache: (bytes, of which in VRAM, of which on RPC workers). The weights and
+        the compute buffer as estimated at load, and the KV and the cache as they are:
+        `size` at the cap is this with all of the KV. The KV the model does not hold
+        now is taken off the offloaded layers' share in proportion, so a fully offloaded
+        model stays all in VRAM; the prompt cache is host RAM."""
+        total = self.weights + self.compute + kv + cache
+        gone = max(self.kv - kv, 0) * self.gpu_layers // max(self.layers, 1)
+        offloaded = self.size_vram + self.size_rpc
+        vram_gone = gone * self.size_vram // offloaded if offloaded else 0
+        vram = min(max(self.size_vram - vram_gone, 0), total)
+        return total, vram, min(max(self.size_rpc - (gone - vram_gone), 0), total - vram)
+
     @classmethod
     def from_json(cls, report: dict[str, Any]) -> "LoadReport":
         out: dict[str, Any] = {}
@@ -223,6 +237,8 @@ class Health:
     preemptions: int = 0
     sampled: int = 0  # tokens sampled since load
     images_encoded: int = 0
+    kv_bytes: int = 0  # KV committed now (runner.growth: Resizer.kv_held)
+    reserve_streams: int = 0  # the cap's context made ahead (runner.reserve); 0: none
     cache: CacheStats = field(default_factory=CacheStats)
 
     def to_json(self) -> dict[str, Any]:
