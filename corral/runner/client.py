@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator
 from corral.process import package_parent
 from corral.errors import CorralError, EngineFailed, RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import (Cancel, CompletionJob, DoneLine, EmbedJob, Embeddings, Health,
+from corral.runner.wire import (Cancel, CompletionJob, Counted, DoneLine, EmbedJob, Embeddings, Health,
                                LoadReport, Threads, TokenLine, Tokenize, read_line)
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # How long an unloading runner with a disk tier may take to write its prompt cache there.
 DISK_FLUSH_WAIT = 60.0
 CONTROL_DEADLINE = 2.0  # /threads, /cache/clear, /cancel, /shutdown: a note, not work
-CALL_DEADLINE = 30.0  # /tokenize, /detokenize: work, but bounded by one text
+CALL_DEADLINE = 30.0  # /tokenize, /detokenize, /count: work, but bounded by one text
 
 
 def _httpx() -> ModuleType:
@@ -219,10 +219,18 @@ class RunnerProcess:
         return Embeddings.from_json(self._call("/embed", job.to_json(), timeout=None))
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return list(self._call("/tokenize", asdict(Tokenize(text, add_special)))["tokens"])
+        return [int(t) for t in self.tokens(Tokenize(text, add_special))]
+
+    def tokens(self, command: Tokenize) -> list[Any]:
+        """/tokenize as llama-server answers it: ids, or {"id", "piece"} with_pieces."""
+        return list(self._call("/tokenize", asdict(command))["tokens"])
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self._call("/detokenize", {"tokens": list(tokens)})["content"])
+
+    def count(self, job: CompletionJob) -> int:
+        """The tokens `job`'s prompt is, as /completion would evaluate them from cold."""
+        return Counted(**self._call("/count", job.to_json())).prompt_tokens
 
     def health(self, timeout: float = 5.0) -> Health:
         """What the runner says of itself; RunnerError when it does not answer in time,

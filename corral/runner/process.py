@@ -11,6 +11,8 @@ port and load report), then serves:
     POST /tokenize, /detokenize   the model's own tokenizer, as llama-server's: the daemon
                                   renders text and needs neither; tests and tools that
                                   count tokens against a runner do
+    POST /count                   a CompletionJob -> {"prompt_tokens"}: what /completion would
+                                  evaluate from cold (the daemon's token counts)
     POST /cancel                  {"id"}
     POST /threads                 {"n"}: the daemon's share of the cores, from now on
     POST /cache/clear             drop the prompt cache's RAM (memory is wanted elsewhere)
@@ -28,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -38,7 +41,7 @@ from corral.runner.jobs import Done, Failed, Job, JobEvent, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
 from corral.runner.service import RunnerService
-from corral.runner.wire import (Cancel, CompletionJob, Detokenize, EmbedJob, Health, LoadReport,
+from corral.runner.wire import (Cancel, CompletionJob, Counted, Detokenize, EmbedJob, Health, LoadReport,
                                Threads, TokenLine, Tokenize, read_command)
 
 log = logging.getLogger("corral.runner")
@@ -105,12 +108,15 @@ class Handler(BaseHTTPRequestHandler):
             elif route == "/embed":
                 self._send(200, self.service.embed(EmbedJob.from_json(body)).to_json())
             elif route == "/tokenize":
-                job = read_command(Tokenize, body)
-                self._send(200, {"tokens": self.service.engine.tokenize(job.content,
-                                                                        job.add_special)})
+                tokens = self.service.tokenize(read_command(Tokenize, body))
+                self._send(200, {"tokens": [t if isinstance(t, int) else asdict(t)
+                                            for t in tokens]})
             elif route == "/detokenize":
                 tokens = list(read_command(Detokenize, body).tokens)
-                self._send(200, {"content": self.service.engine.detokenize(tokens)})
+                self._send(200, {"content": self.service.detokenize(tokens)})
+            elif route == "/count":
+                counted = Counted(self.service.count(CompletionJob.from_json(body)))
+                self._send(200, asdict(counted))
             elif route == "/threads":
                 n = read_command(Threads, body).n
                 self.service.engine.set_threads(n)

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 from corral.errors import BadRequest
 from corral.runner.engine import Engine
 from corral.runner.jobs import Embed, Job, SamplingParams
-from corral.runner.wire import CompletionJob, EmbedJob, Embeddings, LoadReport
+from corral.runner import native
+from corral.runner.wire import (CompletionJob, EmbedJob, Embeddings, LoadReport, TokenPiece,
+                               Tokenize)
 
 if TYPE_CHECKING:
     from corral.runner.vision import ImageSpan, Vision
@@ -51,6 +53,31 @@ class RunnerService:
         if not tokens:
             raise BadRequest("empty prompt")
         return tokens, spans
+
+    def count(self, wire: CompletionJob) -> int:
+        """How many tokens /completion would evaluate for `wire` from a cold cache: the
+        very tokens `job` would submit, counted instead."""
+        return len(self.prompt_tokens(wire)[0])
+
+    def tokenize(self, command: Tokenize) -> list[int] | list[TokenPiece]:
+        """llama-server's /tokenize: llama_tokenize with its flags as sent (BOS only with
+        add_special, as the vocabulary asks), each piece with control tokens' text."""
+        vocab = self.engine.vocab
+        tokens = native.tokenize(vocab, command.content, command.add_special,
+                                 command.parse_special)
+        if not command.with_pieces:
+            return tokens
+        return [TokenPiece.of(t, native.token_bytes(vocab, t, True)) for t in tokens]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """llama-server's /detokenize: every token's text, control tokens' included, the
+        bytes joined before they are decoded (a character may span tokens)."""
+        n_vocab = self.engine.n_vocab
+        for token in tokens:
+            if not 0 <= token < n_vocab:
+                raise BadRequest(f"token {token} is not in the vocabulary (0 to {n_vocab - 1})")
+        data = b"".join(native.token_bytes(self.engine.vocab, t, True) for t in tokens)
+        return data.decode("utf-8", "replace")
 
     def job(self, wire: CompletionJob) -> Job:
         options = wire.options

@@ -305,10 +305,14 @@ class Embeddings:
 
 @dataclass(frozen=True)
 class Tokenize:
-    """POST /tokenize."""
+    """POST /tokenize, as llama-server's: BOS (and EOS) only with `add_special`, control
+    tokens' text read as those tokens unless `parse_special` is false, and with
+    `with_pieces` each id with its text (TokenPiece)."""
 
     content: str = ""
     add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,30 @@ class Detokenize:
     """POST /detokenize."""
 
     tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One token of /tokenize's `with_pieces`: its text, or its bytes where they are not
+    valid UTF-8 on their own (part of a character), as llama-server writes them."""
+
+    id: int
+    piece: str | list[int]
+
+    @classmethod
+    def of(cls, token: int, data: bytes) -> "TokenPiece":
+        try:
+            return cls(token, data.decode("utf-8"))
+        except UnicodeDecodeError:
+            return cls(token, list(data))
+
+
+@dataclass(frozen=True)
+class Counted:
+    """POST /count's answer: the tokens a CompletionJob's prompt is, as /completion would
+    evaluate them from a cold cache (its context, BOS and images included)."""
+
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def routes(services: Services, puller: Puller, pusher: Pusher
            ) -> list[tuple[str, str, Route]]:
     """(method, path, route): a path may end in Starlette's `{name:path}` for a prefix."""
     from corral.server import lifecycle, manage, page
-    from corral.server.dialects import anthropic, native, openai, openai_misc, responses
+    from corral.server.dialects import anthropic, native, openai, openai_misc, responses, tokens
 
     blobs = manage.blobs(services)
     return [
@@ -49,6 +49,10 @@ def routes(services: Services, puller: Puller, pusher: Pusher
         ("POST", "/api/chat", native.chat(services)),
         ("POST", "/api/embed", native.embed(services)),
         ("POST", "/api/embeddings", native.embeddings(services)),
+        ("POST", "/api/tokenize", tokens.api_tokenize(services)),
+        ("POST", "/api/detokenize", tokens.api_detokenize(services)),
+        ("POST", "/tokenize", tokens.llama_tokenize(services)),  # llama-server's
+        ("POST", "/detokenize", tokens.llama_detokenize(services)),
         ("GET", "/api/tags", manage.tags(services)),
         ("POST", "/api/show", manage.show(services)),
         ("POST", "/api/create", lifecycle.create(services)),
@@ -66,7 +70,9 @@ def routes(services: Services, puller: Puller, pusher: Pusher
         ("GET", "/v1/models", openai_misc.models(services)),
         ("GET", "/v1/models/{name:path}", openai_misc.model(services)),
         ("POST", "/v1/messages", anthropic.messages(services)),
+        ("POST", "/v1/messages/count_tokens", anthropic.count_tokens(services)),
         ("POST", "/v1/responses", responses.responses(services)),
+        ("POST", "/v1/responses/input_tokens", responses.input_tokens(services)),
         ("POST", "/corral/render", native.render(services)),  # Corral's: the rendered prompt
         ("GET", "/ui", page.page()),  # the page for people
         ("GET", page.PREFIX + "{file:path}", page.page()),

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 from corral.options import Options
 from corral.registry.models import ModelRecord
 from corral.runner.wire import (CompletionJob, DoneLine, EmbedJob, Embeddings, Health, LoadReport,
-                               TokenLine)
+                               TokenLine, Tokenize)
 
 
 class Runner(Protocol):
@@ -27,6 +27,9 @@ class Runner(Protocol):
     def health(self, timeout: float = 5.0) -> Health: ...
     def set_threads(self, n: int) -> None: ...
     def clear_cache(self) -> None: ...
+    def tokens(self, command: Tokenize) -> list[Any]: ...
+    def detokenize(self, tokens: list[int]) -> str: ...
+    def count(self, job: CompletionJob) -> int: ...
 
 
 class ModelState(enum.Enum):

@@ -14,15 +14,19 @@ MAX_CHOICES = 16  # `n`: sequences that share one prompt, decoded side by side
 
 
 def _think(raw: Any) -> bool | str | None:
-    """Ollama's `think`: true, false, or a level ("true"/"false" as strings too)."""
+    """Ollama's `think`: true, false, or a level ("true"/"false" as strings too). Ollama's
+    newest level, "max", is "high" here: the templates that know levels (gpt-oss's
+    `Reasoning:`, Jinja's `reasoning_effort`) know no higher one."""
     if raw is None or isinstance(raw, bool):
         return raw
+    if isinstance(raw, str) and raw.lower() == "max":
+        return "high"
     if isinstance(raw, str) and raw.lower() in THINK_LEVELS:
         return raw.lower()
     if raw in ("true", "false"):
         return raw == "true"
     raise ValueError(f"invalid think value: {raw!r} (must be true, false, \"low\", "
-                     "\"medium\" or \"high\")")
+                     "\"medium\", \"high\" or \"max\")")
 
 
 Think = Annotated[Union[bool, str, None], BeforeValidator(_think)]

@@ -114,6 +114,7 @@ class EmbeddingRequest(Wire):
     input: Union[str, Annotated[list[str], Field(min_length=1)]]
     encoding_format: Literal["float", "base64", "FLOAT", "BASE64"] = "float"
     dimensions: Optional[Positive] = None
+    truncate: bool = True  # Ollama's: false makes an input over the context a 400
 
 
 # Response records: built by the server, so typed for mypy rather than validated.

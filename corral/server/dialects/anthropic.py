@@ -15,6 +15,7 @@ import json
 import secrets
 from typing import Any, Callable, Iterator
 
+from corral.api.wire import parse
 from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ImageBlock, MessageResponse,
                                        MessagesRequest, NoneChoice, TextBlock, ThinkingBlock,
                                        ToolChoice, ToolResultBlock, ToolUseBlock, URLSource,
@@ -27,6 +28,7 @@ from corral.server.models import require_model
 from corral.server.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, Event, Finished,
                                             ToolChoice as Forced)
+from corral.server.pipeline.count import count
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
@@ -221,3 +223,13 @@ def _tool_use(piece: Piece) -> dict[str, Any]:
 def messages(services: Services) -> Callable[[Request, Handler], None]:
     return generation(services, MessagesRequest, parse_messages,
                       lambda wire, request: Blocks(request.model))
+
+
+def count_tokens(services: Services) -> Callable[[Request, Handler], None]:
+    """POST /v1/messages/count_tokens: a Messages body (max_tokens may be left out: it
+    changes no prompt) -> {"input_tokens"}, the whole prompt the same request would
+    evaluate from cold, template, system, tools and images included (pipeline/count.py)."""
+    def route(req: Request, handler: Handler) -> None:
+        wire = parse(MessagesRequest, {"max_tokens": 1, **req.json()})
+        handler.send_json(200, {"input_tokens": count(services, parse_messages(wire))})
+    return route

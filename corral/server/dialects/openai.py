@@ -29,18 +29,22 @@ from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
 FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it
-EFFORTS = ("high", "medium", "low", "none")
+EFFORTS = ("max", "high", "medium", "low", "none")
 
 
 def think_of_effort(effort: str | None) -> bool | str | None:
-    """`reasoning_effort` / `reasoning.effort`, as Ollama maps them onto `think`."""
+    """`reasoning_effort` / `reasoning.effort`, as Ollama maps them onto `think`: "none"
+    is no thinking, "minimal" is "low", and "max" is "high" (as native `think: "max"`:
+    no template knows a level above it)."""
     if effort in (None, ""):
         return None
     if effort == "minimal":
         return "low"
     if effort not in EFFORTS:
-        raise BadRequest(f"invalid reasoning value: '{effort}' (must be \"high\", "
+        raise BadRequest(f"invalid reasoning value: '{effort}' (must be \"max\", \"high\", "
                          "\"medium\", \"low\", or \"none\")")
+    if effort == "max":
+        return "high"
     return False if effort == "none" else str(effort)
 
 

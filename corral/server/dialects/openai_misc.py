@@ -22,7 +22,7 @@ def embeddings(services: Services) -> Callable[[Request, Handler], None]:
         # `dimensions` truncates each vector before it is normalised, as /api/embed does
         # and as OpenAI's Matryoshka-trained models expect.
         result, _ = embed_inputs(services, view, [i or " " for i in inputs], None, None,
-                                 normalize=True, dimensions=wire.dimensions or 0,
+                                 wire.truncate, normalize=True, dimensions=wire.dimensions or 0,
                                  on_disconnect=req.on_disconnect)
         data = []
         for i, vector in enumerate(result.embeddings):

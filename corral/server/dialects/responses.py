@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
+from corral.api.wire import parse
 from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
                                        ReasoningItem, Response, ResponsesRequest, TextPart,
                                        Usage)
@@ -28,6 +29,7 @@ from corral.server.images import from_data_uri
 from corral.server.models import require_model
 from corral.server.services import Services
 from corral.server.pipeline.request import ChatTask, ChoiceMode, Event, Finished, ToolChoice
+from corral.server.pipeline.count import count
 from corral.server.pipeline.stream import SSE, generation
 from corral.server.reply import Kind, Piece
 
@@ -270,3 +272,13 @@ def _items(wire: ResponsesRequest, request: ChatTask) -> Items:
 
 def responses(services: Services) -> Callable[[Request, Handler], None]:
     return generation(services, ResponsesRequest, parse_responses, _items)
+
+
+def input_tokens(services: Services) -> Callable[[Request, Handler], None]:
+    """POST /v1/responses/input_tokens: a Responses body -> the whole prompt the same
+    request would evaluate from cold, instructions, tools and images included."""
+    def route(req: Request, handler: Handler) -> None:
+        request = parse_responses(parse(ResponsesRequest, req.json()))
+        handler.send_json(200, {"object": "response.input_tokens",
+                                "input_tokens": count(services, request)})
+    return route
