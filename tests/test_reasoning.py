@@ -17,6 +17,7 @@ import pytest
 
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
+from corral.server.dialects.openai import think_of_effort
 from tests.family_templates import CALLS, CITY as CITY_RULE, GPT_OSS
 
 pytestmark = pytest.mark.model
@@ -123,6 +124,7 @@ def test_think_refusals(daemon: Daemon) -> None:
     r = httpx.post(daemon.url + "/api/chat", timeout=60, json={
         "model": THINKER, "messages": ASK, "think": "extreme"})
     assert r.status_code == 400 and "invalid think value" in r.json()["error"]
+    assert '"max"' in r.json()["error"]  # the message lists every level
     off = chat_lines(daemon, think=False, grammar='root ::= "Sunny" " today."')
     assert "".join(m["message"]["content"] for m in off) == "Sunny today."
     assert not any(m["message"].get("thinking") for m in off)
@@ -172,8 +174,19 @@ def test_openai_deltas_carry_reasoning_and_call_pieces(daemon: Daemon) -> None:
     assert (message.model_extra or {}).get("reasoning") and message.content
     assert "think>" not in message.content
     bad = httpx.post(daemon.url + "/v1/chat/completions", timeout=60, json={
-        "model": THINKER, "messages": ASK, "reasoning_effort": "max"})
+        "model": THINKER, "messages": ASK, "reasoning_effort": "ultra"})
     assert bad.status_code == 400 and "invalid reasoning value" in bad.json()["error"]["message"]
+
+
+def test_max_is_the_highest_level_a_template_knows(daemon: Daemon) -> None:
+    # Ollama's newest level: a template that knows levels (gpt-oss's) is told "high".
+    shown = render(daemon, {"model": HARMONY, "messages": ASK, "think": "max"})
+    assert shown["think"] == "high" and "Reasoning: high" in shown["prompt"]
+    assert think_of_effort("max") == "high" and think_of_effort("none") is False
+    for effort in ("max", "none"):
+        r = httpx.post(daemon.url + "/v1/chat/completions", timeout=60, json={
+            "model": HARMONY, "messages": ASK, "reasoning_effort": effort, "max_tokens": 1})
+        assert r.status_code == 200, r.text
 
 
 def test_tool_call_id_names_the_tool_for_the_template(daemon: Daemon) -> None:

@@ -70,7 +70,7 @@ def test_refusals_in_openai_shape(daemon: Daemon) -> None:  # noqa: F811
         "model": THINKER, "input": "hi", "previous_response_id": "resp_1"})
     assert r.status_code == 400 and "previous_response_id" in r.json()["error"]["message"]
     r = httpx.post(daemon.url + "/v1/responses", timeout=60, json={
-        "model": THINKER, "input": "hi", "reasoning": {"effort": "max"}})
+        "model": THINKER, "input": "hi", "reasoning": {"effort": "ultra"}})
     assert r.status_code == 400 and "invalid reasoning value" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client(daemon).responses.create(model="nope", input="hi")

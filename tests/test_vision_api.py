@@ -11,7 +11,7 @@ import base64
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import anthropic
 import httpx
@@ -147,6 +147,25 @@ def test_openai_anthropic_and_responses_take_inline_images(daemon: Daemon, visio
             {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                          {"type": "input_image", "image_url": uri}]}]})
     assert responses.status_code == 200, responses.text
+
+
+def test_a_count_holds_the_images_tokens(daemon: Daemon, vision: str,
+                                         pictures: dict[str, Path]) -> None:
+    claude = anthropic.Anthropic(base_url=daemon.url, api_key="x", max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64(pictures["one.png"])}}
+    ask: list[Any] = [{"role": "user", "content": [image, {"type": "text",
+                                                          "text": "What is this?"}]}]
+    r = httpx.post(daemon.url + "/api/generate", json={"model": vision, "keep_alive": 0},
+                   timeout=60)
+    assert r.json()["done_reason"] == "unload"  # cold: nothing of the prompt is cached
+    counted = claude.messages.count_tokens(model=vision, messages=ask).input_tokens
+    reply = claude.messages.create(model=vision, max_tokens=1, messages=ask)
+    assert reply.usage.cache_read_input_tokens == 0
+    assert reply.usage.input_tokens == counted
+    text_only: list[Any] = [{"role": "user", "content": "What is this?"}]
+    assert claude.messages.count_tokens(model=vision, messages=text_only).input_tokens < \
+        counted - 8  # the image's own tokens are in the count
 
 
 def test_a_model_without_a_projector_says_so(daemon: Daemon, pictures: dict[str, Path]) -> None:
