@@ -14,7 +14,7 @@ import pytest
 from corral.api.wire import parse
 from corral.api.wire.native import ChatRequest
 from corral.api.wire.openai import EmbeddingRequest
-from corral.errors import BadRequest
+from corral.errors import BadRequest, CorralError
 from corral.runner.wire import TokenPiece
 from corral.server.daemon import Daemon
 from corral.server.dialects.openai import think_of_effort
@@ -35,6 +35,14 @@ def test_max_is_high_and_none_is_off() -> None:
     assert think_of_effort("max") == "high" and think_of_effort("none") is False
     with pytest.raises(BadRequest, match="invalid reasoning value"):
         think_of_effort("xhigh")
+
+
+def test_the_cli_sends_max() -> None:
+    from corral.cli.main import _think_flag
+
+    assert _think_flag("max") == "max" and _think_flag("MAX") == "max"
+    with pytest.raises(CorralError, match="high or max"):
+        _think_flag("ultra")
 
 
 def test_openai_embeddings_take_truncate() -> None:

@@ -227,7 +227,7 @@ def run(model: str,
         format: str = typer.Option("", "--format", help="Response format, e.g. json."),
         keepalive: str = typer.Option("", "--keepalive", help="How long to keep the model."),
         think: Optional[str] = typer.Option(None, "--think", help="Ask a thinking model to "
-                                            "think: --think, or --think=low|medium|high|false."),
+                                            "think: --think, or --think=low|medium|high|max|false."),
         hidethinking: bool = typer.Option(False, "--hidethinking",
                                           help="Do not show the model's thinking."),
         nowordwrap: bool = typer.Option(False, "--nowordwrap", help="Do not wrap words."),
@@ -265,10 +265,10 @@ def _think_flag(value: str | None) -> bool | str | None:
     lowered = value.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    if lowered in ("low", "medium", "high"):
-        return lowered
+    if lowered in ("low", "medium", "high", "max"):
+        return lowered  # the daemon reads "max" as "high" (api.wire.common)
     raise CorralError(f"invalid value for --think: {value!r} "
-                      "(use true, false, low, medium or high)")
+                      "(use true, false, low, medium, high or max)")
 
 
 @app.command()

@@ -36,7 +36,7 @@ SET_HELP = """Available Commands:
   /set noformat          Disable formatting
   /set verbose           Show LLM stats
   /set quiet             Disable LLM stats
-  /set think [level]     Let a thinking model think (low, medium, high)
+  /set think [level]     Let a thinking model think (low, medium, high, max)
   /set nothink           Ask it not to think
   /set wordwrap          Enable wordwrap
   /set nowordwrap        Disable wordwrap"""
@@ -282,8 +282,8 @@ class Session:
             print(f"Set '{what}' mode.")
         elif what in ("think", "nothink"):
             level = args[1].lower() if what == "think" and len(args) > 1 else None
-            if level is not None and level not in ("low", "medium", "high"):
-                print("Invalid think level: use low, medium or high.")
+            if level is not None and level not in ("low", "medium", "high", "max"):
+                print("Invalid think level: use low, medium, high or max.")
                 return
             self.opts.think = level or what == "think"
             print("Set 'think' mode." if what == "think" else "Set 'nothink' mode.")
