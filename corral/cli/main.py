@@ -227,7 +227,8 @@ def run(model: str,
         format: str = typer.Option("", "--format", help="Response format, e.g. json."),
         keepalive: str = typer.Option("", "--keepalive", help="How long to keep the model."),
         think: Optional[str] = typer.Option(None, "--think", help="Ask a thinking model to "
-                                            "think: --think, or --think=low|medium|high|max|false."),
+                                            "think: --think, or "
+                                            "--think=low|medium|high|max|false."),
         hidethinking: bool = typer.Option(False, "--hidethinking",
                                           help="Do not show the model's thinking."),
         nowordwrap: bool = typer.Option(False, "--nowordwrap", help="Do not wrap words."),

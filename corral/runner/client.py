@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Any, Iterator
 from corral.process import package_parent
 from corral.errors import CorralError, EngineFailed, RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.wire import (Cancel, CompletionJob, Counted, DoneLine, EmbedJob, Embeddings, Health,
-                               LoadReport, Threads, TokenLine, Tokenize, read_line)
+from corral.runner.wire import (Cancel, CompletionJob, Counted, DoneLine, EmbedJob, Embeddings,
+                               Health, LoadReport, Threads, TokenLine, Tokenize, read_line)
 
 if TYPE_CHECKING:
     import httpx

@@ -41,8 +41,8 @@ from corral.runner.jobs import Done, Failed, Job, JobEvent, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
 from corral.runner.service import RunnerService
-from corral.runner.wire import (Cancel, CompletionJob, Counted, Detokenize, EmbedJob, Health, LoadReport,
-                               Threads, TokenLine, Tokenize, read_command)
+from corral.runner.wire import (Cancel, CompletionJob, Counted, Detokenize, EmbedJob, Health,
+                               LoadReport, Threads, TokenLine, Tokenize, read_command)
 
 log = logging.getLogger("corral.runner")
 MAX_BODY = 32 << 20
