@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +91,10 @@ def acquire(s: Scheduler, rec: ModelRecord, keep_alive: float | None = None,
 
 
 def tick(s: Scheduler, clock: Clock, seconds: float) -> None:
+    """Move the clock and run the keep-alive pass at the new time, synchronously: what it
+    does (or does not do) is done when this returns, whatever the timer thread is up to."""
     clock.now += seconds
-    with s.cond:
-        s.cond.notify_all()
+    s.expire_once(clock.now)
 
 
 def test_loads_once_and_counts_references(tmp_path: Path, clock: Clock) -> None:
@@ -115,14 +115,13 @@ def test_keep_alive_never_fires_while_busy(tmp_path: Path, clock: Clock) -> None
     rec = record(tmp_path, "a")
     entry = acquire(s, rec, keep_alive=1.0)
     tick(s, clock, 60)
-    time.sleep(0.1)
     assert entry.state is ModelState.READY and entry.expires_at is None
     s.release(entry)
     assert entry.expires_at == clock.now + 1.0
     tick(s, clock, 0.5)
-    time.sleep(0.1)
     assert entry.state is ModelState.READY
     tick(s, clock, 0.6)
+    assert entry.state is ModelState.UNLOADING  # this pass began it, not some later one
     wait_for(lambda: not s.loaded)
     assert FakeRunner.started[0].stopped
     s.stop()
@@ -137,7 +136,6 @@ def test_keep_alive_zero_and_forever(tmp_path: Path, clock: Clock) -> None:
     s.release(eb)
     wait_for(lambda: a.digest not in s.loaded)
     tick(s, clock, 10**9)
-    time.sleep(0.1)
     assert b.digest in s.loaded and eb.expires_at is None
     s.unload(b)
     wait_for(lambda: not s.loaded)
@@ -205,8 +203,8 @@ def test_busy_models_are_not_evicted(tmp_path: Path, clock: Clock) -> None:
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(acquire(s, b)))
     t.start()
-    time.sleep(0.3)
-    assert not got and a.digest in s.loaded
+    wait_for(lambda: s.blocked == 1)  # b's request waits for room instead of evicting a
+    assert not got and s.loaded[a.digest].state is ModelState.READY
     s.release(ea)
     t.join(timeout=5)
     assert got and set(s.loaded) == {b.digest}
@@ -220,8 +218,8 @@ def test_changed_load_option_reloads_after_active_requests(tmp_path: Path, clock
     got: list[Any] = []
     t = threading.Thread(target=lambda: got.append(acquire(s, rec, num_ctx=2048)))
     t.start()
-    time.sleep(0.3)
-    assert not got and first.refcount == 1
+    wait_for(lambda: s.blocked == 1)  # the reload waits for the active request
+    assert not got and first.refcount == 1 and first.state is ModelState.READY
     s.release(first)
     t.join(timeout=5)
     assert got[0] is not first and got[0].options.num_ctx == 2048
