@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -32,14 +31,8 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url).text == "Corral is running":
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_for(lambda: _answers(url), timeout=30)
+        assert httpx.get(url).text == "Corral is running"
         r = httpx.post(url + "/api/generate", timeout=120, json={
             "model": "gemma3:270m-base", "prompt": "Hello", "stream": False,
             "options": {"num_predict": 3}})
@@ -50,7 +43,8 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
         assert runners
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        time.sleep(0.5)
+        # Its runners were stopped and reaped before it exited (RunnerProcess.stop waits
+        # for them): none is left now, without waiting for their parent-death watch.
         for pid in runners:
             assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(
                 f"/proc/{pid}/status").read().lower()
@@ -61,13 +55,19 @@ def test_serve_answers_and_stops_on_sigterm(starter_store: Store) -> None:
 
 
 def test_serve_warns_when_not_loopback(starter_store: Store) -> None:
-    env = dict(os.environ, CORRAL_HOST=f"0.0.0.0:{free_port()}",
+    port = free_port()
+    env = dict(os.environ, CORRAL_HOST=f"0.0.0.0:{port}",
                CORRAL_MODELS=str(starter_store.root), CORRAL_NOPRUNE="1")
     proc = subprocess.Popen([sys.executable, "-c", "from corral.cli.main import main; main()", "serve"],
                             env=env, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 0
+    try:
+        # Answering means it is serving, so its SIGINT handler is in place.
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}"), timeout=30)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert "reachable from other machines" in (proc.stderr.read() if proc.stderr else "")
 
 
