@@ -30,12 +30,16 @@ class Faults:
     foreign_realm: bool = False
     gzip_manifest: bool = False
     blob_delay: float = 0.0  # seconds between chunks, to keep a download busy
+    # Blobs whose responses hold before their first byte until the test opens the gate
+    # (a deadline of a minute, so a failed test never hangs the registry).
+    gates: dict[str, threading.Event] = field(default_factory=dict)
     drop_upload_at: list[int] = field(default_factory=list)  # upload bytes; drop once at each
 
 
 @dataclass
 class Stats:
     blob_bytes: int = 0
+    by_digest: dict[str, int] = field(default_factory=dict)  # blob bytes sent, per blob
     blob_requests: int = 0
     ranges: list[str] = field(default_factory=list)
     token_requests: int = 0
@@ -253,6 +257,9 @@ def _serve_blob(handler: _Base, digest: str) -> None:
     if reg.faults.stall_once:
         delay, reg.faults.stall_once = reg.faults.stall_once, 0.0
         time.sleep(delay)
+    gate = reg.faults.gates.get(digest)
+    if gate is not None:
+        gate.wait(60)
     pos = 0
     try:
         while pos < len(body):
@@ -265,6 +272,7 @@ def _serve_blob(handler: _Base, digest: str) -> None:
                     reg.faults.drop_at.remove(cut)
                     piece = piece[:cut - before]
                 reg.stats.blob_bytes += len(piece)
+                reg.stats.by_digest[digest] = reg.stats.by_digest.get(digest, 0) + len(piece)
             handler.wfile.write(piece)
             pos += len(piece)
             if cut is not None:
