@@ -33,6 +33,10 @@ class Faults:
     # Blobs whose responses hold before their first byte until the test opens the gate
     # (a deadline of a minute, so a failed test never hangs the registry).
     gates: dict[str, threading.Event] = field(default_factory=dict)
+    # Once this many blob bytes are sent, every blob response holds before its next chunk
+    # until `resume` is set (a minute at most): a download stopped part-way, at any speed.
+    hold_after: int = 0
+    resume: threading.Event = field(default_factory=threading.Event)
     drop_upload_at: list[int] = field(default_factory=list)  # upload bytes; drop once at each
 
 
@@ -263,6 +267,8 @@ def _serve_blob(handler: _Base, digest: str) -> None:
     pos = 0
     try:
         while pos < len(body):
+            if reg.faults.hold_after and reg.stats.blob_bytes >= reg.faults.hold_after:
+                reg.faults.resume.wait(60)
             piece = body[pos:pos + 65536]
             with reg.stats.lock:
                 before = reg.stats.blob_bytes

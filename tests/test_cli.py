@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pexpect
 
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
+from tests.support import wait_for
 
 MODEL = "gemma3:270m-base"  # completion
 CHAT = "smollm2:135m"  # the chat starter
@@ -139,9 +139,7 @@ def test_auto_start(starter_store: Store, tmp_path: Path) -> None:
         again = corral(None, "list", **env)
         assert "Started" not in again.stderr  # already running
     finally:
-        if pid_file.exists():
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
-            time.sleep(1)
+        stop_background_daemon(pid_file)
 
 
 def test_run_starts_the_daemon_and_preloads_the_model(starter_store: Store,
@@ -164,9 +162,23 @@ def test_run_starts_the_daemon_and_preloads_the_model(starter_store: Store,
         # The daemon ran as `python -m corral.server` in the state directory, not the CLI's cwd.
         assert Path(f"/proc/{pid_file.read_text().strip()}/cwd").resolve() == state / "corral"
     finally:
-        if pid_file.exists():
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
-            time.sleep(1)
+        stop_background_daemon(pid_file)
+
+
+def stop_background_daemon(pid_file: Path) -> None:
+    """SIGTERM the daemon a CLI started, and wait until it has exited (with its runners)."""
+    if not pid_file.exists():
+        return
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not _running(pid), timeout=60)
+
+
+def _running(pid: int) -> bool:
+    try:  # not our child: init reaps it, and a zombie has exited already
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False
 
 
 def test_pull_progress(daemon: Daemon, starter_gguf: Path) -> None:
@@ -242,8 +254,7 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
     child.expect("Loading model 'rambler'")
     child.expect(">>> ")
     child.sendline("Count from one to one thousand:")
-    child.expect(r"\w+ \w+ \w+")  # some streamed words
-    time.sleep(1.0)
+    child.expect(r"\w+ \w+ \w+")  # some streamed words: it is streaming (for long)
     child.sendintr()
     child.expect(">>> ", timeout=30)
     child.sendline("/set parameter num_predict 3")
@@ -269,24 +280,30 @@ def test_pull_ctrl_c_then_resume(daemon: Daemon, starter_gguf: Path) -> None:
         reg.add_model("library", "slow", "v1", [(mt.MODEL, payload)])
         digest = json_digest(reg)
         size = len(payload)
-        reg.faults.blob_delay = 0.02  # about 13 MB/s, so there is time to interrupt
+        reg.faults.hold_after = size // 4  # the registry stops sending there, until resumed
         name = f"{reg.host}/library/slow:v1"
         proc = subprocess.Popen([*CORRAL, "pull", name, "--insecure"], env=env_for(daemon),
                                 stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while reg.stats.blob_bytes < size // 4:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
+        wait_for(lambda: reg.stats.blob_bytes >= size // 4 or proc.poll() is not None, 60)
+        assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
         assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
-        time.sleep(1.0)  # the daemon notices the hang-up and stops the download
+        # The daemon notices the hang-up and cancels the download; let the held parts
+        # go, and they see it and stop, leaving the partial file.
+        downloads = daemon.downloader.active
+        wait_for(lambda: digest not in downloads or downloads[digest].cancelled.is_set())
+        reg.faults.hold_after = 0
+        reg.faults.resume.set()
+        wait_for(lambda: digest not in downloads)
+        blob = daemon.store.blob_path(digest)
+        partial = blob.with_name(blob.name + "-partial")
+        assert partial.exists() and not daemon.store.has_blob(digest)
         served = reg.stats.blob_bytes
-        reg.faults.blob_delay = 0.0
         again = corral(daemon, "pull", name, "--insecure")
         assert again.returncode == 0 and again.stderr.splitlines()[-1] == "success"
         assert reg.stats.blob_bytes - served < size * 0.9  # resumed, not restarted
-        assert digest
+        assert daemon.store.has_blob(digest) and not partial.exists()
     finally:
         reg.close()
 
