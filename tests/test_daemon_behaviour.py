@@ -107,10 +107,10 @@ def test_keep_alive_zero_unloads(daemon: Daemon) -> None:
 def test_short_keep_alive_never_fires_while_streaming(daemon: Daemon) -> None:
     held = Held(daemon, keep_alive="1s")
     wait_for(lambda: len(held.lines) > 0, timeout=60)
-    # The stream cannot end on its own, and a keep-alive is a time: the stream runs for
-    # twice that, however many tokens that is on this machine. (What passes here is the
-    # duration under test, not a guess at how long something else takes.)
-    time.sleep(2.0)
+    # The stream cannot end on its own. The keep-alive pass, run now as if twice the
+    # keep-alive had passed, leaves the busy model loaded: synchronously, so it is the
+    # pass under test that left it, not a timer thread that may not have run yet.
+    daemon.scheduler.expire_once(time.time() + 2.0)
     assert MODEL in ps_names(daemon)  # still loaded, twice its keep-alive into the stream
     count = len(held.lines)
     wait_for(lambda: len(held.lines) > count, timeout=30)  # and still streaming
