@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from corral.registry.gguf import inspect_gguf
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -50,7 +52,10 @@ def test_rehearsal_runs_every_step_but_cuda(chat_gguf: Path, tmp_path: Path) -> 
     assert result["bindings"].startswith(str(build / "src/llama_cpp"))
     assert result["libraries"] and "build" not in result["libraries"]
     assert not [k for k, v in checks.items() if "error" in v]
-    assert checks["model"]["parameters"] > 1e7 and checks["model"]["quantize_seconds"] >= 0
+    model = checks["model"]
+    assert model["parameters"] > 1e7 and isinstance(model["quantize_seconds"], float)
+    # What create made of the F16 it wrote is Q4_K_M (its work folder, under build, stays).
+    assert inspect_gguf(model["path"]).quantization == "Q4_K_M"
     assert checks["full_offload"]["equal"] and checks["full_offload"]["tokens"] == 32
     assert checks["full_offload"]["daemon_vram"] is None  # no nvidia-smi here
     assert checks["half_offload"]["split_gpu"] == 0  # no device: nothing claimed on one
