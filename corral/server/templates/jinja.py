@@ -99,9 +99,11 @@ _SENTINEL = "\x00corral-system\x00"
 
 
 class JinjaTemplate:
-    def __init__(self, source: str, time_limit: float = TIME_LIMIT) -> None:
+    def __init__(self, source: str, time_limit: float = TIME_LIMIT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.time_limit = time_limit
+        self.clock = clock  # read at every trace event (tests count those reads)
         self._system: bool | None = None
         try:
             self._template = _env().from_string(source)
@@ -123,7 +125,7 @@ class JinjaTemplate:
         return self._system
 
     def render(self, **variables: Any) -> str:
-        deadline = time.monotonic() + self.time_limit
+        deadline = self.clock() + self.time_limit
         out: list[str] = []
         size = 0
         baseline = _rss()
@@ -134,7 +136,7 @@ class JinjaTemplate:
             events[0] += 1
             if events[0] % 16 == 0 and baseline and _rss() - baseline > MEMORY_LIMIT:
                 raise _Timeout("memory")
-            if time.monotonic() > deadline:
+            if self.clock() > deadline:
                 raise _Timeout("time")
             return tracer
 
