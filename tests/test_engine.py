@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from corral.runner.context import EngineConfig
 from corral.errors import ContextOverflow
 from corral.runner.engine import Engine
+from corral.runner.batchplan import StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 
@@ -22,12 +23,56 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
            "def fibonacci(n):", "The quick brown fox"]
 
 
+class Steps:
+    """The jobs in each step's batch, recorded on the engine thread through the Engine's
+    step_hook seam; a test may also hold the engine before a step of its choosing."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.batches: list[list[Job]] = []
+        self._hold: Callable[[list[Job]], bool] | None = None
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, plan: StepPlan) -> None:
+        jobs = [slot.job for slot in plan.slots if slot.job is not None]
+        with self.lock:
+            self.batches.append(jobs)
+            hold = self._hold is not None and self._hold(jobs)
+            if hold:
+                self._hold = None
+        if hold:
+            self.held.set()
+            self.go.wait(60)  # never for good, should the test fail meanwhile
+
+    def hold_before(self, when: Callable[[list[Job]], bool]) -> None:
+        """Hold the engine before the next step whose batch `when` accepts, until `go`."""
+        self.held.clear()
+        self.go.clear()
+        with self.lock:
+            self._hold = when
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.batches)
+
+    def since(self, mark: int) -> list[list[Job]]:
+        with self.lock:
+            return self.batches[mark:]
+
+
 @pytest.fixture(scope="module")
-def engine(starter_gguf: Path) -> Iterator[Engine]:
+def steps() -> Steps:
+    return Steps()
+
+
+@pytest.fixture(scope="module")
+def engine(starter_gguf: Path, steps: Steps) -> Iterator[Engine]:
     # Batch-invariant kernels: these tests compare greedy output alone and batched.
-    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, num_ctx=512, deterministic=True))
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, num_ctx=512, deterministic=True),
+                 step_hook=steps)
     eng.start()
     yield eng
+    steps.go.set()
     eng.stop()
 
 
@@ -68,14 +113,33 @@ def run_together(engine: Engine, specs: list[tuple[str, int, dict]]) -> list[str
     return results
 
 
-def test_no_cross_talk_between_slots(engine: Engine) -> None:
+def run_at_once(engine: Engine, steps: Steps, specs: list[tuple[str, int]]) -> list[str]:
+    """Greedy runs submitted while the engine holds its first step, so they start
+    together; returns their texts once it is shown that one step decoded them all."""
+    mark = len(steps)
+    steps.hold_before(lambda batch: True)
+    jobs: list[Job] = []
+    for prompt, n in specs:
+        jobs.append(engine.submit(Job(prompt=engine.tokenize(prompt), num_predict=n,
+                                      params=GREEDY)))
+        if len(jobs) == 1:
+            assert steps.held.wait(60)  # the first is in a step; the others join the next
+    steps.go.set()
+    results = [collect(job) for job in jobs]
+    assert all(kind == "done" for _, kind, _ in results), results
+    assert any(all(any(j is job for j in batch) for job in jobs)
+               for batch in steps.since(mark)), "the requests never shared a step"
+    return ["".join(pieces) for pieces, _, _ in results]
+
+
+def test_no_cross_talk_between_slots(engine: Engine, steps: Steps) -> None:
     lengths = [12, 30, 20, 25]
     alone = [run(engine, p, n)[0] for p, n in zip(PROMPTS, lengths)]
     for _ in range(2):  # and again once every slot has been reused
-        together = run_together(engine, [(p, n, {}) for p, n in zip(PROMPTS, lengths)])
+        together = run_at_once(engine, steps, list(zip(PROMPTS, lengths)))
         assert together == alone
-    rotated = run_together(engine, [(p, n, {}) for p, n in zip(PROMPTS[1:] + PROMPTS[:1],
-                                                                lengths[1:] + lengths[:1])])
+    rotated = run_at_once(engine, steps, list(zip(PROMPTS[1:] + PROMPTS[:1],
+                                                  lengths[1:] + lengths[:1])))
     assert rotated == alone[1:] + alone[:1]
 
 
@@ -124,15 +188,23 @@ def test_utf8_output_is_never_split(engine: Engine) -> None:
     assert "\ufffd" not in text
 
 
-def test_cancel_frees_the_slot_within_two_steps(engine: Engine) -> None:
-    job = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), params=GREEDY, num_predict=400))
-    for _ in range(5):
-        assert isinstance(job.events.get(timeout=60), Token)
-    steps_at_cancel = engine.steps
+def test_cancel_frees_the_slot_within_two_steps(engine: Engine, steps: Steps) -> None:
+    job = Job(prompt=engine.tokenize(PROMPTS[1]), params=GREEDY, num_predict=400)
+    taken = [0]
+
+    def seventh(batch: list[Job]) -> bool:  # after its prompt's step and five tokens
+        taken[0] += any(j is job for j in batch)
+        return taken[0] == 7
+
+    steps.hold_before(seventh)
+    engine.submit(job)
+    assert steps.held.wait(60)  # the engine waits before the job's seventh step
+    mark = len(steps) - 1  # that step: planned already, it runs
     job.cancel()
+    steps.go.set()
     _, kind, value = collect(job, timeout=60)
     assert kind == "done" and value.done_reason == "cancel"
-    assert engine.steps - steps_at_cancel <= 2
+    assert sum(any(j is job for j in batch) for batch in steps.since(mark)) <= 2
     assert engine.status()["busy_slots"] == 0
 
 
