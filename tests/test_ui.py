@@ -234,6 +234,31 @@ def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemo
     assert answer.locator(".tool-call code").inner_text() == 'get_weather({"city":"Paris"})'
 
 
+# Records the page's /api/show requests in the order it makes them, and marks each read
+# once the page has its body: the page's own code after that read (the same microtask
+# run) is done by the time a later evaluate() looks. shown(model, after) says whether
+# such a request for `model` has been read (`after`: one made after the thinker's).
+SHOWS = """
+window.__shows = [];
+const fetch0 = window.fetch;
+window.fetch = function (path, init) {
+  const answer = fetch0.apply(this, arguments);
+  if (!String(path).endsWith("/api/show")) return answer;
+  const entry = { model: JSON.parse(init.body).model, read: false };
+  window.__shows.push(entry);
+  return answer.then((response) => {
+    const json = response.json.bind(response);
+    response.json = () => json().then((body) => { entry.read = true; return body; });
+    return response;
+  });
+};
+window.shown = (model, after) => {
+  const from = after ? window.__shows.findIndex((e) => e.model === "thinker:latest") + 1 : 0;
+  return window.__shows.slice(from).some((e) => e.model === model && e.read);
+};
+"""
+
+
 def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: Daemon) -> None:
     """Picking a thinking model, then a text model, before the first one's details arrive:
     the page must not send `think` to the text model (it would refuse it with a 400)."""
@@ -245,6 +270,7 @@ def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: 
             held.append(route)  # answered below, after the text model's
         else:
             route.continue_()
+    tab.page.add_init_script(SHOWS)
     page = tab.open()
     page.route("**/api/show", hold_thinker)
     picker = page.get_by_label("Model", exact=True)
@@ -252,9 +278,9 @@ def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: 
     picker.select_option("thinker:latest")
     wait_for(lambda: held or page.evaluate("0"), timeout=10)  # evaluate lets handlers run
     picker.select_option(CHAT)
-    page.wait_for_timeout(300)  # the text model's details arrive first
+    wait_for(lambda: page.evaluate(f"shown({json.dumps(CHAT)}, true)"), timeout=10)  # first
     held[0].continue_()
-    page.wait_for_timeout(300)
+    wait_for(lambda: page.evaluate("shown('thinker:latest', false)"), timeout=10)
     assert not page.get_by_label("Think").is_visible()
     tab.rewrite_chat(options={"temperature": 0, "num_predict": 4})
     tab.send("Hi")
