@@ -207,7 +207,7 @@ def test_single_flight(reg: FakeRegistry, store: Store) -> None:
 
 def test_pull_resumes_after_restart(reg: FakeRegistry, store: Store) -> None:
     digest, size = model_digest(reg)
-    reg.faults.blob_delay = 0.002
+    reg.faults.hold_after = size // 3  # the registry stops sending there, until resumed
     seen: list[int] = []
 
     def progress(event: dict[str, Any]) -> None:
@@ -217,13 +217,15 @@ def test_pull_resumes_after_restart(reg: FakeRegistry, store: Store) -> None:
     first = puller(store)
     with pytest.raises(CorralError, match="cancelled"):
         first.pull(f"{reg.host}/library/starter", progress, insecure=True,
-                   cancelled=lambda: bool(seen) and seen[-1] > size // 3)
-    # The abandoned download stops (it leaves `active` once its parts have ended); its
-    # partial files stay.
+                   cancelled=lambda: bool(seen) and seen[-1] >= size // 3)
+    # The held parts go on, see the cancel and stop: the abandoned download ends (it
+    # leaves `active` once its parts have), and its partial files stay.
+    reg.faults.hold_after = 0
+    reg.faults.resume.set()
     wait_for(lambda: digest not in first.downloader.active)
     assert [p for p in store.blobs.iterdir() if p.name.endswith("-partial")]
+    assert not store.has_blob(digest)
     served_before = reg.stats.blob_bytes
-    reg.faults.blob_delay = 0.0
     puller(Store(store.root)).pull(f"{reg.host}/library/starter", lambda e: None, insecure=True)
     assert store.has_blob(digest)
     assert reg.stats.blob_bytes - served_before < size - size // 4
