@@ -58,7 +58,8 @@ def pooled(chat_gguf: Path) -> Iterator[Any]:
     from corral.runner.engine import Engine
 
     # Three sequences of about 10 + 100 tokens need 330 cells; the pool has 256.
-    eng = Engine(str(chat_gguf), EngineConfig(n_slots=3, num_ctx=192, kv_pool=256))
+    eng = Engine(str(chat_gguf), EngineConfig(n_slots=3, num_ctx=192, kv_pool=256,
+                                              deterministic=True))
     eng.start()
     yield eng
     eng.stop()
@@ -101,6 +102,52 @@ def test_preempted_streams_resume_whole(pooled: Any) -> None:
         assert "".join(pieces) == pooled.detokenize(generated)
     status = pooled.status()
     assert status["kv_reserved"] == 256 and status["kv_used"] <= 256
+    # ...and each is what a run that was never preempted makes of the same request.
+    for prompt, (_, stats) in zip(prompts, results):
+        assert_greedy_alone(pooled, pooled.tokenize(prompt), list(stats.context[-N:]))
+
+
+MARGIN = 0.25  # nats between two picks that make a near-tie (seen here: up to 0.1)
+
+
+def assert_greedy_alone(engine: Any, prompt: list[int], generated: list[int]) -> None:
+    """`generated` is what a greedy run of `prompt` alone in the pool (never preempted)
+    makes of it, but for near-ties: each token is the pick of such a run from the same text
+    before it, or, at two places at most, a token as likely as that pick within MARGIN.
+    (Sharing the buffer changes a sequence's logits a little, so a pick between two
+    near-equal tokens may flip: README, KV pool. A resume that lost or misplaced its KV
+    disagrees with the alone run from then on, and by more.)"""
+    from corral.runner.native import token_bytes
+
+    before = engine.status()["preemptions"]
+    alone = _greedy(engine, prompt, len(generated))[0]
+    same = next((i for i, (a, b) in enumerate(zip(alone, generated)) if a != b),
+                len(generated))
+    flips = []
+    for i in range(same, len(generated)):  # from the first difference, token by token
+        _, [pick] = _greedy(engine, prompt + generated[:i], 1, logprobs=5)
+        mine = tuple(token_bytes(engine.vocab, generated[i]))
+        if pick.bytes != mine:
+            rivals = [t.logprob for t in pick.top if t.bytes == mine]
+            assert rivals and pick.logprob - rivals[0] < MARGIN, (i, pick, mine)
+            flips.append(i)
+    assert len(flips) <= 2, flips
+    assert engine.status()["preemptions"] == before  # alone, so never preempted
+
+
+def _greedy(engine: Any, prompt: list[int], n: int,
+            logprobs: int = -1) -> tuple[list[int], list[Any]]:
+    """A greedy run's tokens and logprobs."""
+    job = engine.submit(Job(prompt=prompt, num_predict=n, ignore_eos=True, logprobs=logprobs,
+                            params=SamplingParams(temperature=0)))
+    entries: list[Any] = []
+    while True:
+        event = job.events.get(timeout=300)
+        if isinstance(event, Token):
+            entries.extend(event.logprobs)
+        else:
+            assert isinstance(event, Done), event
+            return list(event.stats.context[-n:]), entries
 
 
 @pytest.mark.model
