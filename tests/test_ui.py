@@ -352,9 +352,11 @@ def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) ->
     from tests.registry_server import FakeRegistry
 
     reg = FakeRegistry()
-    reg.add_model("library", "pulled", "latest", [(mt.MODEL, write_tiny_gguf(tmp_path / "m.gguf", padding=1 << 20)),
+    model = write_tiny_gguf(tmp_path / "m.gguf", padding=1 << 20)
+    reg.add_model("library", "pulled", "latest", [(mt.MODEL, model),
                                                    (mt.TEMPLATE, b"{{ .Prompt }}")])
-    reg.faults.blob_delay = 0.03  # 64 KiB pieces: slow enough that the bar is seen moving
+    # The registry stops sending half-way until the bar has been seen part-way.
+    reg.faults.hold_after = model.stat().st_size // 2
     try:
         page = tab.open("models")
         name = f"{reg.host}/library/pulled:latest"
@@ -364,6 +366,7 @@ def test_models_pull_with_progress_show_and_delete(tab: Page, tmp_path: Path) ->
         bar = page.locator("#pull-progress")
         wait_for(lambda: 0 < float(bar.get_attribute("value") or 0) < float(
             bar.get_attribute("max") or 1), timeout=30)  # part-way
+        reg.faults.resume.set()
         page.get_by_role("status").filter(has_text="success").wait_for(timeout=60_000)
         page.get_by_role("button", name=f"Show {name}").click()
         details = page.get_by_label("Model details")
