@@ -27,8 +27,10 @@ demand as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import mmap
 import threading
 from typing import TYPE_CHECKING, Any, Callable
@@ -203,6 +205,10 @@ class Reserve:
         self._thread.start()
 
     def _make(self, wake: Callable[[], None]) -> None:
+        # At the lowest priority: making the context clears its KV, a second or more of one
+        # core, and a request that arrives meanwhile must not share its cores with that.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self._try()
         finally:
