@@ -37,6 +37,7 @@ class Faults:
     # until `resume` is set (a minute at most): a download stopped part-way, at any speed.
     hold_after: int = 0
     resume: threading.Event = field(default_factory=threading.Event)
+    held: threading.Event = field(default_factory=threading.Event)  # set once it holds
     drop_upload_at: list[int] = field(default_factory=list)  # upload bytes; drop once at each
 
 
@@ -268,6 +269,7 @@ def _serve_blob(handler: _Base, digest: str) -> None:
     try:
         while pos < len(body):
             if reg.faults.hold_after and reg.stats.blob_bytes >= reg.faults.hold_after:
+                reg.faults.held.set()
                 reg.faults.resume.wait(60)
             piece = body[pos:pos + 65536]
             with reg.stats.lock:
