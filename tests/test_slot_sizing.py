@@ -66,25 +66,25 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     opts = Options(num_ctx=4096)
     r = rec(tmp_path)
     big, small = 64 << 30, 1200 * MB
-    assert scheduler(big)._choose_slots(r, opts) == memory.CPU_MAX_SLOTS == 16
+    assert scheduler(big).fit.slots(r, opts) == memory.CPU_MAX_SLOTS == 16
     # The prompt cache's RAM (a quarter of what is free, at most) counts in the fit.
     cache = memory.prompt_cache_budget(None, 64 << 30, small)
     assert cache == small // 4
-    assert scheduler(small)._choose_slots(r, opts) == memory.slots_that_fit(
+    assert scheduler(small).fit.slots(r, opts) == memory.slots_that_fit(
         INFO, 4096, small - cache, 16)
-    assert scheduler(small, CACHE_RAM="0")._choose_slots(r, opts) == memory.slots_that_fit(
+    assert scheduler(small, CACHE_RAM="0").fit.slots(r, opts) == memory.slots_that_fit(
         INFO, 4096, small, 16)
-    assert scheduler(small)._choose_slots(r, opts) < 16
-    assert scheduler(big, MAX_SLOTS="6")._choose_slots(r, opts) == 6
-    assert scheduler(big, NUM_PARALLEL="3")._choose_slots(r, opts) == 3  # fixed means fixed
-    assert scheduler(100 * MB, NUM_PARALLEL="8")._choose_slots(r, opts) == 8
+    assert scheduler(small).fit.slots(r, opts) < 16
+    assert scheduler(big, MAX_SLOTS="6").fit.slots(r, opts) == 6
+    assert scheduler(big, NUM_PARALLEL="3").fit.slots(r, opts) == 3  # fixed means fixed
+    assert scheduler(100 * MB, NUM_PARALLEL="8").fit.slots(r, opts) == 8
     # Pool mode: every slot a sequence; the pool, not num_ctx x slots, is what fits.
     pool = scheduler(big, KV_POOL="1")
-    assert pool._choose_slots(r, opts) == 16
-    assert pool._pool_tokens(r, opts, 16) == 16 * 4096
-    assert scheduler(big, KV_POOL="1", KV_POOL_TOKENS="4096")._pool_tokens(r, opts, 16) == 4096
-    assert scheduler(small, KV_POOL="1")._pool_tokens(r, opts, 16) < 16 * 4096
-    assert scheduler(big)._pool_tokens(r, opts, 16) == 0  # default mode: no pool
+    assert pool.fit.slots(r, opts) == 16
+    assert pool.fit.pool_tokens(r, opts, 16) == 16 * 4096
+    assert scheduler(big, KV_POOL="1", KV_POOL_TOKENS="4096").fit.pool_tokens(r, opts, 16) == 4096
+    assert scheduler(small, KV_POOL="1").fit.pool_tokens(r, opts, 16) < 16 * 4096
+    assert scheduler(big).fit.pool_tokens(r, opts, 16) == 0  # default mode: no pool
 
 
 
