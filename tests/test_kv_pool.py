@@ -68,15 +68,21 @@ def pooled(chat_gguf: Path) -> Iterator[Any]:
 N = 100
 
 
-def collect(job: Job) -> tuple[list[str], dict[str, Any]]:
-    pieces: list[str] = []
+def drain(job: Job) -> tuple[list[Token], Any]:
+    """A job's tokens, then its done line's stats."""
+    tokens: list[Token] = []
     while True:
         event = job.events.get(timeout=300)
         if isinstance(event, Token):
-            pieces.append(event.text)
+            tokens.append(event)
         else:
             assert isinstance(event, Done), event
-            return pieces, event.stats
+            return tokens, event.stats
+
+
+def collect(job: Job) -> tuple[list[str], Any]:
+    tokens, stats = drain(job)
+    return [t.text for t in tokens], stats
 
 
 @pytest.mark.model
@@ -140,14 +146,8 @@ def _greedy(engine: Any, prompt: list[int], n: int,
     """A greedy run's tokens and logprobs."""
     job = engine.submit(Job(prompt=prompt, num_predict=n, ignore_eos=True, logprobs=logprobs,
                             params=SamplingParams(temperature=0)))
-    entries: list[Any] = []
-    while True:
-        event = job.events.get(timeout=300)
-        if isinstance(event, Token):
-            entries.extend(event.logprobs)
-        else:
-            assert isinstance(event, Done), event
-            return list(event.stats.context[-n:]), entries
+    tokens, stats = drain(job)
+    return list(stats.context[-n:]), [lp for t in tokens for lp in t.logprobs]
 
 
 @pytest.mark.model
