@@ -220,7 +220,7 @@ class Engine(Postprocess):
 
     def _drain(self, block: bool) -> None:
         try:
-            item = self._commands.get(timeout=0.5 if block else None)
+            item = self._commands.get(timeout=0.5 if block else 0.0)
         except queue.Empty:
             return
         while True:

@@ -167,9 +167,9 @@ class Inbox:
                 raise self.closed
             self._queue.put(command)
 
-    def get(self, timeout: float | None = None) -> Command:
-        """The next command; queue.Empty after `timeout` seconds (None: at once)."""
-        return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+    def get(self, timeout: float = 0.0) -> Command:
+        """The next command; queue.Empty after `timeout` seconds (0: at once)."""
+        return self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
 
     def qsize(self) -> int:
         return self._queue.qsize()
