@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from corral.errors import InvalidModelFile
+from corral.registry.fim import WANTED, fim_roles
 from corral.registry.ggufio import (
     ARRAY,
     F32,
@@ -74,6 +75,7 @@ class GGUFInfo:
     file_size: int
     metadata: dict[str, object] = field(default_factory=dict)
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ggml order
+    fim: frozenset[str] = frozenset()  # fill-in-the-middle roles (registry/fim.py)
 
     def layer_bytes(self) -> dict[int, int]:
         """Weight bytes per block index (`blk.N.*`), for the GPU offload estimate."""
@@ -134,10 +136,12 @@ def _read_metadata(r: Reader, n_kv: int) -> dict[str, object]:
 class _Array:
     """An array value, kept only as its element type and length (plus small int arrays)."""
 
-    def __init__(self, item_type: int, count: int, ints: list[int] | None) -> None:
+    def __init__(self, item_type: int, count: int, ints: list[int] | None,
+                 texts: frozenset[bytes] = frozenset()) -> None:
         self.item_type = item_type
         self.count = count
         self.ints = ints
+        self.texts = texts  # the strings asked for by name (the FIM token texts)
 
     def __repr__(self) -> str:
         return f"<array of {self.count}>"
@@ -157,8 +161,11 @@ def _read_value(r: Reader, type_id: int, key: str) -> object:
     if item_type == STRING:
         if count > MAX_ARRAY or count > r.remaining // 8:
             raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
-        r.skip_strings(count, key)
-        return _Array(item_type, count, None)
+        # The vocabulary's FIM-looking token texts are kept: llama.cpp finds FIM tokens
+        # by their text where the metadata names none (registry/fim.py).
+        texts = r.skip_strings(count, key, WANTED if key == "tokenizer.ggml.tokens"
+                               else frozenset())
+        return _Array(item_type, count, None, texts)
     if item_type not in SCALAR:
         raise InvalidModelFile(f"invalid model file: unknown array type {item_type}")
     width = struct.calcsize(SCALAR[item_type])
@@ -297,7 +304,16 @@ def _summarize(version: int, metadata: dict[str, object], tensors: list[_Tensor]
         file_size=size,
         metadata=plain,
         tensor_shapes={t.name: t.shape for t in tensors},
+        fim=_fim(metadata),
     )
+
+
+def _fim(metadata: dict[str, object]) -> frozenset[str]:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, _Array):
+        return frozenset()
+    texts = frozenset(t.decode() for t in tokens.texts)
+    return fim_roles(metadata, texts, tokens.count)
 
 
 def human_parameter_count(n: int) -> str:

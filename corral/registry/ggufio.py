@@ -90,14 +90,18 @@ class Reader:
             raise InvalidModelFile(f"invalid model file: string too long in {what}")
         return n
 
-    def skip_strings(self, count: int, what: str) -> None:
-        """Skip `count` length-prefixed strings, reading whole blocks.
+    def skip_strings(self, count: int, what: str,
+                     keep: frozenset[bytes] = frozenset()) -> frozenset[bytes]:
+        """Skip `count` length-prefixed strings, reading whole blocks, and give those
+        of them that are in `keep`.
 
         A 262k-token vocabulary would otherwise cost two file calls per token;
         the same length and end-of-file checks apply to every string.
         """
         base, block, i = self.pos, b"", 0  # block starts at file offset `base`
         unpack = _U64.unpack_from
+        longest = max((len(k) for k in keep), default=-1)
+        found = set()
         for _ in range(count):
             if i + 8 > len(block):
                 base += i
@@ -105,12 +109,19 @@ class Reader:
             n = unpack(block, i)[0]
             if n > MAX_STRING:
                 raise InvalidModelFile(f"invalid model file: string too long in {what}")
+            if n <= longest:
+                if i + 8 + n > len(block):  # the text runs past this block
+                    base += i
+                    block, i = self._block_at(base, what), 0
+                if block[i + 8:i + 8 + n] in keep:
+                    found.add(block[i + 8:i + 8 + n])
             i += 8 + n
         end = base + i
         if end > self.size:
             raise InvalidModelFile(f"invalid model file: truncated in {what}")
         self.f.seek(end)
         self.pos = end
+        return frozenset(found)
 
     def _block_at(self, offset: int, what: str) -> bytes:
         if offset + 8 > self.size:

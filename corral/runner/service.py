@@ -10,8 +10,11 @@ import threading
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+import llama_cpp as L
+
 from corral.errors import BadRequest
 from corral.runner.engine import Engine
+from corral.runner.fim import NULL, FimTokens, Infill, infill_tokens
 from corral.runner.jobs import Embed, Job, SamplingParams
 from corral.runner import native
 from corral.runner.wire import (CompletionJob, EmbedJob, Embeddings, LoadReport, TokenPiece,
@@ -43,6 +46,8 @@ class RunnerService:
             raise BadRequest("this model does not support images")
         context = list(wire.context)
         spans: list[ImageSpan] = []
+        if wire.infill is not None:
+            return self.infill_tokens(wire.infill), spans
         if images:
             assert self.vision is not None
             ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context)
@@ -53,6 +58,17 @@ class RunnerService:
         if not tokens:
             raise BadRequest("empty prompt")
         return tokens, spans
+
+    def infill_tokens(self, infill: Infill) -> list[int]:
+        """llama-server's /infill prompt, from the vocabulary's own FIM tokens, in a
+        sequence of this runner's per-slot context (llama-server's slot_n_ctx)."""
+        vocab = self.engine.vocab
+        ids = {role: int(getattr(L, f"llama_vocab_fim_{role}")(vocab))
+               for role in ("pre", "suf", "mid", "rep", "sep")}
+        fim = FimTokens(**ids, bos=int(L.llama_vocab_bos(vocab)) if self.engine.add_bos
+                        else NULL)
+        return infill_tokens(infill, fim, lambda text, special: native.tokenize(
+            vocab, text, False, special), self.engine.num_ctx)
 
     def count(self, wire: CompletionJob) -> int:
         """How many tokens /completion would evaluate for `wire` from a cold cache: the

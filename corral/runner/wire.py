@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from corral.errors import BadRequest
 from corral.options import Options
+from corral.runner.fim import Infill
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,13 @@ class CompletionJob:
     shift: bool = True
     special: bool = False  # render control tokens as text
     logprobs: int = -1  # -1: none; else alternatives per token
+    infill: Infill | None = None  # a FIM prompt the runner assembles, in place of `prompt`
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["images"], out["context"] = list(self.images), list(self.context)
         out["options"] = self.options.values()
+        out["infill"] = None if self.infill is None else self.infill.to_json()
         return out
 
     @classmethod
@@ -65,7 +68,9 @@ class CompletionJob:
                    options=Options.parse(body.get("options")), id=str(body.get("id") or ""),
                    truncate=_flag(body, "truncate", True), shift=_flag(body, "shift", True),
                    special=_flag(body, "special", False),
-                   logprobs=logprobs if isinstance(logprobs, int) else -1)
+                   logprobs=logprobs if isinstance(logprobs, int) else -1,
+                   infill=None if body.get("infill") is None
+                   else Infill.from_json(body["infill"]))
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

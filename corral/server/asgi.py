@@ -59,7 +59,7 @@ async def send_error(send: Send, exc: CorralError, shape: Shape) -> None:
 def shape_of(path: str) -> Shape:
     if path.startswith("/v1/messages"):
         return Shape.ANTHROPIC
-    if path in ("/tokenize", "/detokenize"):  # llama-server's errors are OpenAI's shape
+    if path in ("/tokenize", "/detokenize", "/infill"):  # llama-server's: OpenAI's shape
         return Shape.OPENAI
     return Shape.OPENAI if path.startswith("/v1/") else Shape.OLLAMA
 

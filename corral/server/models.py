@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, ModelNotFound
 from corral.options import Options
+from corral.registry.fim import missing
 from corral.registry.models import ModelRecord, Records
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_problem
@@ -37,12 +38,15 @@ def require_model(name: Any) -> str:
     return name
 
 
-def capabilities(template: str, embedding: bool, vision: bool) -> tuple[str, ...]:
-    """Ollama's capability list: what the weights are for, and what the template can do."""
+def capabilities(template: str, embedding: bool, vision: bool,
+                 fim: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """Ollama's capability list: what the weights are for, and what the template can do.
+    `insert` is a template that renders `.Suffix`, or, beyond Ollama, the vocabulary's
+    fill-in-the-middle tokens (registry/fim.py), which a suffix is then written with."""
     caps = ["embedding" if embedding else "completion"]
     if template_calls_tools(template):
         caps.append("tools")
-    if ".Suffix" in template:
+    if ".Suffix" in template or (not embedding and not missing(fim)):
         caps.append("insert")
     if vision:
         caps.append("vision")
@@ -63,6 +67,12 @@ class ModelView:
     vision: bool  # a projector the runner can load beside these weights
     capabilities: tuple[str, ...]
     defaults: Options  # the model's PARAMETERs, coerced
+    fim: frozenset[str] = frozenset()  # the vocabulary's FIM roles (registry/fim.py)
+
+    @property
+    def infill(self) -> str:
+        """Why /infill cannot run on this model (llama-server's words), or ""."""
+        return missing(self.fim)
 
     @property
     def name(self) -> str:
@@ -84,7 +94,8 @@ class ModelView:
         if not template:
             return self
         return replace(self, template=template,
-                       capabilities=capabilities(template, self.embedding, self.vision))
+                       capabilities=capabilities(template, self.embedding, self.vision,
+                                                 self.fim))
 
     def builder(self, bos: str, eos: str, go: str | None = None) -> PromptBuilder:
         """The prompt builder for the runner's BOS and EOS text: the TEMPLATE layer, else
@@ -150,15 +161,15 @@ class Models:
     def _describe(self, record: ModelRecord) -> ModelView:
         try:
             info = self.store.gguf_info(record.model_digest)
-            jinja, embedding = info.chat_template or None, \
-                f"{info.architecture}.pooling_type" in info.metadata
+            jinja, embedding, fim = info.chat_template or None, \
+                f"{info.architecture}.pooling_type" in info.metadata, info.fim
         except CorralError:
-            jinja, embedding = None, False
+            jinja, embedding, fim = None, False, frozenset()
         template = record.template or jinja or ""
         vision = self._vision(record)
         return ModelView(record, template, None if record.template else jinja, embedding,
-                         vision, capabilities(template, embedding, vision),
-                         Options.parse(record.parameters))
+                         vision, capabilities(template, embedding, vision, fim),
+                         Options.parse(record.parameters), fim)
 
     def _vision(self, record: ModelRecord) -> bool:
         # A GGUF that merely describes a vision tower, without a projector, cannot see.

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
+from corral.runner.fim import Infill
 from corral.server.chat import Message, Tool
 from corral.server.reply import Piece
 
@@ -65,6 +66,7 @@ class CompletionTask(TaskBase):
     template: str | None = None
     context: list[int] = field(default_factory=list)
     images: list[str] = field(default_factory=list)
+    infill: Infill | None = None  # llama-server's /infill: a FIM prompt in place of `prompt`
 
 
 Task = Union[ChatTask, CompletionTask]

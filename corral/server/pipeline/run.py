@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from corral.errors import RunnerError
 from corral.options import Options
+from corral.runner.fim import Infill
 from corral.runner.wire import CompletionJob, DoneLine, LoadReport, Logprob
 from corral.server.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
@@ -161,8 +162,29 @@ def _runner_body(plan: Plan, report: LoadReport, options: Options,
                         context=tuple(shown.context), grammar=grammar, options=options,
                         id=job_id, truncate=request.truncate, shift=request.shift,
                         special=plan.special,
-                        logprobs=-1 if request.logprobs is None else request.logprobs)
+                        logprobs=-1 if request.logprobs is None else request.logprobs,
+                        infill=infill_of(plan))
     return job, shown.opened
+
+
+def infill_of(plan: Plan) -> Infill | None:
+    """The FIM prompt the runner assembles in place of the rendered text: /infill's, or
+    a completion's prompt and suffix where the template does not render `.Suffix`
+    (`prepare` let a suffix through only for a model that has one or the other)."""
+    request = plan.request
+    if isinstance(request, ChatTask):
+        return None
+    if request.infill is not None:
+        return request.infill
+    if request.suffix and not _renders_suffix(plan):
+        return Infill(prefix=request.prompt, suffix=request.suffix)
+    return None
+
+
+def _renders_suffix(plan: Plan) -> bool:
+    request = plan.request
+    template = request.template if isinstance(request, CompletionTask) else None
+    return ".Suffix" in (template or plan.view.template)
 
 
 @dataclass(frozen=True)
@@ -187,7 +209,7 @@ def render(plan: Plan, report: LoadReport,
     else:
         images, context = plan.images, list(request.context)
         prompt = mark_prompt(request.prompt, images)
-        if request.raw:
+        if request.raw and not (request.suffix and _renders_suffix(plan)):
             text, add_bos = prompt, True
         else:
             if request.template:
