@@ -215,3 +215,34 @@ def test_show_lists_insert_for_fim_models_only(daemon: Daemon) -> None:
         return post(daemon, "/api/show", {"model": model}).json()["capabilities"]
     assert "insert" in caps("fim") and "insert" in caps("fimrepo")
     assert "insert" not in caps(CHAT)
+
+
+def test_a_cached_suffix_is_shifted_into_place_for_infill_only(fim_ggufs: dict[str, Path]
+                                                                ) -> None:
+    """llama-server's --cache-reuse: a word deleted before the suffix (a backspace) keeps
+    the suffix's KV, shifted; a request that did not ask for shifted KV (reuse_chunk 0)
+    evaluates its prompt whole rather than keep it, and leaves an exact cache behind."""
+    from corral.runner.context import EngineConfig
+    from corral.runner.engine import Engine
+    from corral.runner.jobs import Job, SamplingParams, Token
+
+    engine = Engine(str(fim_ggufs["fim"]), EngineConfig(n_slots=1, num_ctx=1024))
+    engine.start()
+    suffix = engine.tokenize(" and they all lived happily ever after in the old castle by "
+                             "the sea, and nobody was ever sad again.", add_special=False)
+
+    def evaluated(prefix: str, reuse: int) -> int:
+        prompt = [7, *engine.tokenize(prefix, add_special=False), 8, *suffix, 9]
+        job = engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0),
+                                num_predict=2, reuse_chunk=reuse))
+        while isinstance(event := job.events.get(timeout=300), Token):
+            pass
+        return int(event.stats.prompt_eval_count)
+
+    try:
+        assert evaluated("Once upon a time there was a little girl", 16) > len(suffix)
+        assert evaluated("Once upon a time there was a little", 16) == 1
+        assert evaluated("Once upon a time there was a little", 0) > len(suffix)
+        assert evaluated("Once upon a time there was a little", 0) == 1
+    finally:
+        engine.stop()

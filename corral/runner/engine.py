@@ -304,8 +304,10 @@ class Engine(Postprocess):
                 len(slot.cached) - kept, slot.last_used, self.clock()):
             self._overwritten += 1  # another conversation's prefix goes: want a stream more
         keep = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
-                                 [s.reusable() for s in self.slots if s is not slot], donors)
-        p.slot.assign(seq, tokens[:keep])
+                                 [s.reusable() for s in self.slots if s is not slot], donors,
+                                 self.can_shift)
+        p.slot.assign(seq, tokens[:keep], shifted=slot.tainted and keep > 0 and p.source in (
+            Source.NONE, Source.REUSE))
         if sampler is None:
             seq.resume(tokens, keep)
         else:

@@ -25,6 +25,10 @@ from corral.registry.fim import missing
 FIM_BATCH = 2048  # llama-server's default --batch-size (common_params.n_batch)
 FIM_PREDICT = -1  # llama-server's default --n-predict
 NULL = -1  # LLAMA_TOKEN_NULL
+# An infill's cached suffix is shifted into place behind a prefix that grew, in chunks of
+# at least this many tokens (llama-server's --cache-reuse, which llama.vscode sets to 256;
+# a suffix of a few lines is shorter than that).
+FIM_REUSE = 16
 REPO = "myproject\n"  # llama-server's project name ("TODO: make project name an input")
 LAST_FILE = "filename\n"  # and the current file's ("TODO: current filename")
 SNIPPET = "\n\n--- snippet ---\n\n"  # the chunk separator without fim_sep

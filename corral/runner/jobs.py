@@ -83,6 +83,9 @@ class Job:
     logprobs: int = -1  # -1: none; else alternatives per token (0-20)
     special: bool = False  # render control tokens as text (gpt-oss's harmony markers)
     images: "tuple[ImageSpan, ...]" = ()  # where the prompt's placeholder ids are images
+    # Chunks of at least this many cached tokens past the common prefix are shifted into
+    # place instead of evaluated again (llama-server's --cache-reuse); 0: exact reuse only.
+    reuse_chunk: int = 0
     id: str = ""
     events: "queue.Queue[JobEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -80,7 +80,8 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
 
 
 def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int,
-                held: Iterable[Sequence[int]], donors: dict[tuple[int, int], State]) -> int:
+                held: Iterable[Sequence[int]], donors: dict[tuple[int, int], State],
+                can_shift: bool = False) -> int:
     """Put the placement's prefix into its slot's KV; returns the tokens it holds after
     (0 when a copy failed: the prompt is then prefilled whole). The slot's own cache
     goes to the prompt cache first if the placement overwrites it and neither the other
@@ -90,8 +91,11 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     slot = p.slot
     save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0, held)
     if p.source in (Source.NONE, Source.REUSE):
-        if p.keep and L.llama_memory_seq_rm(mem, slot.seq_id, p.keep, -1):
-            return p.keep
+        keep = p.keep
+        if p.seq.job.reuse_chunk > 0 and can_shift and not p.seq.job.images:
+            keep = reuse_chunks(mem, slot, p.tokens, keep, p.seq.job.reuse_chunk)
+        if keep and L.llama_memory_seq_rm(mem, slot.seq_id, keep, -1):
+            return keep
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         return 0
     branch = p.donor is not None
@@ -110,6 +114,30 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     caches.refused(p.entry)
     return 0
+
+
+def reuse_chunks(mem: Any, slot: Slot, tokens: list[int], keep: int, least: int) -> int:
+    """llama-server's --cache-reuse (server-context.cpp): past the common prefix, each run
+    of at least `least` cached tokens that comes again in the prompt is shifted to where
+    the prompt has it, instead of evaluated again: an editor's suffix, behind a prefix
+    that grew by a word. Returns the prompt tokens the slot holds after. The moved KV was
+    computed after other tokens, so the slot is `tainted`: only requests that ask for
+    shifted reuse may keep it."""
+    cached, head_c, head_p = slot.cached, keep, keep
+    end = len(tokens) - 1  # the last prompt token is decoded for its logits
+    while head_c < len(cached) and head_p < end:
+        n = 0
+        while head_c + n < len(cached) and head_p + n < end and \
+                cached[head_c + n] == tokens[head_p + n]:
+            n += 1
+        if n < least:
+            head_c += 1
+            continue
+        L.llama_memory_seq_rm(mem, slot.seq_id, head_p, head_c)
+        L.llama_memory_seq_add(mem, slot.seq_id, head_c, head_c + n, head_p - head_c)
+        slot.tainted = True
+        head_c, head_p = head_c + n, head_p + n
+    return head_p
 
 
 def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], State]) -> State | None:

@@ -161,7 +161,8 @@ class Scheduler:
             return align_keep(seq.job.images, min(n, len(tokens) - 1))
 
         # The idle slot sharing the longest prefix; ties go to the least recently used.
-        reuse, _, slot = max(((common_prefix(s.reusable(), tokens), -s.last_used, s)
+        shifted = seq.job.reuse_chunk > 0
+        reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
                               for s in idle), key=lambda c: (c[0], c[1]))
         reuse = usable(reuse)
         best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE)

@@ -14,7 +14,7 @@ import llama_cpp as L
 
 from corral.errors import BadRequest
 from corral.runner.engine import Engine
-from corral.runner.fim import NULL, FimTokens, Infill, infill_tokens
+from corral.runner.fim import FIM_REUSE, NULL, FimTokens, Infill, infill_tokens
 from corral.runner.jobs import Embed, Job, SamplingParams
 from corral.runner import native
 from corral.runner.wire import (CompletionJob, EmbedJob, Embeddings, LoadReport, TokenPiece,
@@ -112,6 +112,7 @@ class RunnerService:
             special=wire.special,
             id=wire.id,
             images=tuple(spans),
+            reuse_chunk=FIM_REUSE if wire.infill is not None else 0,
         )
         self.engine.submit(job)
         if job.id:

@@ -45,9 +45,10 @@ class Slot:
     last_used: float = 0.0
     tainted: bool = False  # a context shift changed the KV under the cached tokens
 
-    def reusable(self) -> list[int]:
-        """The cached tokens a new request may keep: none once a context shift ran."""
-        return [] if self.tainted else self.cached
+    def reusable(self, approximate: bool = False) -> list[int]:
+        """The cached tokens a new request may keep: none once a context shift ran,
+        unless the request takes shifted KV (`approximate`: Job.reuse_chunk)."""
+        return [] if self.tainted and not approximate else self.cached
 
     def transition(self, new: SlotState) -> None:
         if (self.state, new) not in _ALLOWED:
@@ -75,13 +76,14 @@ class Slot:
     def t_start(self) -> float:
         return self.sequence.t_start if self.sequence is not None else 0.0
 
-    def assign(self, sequence: Sequence, prefix: list[int]) -> None:
+    def assign(self, sequence: Sequence, prefix: list[int], shifted: bool = False) -> None:
         """IDLE -> PREFILL: the sequence runs here; its KV holds `prefix` already (kept
-        from this slot's cache, or copied in from another slot or the prompt cache)."""
+        from this slot's cache, or copied in from another slot or the prompt cache;
+        `shifted`: some of it moved there, runner.kvops.reuse_chunks)."""
         self.transition(SlotState.PREFILL)
         self.sequence = sequence
         self.cached = list(prefix)
-        self.tainted = False
+        self.tainted = shifted
 
     def vacate(self, now: float) -> Sequence | None:
         """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""
