@@ -131,7 +131,7 @@ class Answer:
             else:
                 predicted += 1
                 yield _sse({"index": 0, "content": item, "tokens": [], "stop": False,
-                            "id_slot": 0, "tokens_predicted": predicted,
+                            "id_slot": -1, "tokens_predicted": predicted,
                             "tokens_evaluated": 0})
 
     def whole(self, events: Iterator[Event]) -> Any:
