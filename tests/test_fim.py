@@ -138,3 +138,25 @@ def test_t_max_predict_ms_ends_at_a_new_line_after_the_time() -> None:
     now[0] = 0.5
     assert limits.feed("b") == "b" and not limits.stopped  # no new line yet
     assert limits.feed("\n") == "\n" and limits.stopped
+
+
+@pytest.mark.parametrize("shift", range(-36, 13, 4))  # its length, or its text, across
+def test_vocabulary_texts_are_found_across_read_blocks(shift: int) -> None:
+    """The GGUF reader reads the vocabulary a block at a time; a FIM token text that
+    straddles two blocks is found all the same."""
+    import io
+    import struct
+
+    from corral.registry.ggufio import BLOCK, Reader
+
+    def entry(text: bytes) -> bytes:
+        return struct.pack("<Q", len(text)) + text
+
+    filler = entry(b"x" * 1000)
+    count = (BLOCK + shift) // len(filler)
+    pad = entry(b"y" * ((BLOCK + shift) % len(filler)))
+    data = filler * count + pad + entry(b"<fim_prefix>") + entry(b"<|file_sep|>")
+    reader = Reader(io.BytesIO(data), len(data))
+    found = reader.skip_strings(count + 3, "tokens", frozenset({b"<fim_prefix>",
+                                                               b"<|file_sep|>"}))
+    assert found == {b"<fim_prefix>", b"<|file_sep|>"} and reader.pos == len(data)
