@@ -191,6 +191,10 @@ def test_statuses(daemon: Daemon) -> None:
     post(daemon, "/api/generate", {"model": CHAT, "keep_alive": 0})
     r = post(daemon, "/infill", {"input_prefix": "a", "input_suffix": "b"})
     assert r.status_code == 400 and "model is required" in r.json()["error"]["message"]
+    post(daemon, "/infill", {"model": "fim", "input_prefix": "a", "input_suffix": "b",
+                             "n_predict": 1})
+    r = post(daemon, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+    assert r.status_code == 200 and r.json()["model"] == "fim:latest"  # the one loaded
 
 
 def test_suffix_uses_fim_tokens_where_the_template_cannot(daemon: Daemon) -> None:
