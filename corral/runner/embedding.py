@@ -45,6 +45,7 @@ class Embedder:
         self.capacity = 0
         self.pooling: int | None = None  # the model's, or mean for a plain causal LM
         self.n_embd = int(L.llama_model_n_embd(model))
+        self.decodes = 0  # batches evaluated: the tests see documents share them
         self.encoder_only = bool(L.llama_model_has_encoder(model)
                                  and not L.llama_model_has_decoder(model))
 
@@ -122,6 +123,7 @@ class Embedder:
         rc = (L.llama_encode if self.encoder_only else L.llama_decode)(self.ctx, self.batch)
         if rc != 0:
             raise RunnerError(f"embedding failed ({rc})")
+        self.decodes += 1
         width, out = self.width, []
         for seq in range(len(group)):
             ptr = L.llama_get_embeddings_seq(self.ctx, seq)
