@@ -133,6 +133,7 @@ class Shape(str, enum.Enum):
     OLLAMA = "ollama"  # {"error": message}
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}
     ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}
+    COHERE = "cohere"  # {"message": message}
     RUNNER = "runner"  # {"error": message, "kind": class name}: the type survives the hop
     TEXT = "text"  # "404 page not found": what Ollama (gin) answers for unknown routes
 
@@ -167,6 +168,8 @@ def format_error(exc: BaseException, shape: Shape = Shape.OLLAMA) -> tuple[int, 
         return status, {"error": message, "kind": kind}
     if shape is Shape.TEXT:
         return status, message
+    if shape is Shape.COHERE:
+        return status, {"message": message}
     return status, {"error": message}
 
 

@@ -39,7 +39,8 @@ def routes(services: Services, puller: Puller, pusher: Pusher
            ) -> list[tuple[str, str, Route]]:
     """(method, path, route): a path may end in Starlette's `{name:path}` for a prefix."""
     from corral.server import lifecycle, manage, page
-    from corral.server.dialects import anthropic, native, openai, openai_misc, responses, tokens
+    from corral.server.dialects import (anthropic, native, openai, openai_misc, rerank,
+                                        responses, tokens)
 
     blobs = manage.blobs(services)
     return [
@@ -53,6 +54,8 @@ def routes(services: Services, puller: Puller, pusher: Pusher
         ("POST", "/api/detokenize", tokens.api_detokenize(services)),
         ("POST", "/tokenize", tokens.llama_tokenize(services)),  # llama-server's
         ("POST", "/detokenize", tokens.llama_detokenize(services)),
+        *[("POST", path, rerank.jina_rerank(services)) for path in rerank.JINA_PATHS],
+        ("POST", "/v2/rerank", rerank.cohere_rerank(services)),  # Cohere's v2
         ("GET", "/api/tags", manage.tags(services)),
         ("POST", "/api/show", manage.show(services)),
         ("POST", "/api/create", lifecycle.create(services)),

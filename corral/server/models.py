@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from corral.server.prompt import PromptBuilder
 
 VIEWS_CACHED = 64
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's GGUF
 
 
 def require_model(name: Any) -> str:
@@ -37,8 +38,12 @@ def require_model(name: Any) -> str:
     return name
 
 
-def capabilities(template: str, embedding: bool, vision: bool) -> tuple[str, ...]:
-    """Ollama's capability list: what the weights are for, and what the template can do."""
+def capabilities(template: str, embedding: bool, vision: bool,
+                 rerank: bool = False) -> tuple[str, ...]:
+    """Ollama's capability list: what the weights are for, and what the template can do.
+    A reranker (rank pooling) only scores documents, whatever its chat template says."""
+    if rerank:
+        return ("rerank",)
     caps = ["embedding" if embedding else "completion"]
     if template_calls_tools(template):
         caps.append("tools")
@@ -63,6 +68,7 @@ class ModelView:
     vision: bool  # a projector the runner can load beside these weights
     capabilities: tuple[str, ...]
     defaults: Options  # the model's PARAMETERs, coerced
+    rerank: bool = False  # the weights pool to a relevance score (rank pooling)
 
     @property
     def name(self) -> str:
@@ -84,7 +90,8 @@ class ModelView:
         if not template:
             return self
         return replace(self, template=template,
-                       capabilities=capabilities(template, self.embedding, self.vision))
+                       capabilities=capabilities(template, self.embedding, self.vision,
+                                                 self.rerank))
 
     def builder(self, bos: str, eos: str, go: str | None = None) -> PromptBuilder:
         """The prompt builder for the runner's BOS and EOS text: the TEMPLATE layer, else
@@ -150,15 +157,16 @@ class Models:
     def _describe(self, record: ModelRecord) -> ModelView:
         try:
             info = self.store.gguf_info(record.model_digest)
-            jinja, embedding = info.chat_template or None, \
-                f"{info.architecture}.pooling_type" in info.metadata
+            pooling = info.metadata.get(f"{info.architecture}.pooling_type")
+            jinja, embedding = info.chat_template or None, pooling is not None
         except CorralError:
-            jinja, embedding = None, False
+            jinja, embedding, pooling = None, False, None
+        rerank = pooling == RANK_POOLING
         template = record.template or jinja or ""
         vision = self._vision(record)
         return ModelView(record, template, None if record.template else jinja, embedding,
-                         vision, capabilities(template, embedding, vision),
-                         Options.parse(record.parameters))
+                         vision, capabilities(template, embedding, vision, rerank),
+                         Options.parse(record.parameters), rerank)
 
     def _vision(self, record: ModelRecord) -> bool:
         # A GGUF that merely describes a vision tower, without a projector, cannot see.
