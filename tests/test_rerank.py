@@ -253,7 +253,7 @@ def test_a_reranker_neither_generates_nor_embeds(daemon: Daemon) -> None:
 
 
 def test_the_cohere_sdk_reranks_unmodified(daemon: Daemon) -> None:
-    co = cohere.ClientV2(api_key="unused", base_url=daemon.url, max_retries=0)
+    co = cohere.ClientV2(api_key="unused", base_url=daemon.url)
     out = co.rerank(model=RERANKER, query=QUERY, documents=DOCS[:4], top_n=3)
     assert len(out.results) == 3
     scores = [r.relevance_score for r in out.results]
@@ -263,6 +263,20 @@ def test_the_cohere_sdk_reranks_unmodified(daemon: Daemon) -> None:
         co.rerank(model=CHAT, query=QUERY, documents=["a"])
     with pytest.raises(cohere.NotFoundError):
         co.rerank(model="nope", query=QUERY, documents=["a"])
+
+
+def test_langchain_cohere_rerank_through_a_cohere_base_url(daemon: Daemon) -> None:
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document
+
+    ranker = CohereRerank(model=RERANKER, cohere_api_key="unused", base_url=daemon.url,
+                          top_n=2)
+    kept = ranker.compress_documents([Document(page_content=d) for d in DOCS[:4]], QUERY)
+    direct = post(daemon, "/v1/rerank", {"model": RERANKER, "query": QUERY,
+                                         "documents": DOCS[:4], "top_n": 2}).json()
+    assert [d.page_content for d in kept] == [DOCS[r["index"]] for r in direct["results"]]
+    assert [d.metadata["relevance_score"] for d in kept] == pytest.approx(
+        [r["relevance_score"] for r in direct["results"]], abs=1e-6)
 
 
 def test_corral_run_explains_a_reranker(daemon: Daemon) -> None:
