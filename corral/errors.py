@@ -16,7 +16,6 @@ Every package raises these; only `format_error` decides what a client sees.
     +-- NotFound                 404
     |   +-- ModelNotFound
     +-- MethodNotAllowed         405
-    +-- NotImplementedYet        501  a route Corral does not serve yet
     +-- PayloadTooLarge          413
     +-- ServerBusy               503  answered with Retry-After
     +-- NoSpace                  507  the disk is full; retrying will not help
@@ -92,10 +91,6 @@ class ModelNotFound(NotFound):
 
 class MethodNotAllowed(CorralError):
     status = 405
-
-
-class NotImplementedYet(CorralError):
-    status = 501
 
 
 class PayloadTooLarge(CorralError):
