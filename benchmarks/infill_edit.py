@@ -133,7 +133,7 @@ def fim_store(work: Path) -> tuple[Path, Path]:
     gguf = write_fim_gguf(source, work / "fim.gguf")
     store = Store(work / "models")
     with gguf.open("rb") as f:
-        blob = store.import_blob(f)[0]
+        blob = store.write_blob(iter(lambda: f.read(1 << 20), b""))[0]
     create_model(store, CreateRequest(model=MODEL, files={gguf.name: blob}))
     return work / "models", gguf
 

@@ -16,7 +16,6 @@ Every package raises these; only `format_error` decides what a client sees.
     +-- NotFound                 404
     |   +-- ModelNotFound
     +-- MethodNotAllowed         405
-    +-- NotImplementedYet        501  a route Corral does not serve yet
     +-- PayloadTooLarge          413
     +-- ServerBusy               503  answered with Retry-After
     +-- NoSpace                  507  the disk is full; retrying will not help
@@ -94,10 +93,6 @@ class MethodNotAllowed(CorralError):
     status = 405
 
 
-class NotImplementedYet(CorralError):
-    status = 501
-
-
 class PayloadTooLarge(CorralError):
     status = 413
 
@@ -133,6 +128,7 @@ class Shape(str, enum.Enum):
     OLLAMA = "ollama"  # {"error": message}
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}
     ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}
+    COHERE = "cohere"  # {"message": message}
     RUNNER = "runner"  # {"error": message, "kind": class name}: the type survives the hop
     TEXT = "text"  # "404 page not found": what Ollama (gin) answers for unknown routes
 
@@ -167,6 +163,8 @@ def format_error(exc: BaseException, shape: Shape = Shape.OLLAMA) -> tuple[int, 
         return status, {"error": message, "kind": kind}
     if shape is Shape.TEXT:
         return status, message
+    if shape is Shape.COHERE:
+        return status, {"message": message}
     return status, {"error": message}
 
 

@@ -105,7 +105,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., "Daemon"]]:
 
 
 # Any test that uses one of these fixtures loads the real model through llama.cpp.
-MODEL_FIXTURES = frozenset({"starter_store", "starter_gguf", "daemon"})
+MODEL_FIXTURES = frozenset({"starter_store", "starter_gguf", "daemon", "reranker_gguf"})
 
 
 # Read at collection, before isolated_env clears CORRAL_* for each test.
@@ -125,3 +125,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
         if not NETWORK and item.get_closest_marker("network"):
             item.add_marker(NETWORK_SKIP)
+
+
+@pytest.fixture(scope="session")
+def reranker_gguf(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-Reranker (tests/rerank_model.py) on the chat starter's vocabulary."""
+    from tests.rerank_model import write_reranker
+
+    return write_reranker(chat_gguf, tmp_path_factory.mktemp("reranker") / "reranker.gguf")

@@ -68,7 +68,7 @@ def test_a_broken_model_is_a_status_before_the_stream(daemon: Daemon, api: Api,
                                                       chat_gguf: Path) -> None:
     # A sound copy of the weights (one byte more, so a blob of its own), made a model,
     # and then cut short on disk, as a failed copy or a full disk would leave it.
-    digest = daemon.store.import_blob(_bytes_file(chat_gguf.read_bytes() + b"\0"))[0]
+    digest = daemon.store.write_blob_bytes(chat_gguf.read_bytes() + b"\0")[0]
     create_model(daemon.store, CreateRequest(model="truncated", files={"t.gguf": digest}))
     blob = daemon.store.blob_path(digest)
     blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 3])
@@ -77,12 +77,6 @@ def test_a_broken_model_is_a_status_before_the_stream(daemon: Daemon, api: Api,
         resp.read()
         assert resp.status_code == 500, resp.text
         assert "llama runner process has terminated" in api.error_message(resp)
-
-
-def _bytes_file(data: bytes) -> Any:
-    import io
-
-    return io.BytesIO(data)
 
 
 def test_a_full_queue_is_503_on_every_stream(starter_store: Store,

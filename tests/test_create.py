@@ -36,7 +36,7 @@ def create_from_modelfile(store: Store, model: str, mf: Modelfile, base_dir: Pat
     if looks_like_path(mf.from_):
         path = local_model_file(mf.from_, base_dir)
         with path.open("rb") as f:
-            req.files = {path.name: store.import_blob(f)[0]}
+            req.files = {path.name: store.write_blob(iter(lambda: f.read(1 << 20), b""))[0]}
     else:
         req.from_ = mf.from_
     return create_model(store, req, progress)
@@ -221,7 +221,7 @@ def test_overwrite_prunes_layers_no_longer_used(store: Store, tmp_path: Path) ->
 
 def _tiny_blob(store: Store, tmp_path: Path) -> str:
     with write_tiny_gguf(tmp_path / "tiny.gguf").open("rb") as f:
-        return store.import_blob(f)[0]
+        return store.write_blob(iter(lambda: f.read(1 << 20), b""))[0]
 
 
 def test_quantize_that_fails_half_way_leaves_no_blob(store: Store, tmp_path: Path) -> None:

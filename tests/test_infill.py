@@ -51,7 +51,7 @@ def daemon(starter_store: Store, fim_ggufs: dict[str, Path],
                       CONTEXT_LENGTH="4096")  # over n_batch (2048): the extra files fit
     for name, path in fim_ggufs.items():
         with path.open("rb") as f:
-            blob = d.store.import_blob(f)[0]
+            blob = d.store.write_blob(iter(lambda: f.read(1 << 20), b""))[0]
         create_model(d.store, CreateRequest(model=name, files={path.name: blob}))
     yield d
     d.shutdown()

@@ -443,3 +443,18 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
     usage = httpx.post(f"{ui_daemon.url}/v1/chat/completions", timeout=120, json={
         "model": "looker:latest", "messages": text_only, "max_tokens": 1}).json()["usage"]
     assert final["done"] and final["prompt_eval_count"] > usage["prompt_tokens"]
+
+
+def test_a_reranker_shows_its_capability_and_use(tab: Page, ui_daemon: Daemon,
+                                                 reranker_gguf: Path) -> None:
+    import ollama
+
+    client = ollama.Client(host=ui_daemon.url)
+    digest = client.create_blob(reranker_gguf)
+    assert client.create(model="reranker", files={"r.gguf": digest}).status == "success"
+    page = tab.open("models")
+    page.get_by_role("button", name="Show reranker:latest").click()
+    details = page.get_by_label("Model details")
+    details.get_by_text("/v1/rerank", exact=False).wait_for()
+    assert "rerank" in details.locator("dd").all_inner_texts()
+    assert "completion" not in details.inner_text()

@@ -43,12 +43,27 @@ class Client:
         headers = {"User-Agent": "corral-cli"}
         if settings.api_key:
             headers["Authorization"] = f"Bearer {settings.api_key}"
+        self._headers, self._timeout = headers, timeout
+        self.http = self._open()
+
+    def _open(self) -> httpx.Client:
         # The daemon is local; a proxy from the environment must not get in between.
-        self.http = httpx.Client(base_url=self.base, headers=headers, trust_env=False,
-                                 timeout=httpx.Timeout(timeout or 30.0, read=None))
+        return httpx.Client(base_url=self.base, headers=self._headers, trust_env=False,
+                            timeout=httpx.Timeout(self._timeout or 30.0, read=None))
 
     def close(self) -> None:
         self.http.close()
+
+    def hang_up(self) -> None:
+        """Close every connection, so the daemon sees each stream it was sending end.
+
+        Ctrl-C can land anywhere inside httpx, also where the interrupted stream's
+        connection is neither closed nor returned; the daemon would then keep generating
+        the abandoned answer, and the next request could wait behind it. A fresh pool
+        leaves no such connection behind.
+        """
+        self.http.close()
+        self.http = self._open()
 
     # ---- the daemon ----------------------------------------------------------------------
 

@@ -223,10 +223,6 @@ def save_json(path: Path, cfg: BenchConfig, summaries: list[Summary]) -> None:
     path.write_text(json.dumps(doc, indent=2))
 
 
-def load_json(path: Path) -> list[Summary]:
-    return [Summary.from_json(level) for level in json.loads(path.read_text())["levels"]]
-
-
 def plot(summaries: list[Summary], out_dir: Path) -> list[Path]:
     """Throughput and TTFT p50/p99 against concurrency, as PNGs (needs the `plot` extra)."""
     try:

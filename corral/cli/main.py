@@ -239,6 +239,7 @@ def run(model: str,
     c = client(preload=model)
     if not c.exists(model):
         show_progress(c.stream("/api/pull", {"model": model, "insecure": insecure}))
+    _refuse_reranker(c, model)
     keep_alive = None
     if keepalive:
         try:
@@ -258,6 +259,15 @@ def run(model: str,
         repl.one_shot(c, opts, text)
     else:
         repl.interactive(c, opts)
+
+
+def _refuse_reranker(c: Client, model: str) -> None:
+    """A reranker cannot chat: say what it is for instead of starting a chat that fails."""
+    if "rerank" in (c.show(model).get("capabilities") or []):
+        raise CorralError(
+            f"{model} is a reranker: it scores documents against a query and cannot chat. "
+            f"Send it to the rerank API, e.g. curl {c.base}/v1/rerank -d '{{\"model\": "
+            f"\"{model}\", \"query\": \"...\", \"documents\": [\"...\", \"...\"]}}'")
 
 
 def _think_flag(value: str | None) -> bool | str | None:

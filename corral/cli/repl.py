@@ -210,7 +210,8 @@ class Session:
             final = _with_spinner(self.err, collect(), self.opts.wordwrap,
                                   not self.opts.hide_thinking)
         except KeyboardInterrupt:
-            stream.close()  # hanging up cancels the generation on the daemon
+            stream.close()
+            self.client.hang_up()  # hanging up cancels the generation on the daemon
             print()
             return  # a cancelled answer is not added to the history
         print("\n")
@@ -379,6 +380,7 @@ def interactive(client: Client, opts: RunOptions) -> None:
                     continue
                 session.chat(line)
             except KeyboardInterrupt:
+                client.hang_up()  # whatever the command had open ends with it
                 print()
             except (ClientError, CorralError) as exc:
                 print(f"Error: {exc.message}", file=sys.stderr)

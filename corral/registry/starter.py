@@ -73,7 +73,7 @@ def _distribution(starter: Starter) -> metadata.Distribution:
                           " run ./install.sh") from None
 
 
-def _parts(starter: Starter) -> tuple[list[Path], str]:
+def package_parts(starter: Starter) -> tuple[list[Path], str]:
     """The GGUF's parts in order, and the sha256 the package says they add up to."""
     dist = _distribution(starter)
     if starter.files:
@@ -115,7 +115,7 @@ def _html_to_text(page: str) -> str:
 
 def install_starter(store: Store, starter: Starter = BASE) -> Name:
     """Stream the GGUF into the blob store (sha256-checked) and create the model."""
-    parts, digest = _parts(starter)
+    parts, digest = package_parts(starter)
     if not store.has_blob(digest):
         store.write_blob(_chunks(parts), expected=digest)
     req = CreateRequest(model=starter.name, files={starter.filename: digest},
@@ -137,11 +137,6 @@ def starter_model_path(store: Store, name: str = STARTER_NAME) -> Path | None:
         if layer.media_type.endswith(".model"):
             return store.blob_path(layer.digest)
     return None
-
-
-def expected_digest(starter: Starter) -> str:
-    """The sha256 of the starter's GGUF as its package records it."""
-    return _parts(starter)[1]
 
 
 def main() -> int:

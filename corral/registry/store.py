@@ -21,7 +21,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from corral.errors import CorralError, DigestMismatch, ModelNotFound, NoSpace
 from corral.registry.gguf import GGUFInfo, inspect_gguf
@@ -197,9 +197,6 @@ class Store:
 
     def write_blob_bytes(self, data: bytes, expected: str | None = None) -> tuple[str, int]:
         return self.write_blob([data], expected)
-
-    def import_blob(self, src: BinaryIO, expected: str | None = None) -> tuple[str, int]:
-        return self.write_blob(iter(lambda: src.read(CHUNK), b""), expected)
 
     def delete_blob(self, digest: str) -> None:
         self.blob_path(digest).unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, Iterator
 from corral.process import package_parent
 from corral.errors import CorralError, EngineFailed, RunnerError, from_wire
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.rankwire import Ranked, RerankJob
 from corral.runner.wire import (Cancel, CompletionJob, Counted, DoneLine, EmbedJob, Embeddings,
                                Health, LoadReport, Threads, TokenLine, Tokenize, read_line)
 
@@ -217,6 +218,9 @@ class RunnerProcess:
 
     def embed(self, job: EmbedJob) -> Embeddings:
         return Embeddings.from_json(self._call("/embed", job.to_json(), timeout=None))
+
+    def rerank(self, job: RerankJob) -> Ranked:
+        return Ranked.from_json(self._call("/rerank", job.to_json(), timeout=None))
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return [int(t) for t in self.tokens(Tokenize(text, add_special))]

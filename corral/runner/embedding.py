@@ -2,7 +2,12 @@
 
 A generation context must not have embeddings on: llama.cpp would then compute
 262k-wide logits for every prompt token. Pooling follows the model; a model
-without a pooling type (a plain causal LM) is mean-pooled.
+without a pooling type (a plain causal LM) is mean-pooled. A reranker (rank pooling)
+pools to its classifier's outputs, one per label, and llama-server's score is the first.
+
+Several inputs are evaluated together: up to SEQS sequences, as many as fit the
+context's cells, in one llama_decode (llama.cpp pools each sequence on its own), so a
+request of many short inputs (a rerank's documents) is a few batches, not one each.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from corral.runner.jobs import Embed, Failed
 
 MIN_CAPACITY = 512
 SLICE = 8  # inputs embedded between two decode steps
+SEQS = SLICE  # sequences in one embedding batch: a slice fits one decode when short
 
 
 class Embedder:
@@ -39,6 +45,16 @@ class Embedder:
         self.capacity = 0
         self.pooling: int | None = None  # the model's, or mean for a plain causal LM
         self.n_embd = int(L.llama_model_n_embd(model))
+        self.decodes = 0  # batches evaluated: the tests see documents share them
+        self.encoder_only = bool(L.llama_model_has_encoder(model)
+                                 and not L.llama_model_has_decoder(model))
+
+    @property
+    def width(self) -> int:
+        """Floats per pooled output: a reranker's labels, else the embedding length."""
+        if self.pooling == L.LLAMA_POOLING_TYPE_RANK:
+            return max(1, int(L.llama_model_n_cls_out(self.model)))
+        return self.n_embd
 
     def set_threads(self, n: int) -> None:
         """Engine thread: the runner's share of the cores, now and for later contexts."""
@@ -50,7 +66,8 @@ class Embedder:
         cparams = L.llama_context_default_params()
         cparams.n_ctx = capacity
         cparams.n_batch = cparams.n_ubatch = capacity  # one input = one ubatch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = SEQS
+        cparams.kv_unified = True  # the sequences of a batch share the cells, not split them
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.embeddings = True
         cparams.pooling_type = pooling
@@ -85,28 +102,34 @@ class Embedder:
         self.batch = L.llama_batch_init(capacity, 0, 1)
 
     def embed(self, inputs: list[list[int]], truncate: bool) -> list[list[float]]:
-        """Raw pooled embeddings, one per input, in order."""
+        """Raw pooled outputs, one per input, in order."""
         for tokens in inputs:
             if not tokens:
                 raise BadRequest("cannot embed an empty input")
             if len(tokens) > self.num_ctx and not truncate:
                 raise ContextOverflow("the input length exceeds the context length")
-        self._ensure(max(min(len(t), self.num_ctx) for t in inputs))
-        out = []
-        encoder_only = L.llama_model_has_encoder(self.model) and not L.llama_model_has_decoder(
-            self.model)
-        for tokens in inputs:
-            tokens = tokens[: self.num_ctx]
-            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
-            native.fill_batch(self.batch, [(tok, i, 0, True) for i, tok in enumerate(tokens)],
-                              self.capacity)
-            rc = (L.llama_encode if encoder_only else L.llama_decode)(self.ctx, self.batch)
-            if rc != 0:
-                raise RunnerError(f"embedding failed ({rc})")
-            ptr = L.llama_get_embeddings_seq(self.ctx, 0)
+        inputs = [tokens[: self.num_ctx] for tokens in inputs]
+        self._ensure(max(len(t) for t in inputs))
+        out: list[list[float]] = []
+        for group in _groups(inputs, self.capacity):
+            out.extend(self._pool(group))
+        return out
+
+    def _pool(self, group: list[list[int]]) -> list[list[float]]:
+        """One decode of `group`'s sequences (seq i is group[i]); each one's pooled output."""
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        native.fill_batch(self.batch, [(tok, i, seq, True) for seq, tokens in enumerate(group)
+                                       for i, tok in enumerate(tokens)], self.capacity)
+        rc = (L.llama_encode if self.encoder_only else L.llama_decode)(self.ctx, self.batch)
+        if rc != 0:
+            raise RunnerError(f"embedding failed ({rc})")
+        self.decodes += 1
+        width, out = self.width, []
+        for seq in range(len(group)):
+            ptr = L.llama_get_embeddings_seq(self.ctx, seq)
             if not ptr:
                 raise RunnerError("the model produced no pooled embedding")
-            out.append([float(ptr[i]) for i in range(self.n_embd)])
+            out.append([float(ptr[i]) for i in range(width)])
         return out
 
     def free(self) -> None:
@@ -117,6 +140,19 @@ class Embedder:
             native.free_context(self.ctx)
             self.ctx = None
         self.capacity = 0
+
+
+def _groups(inputs: list[list[int]], cells: int) -> list[list[list[int]]]:
+    """`inputs` in order, cut into runs of at most SEQS whose tokens fit `cells`."""
+    groups: list[list[list[int]]] = []
+    used = cells
+    for tokens in inputs:
+        if used + len(tokens) > cells or len(groups[-1]) == SEQS:
+            groups.append([])
+            used = 0
+        groups[-1].append(tokens)
+        used += len(tokens)
+    return groups
 
 
 class EmbedQueue:

@@ -82,7 +82,7 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
 
 
 CPU_MAX_SLOTS = 16  # aggregate decode on a CPU stops growing near 8 streams; 16 keeps the queue off
-GPU_MAX_SLOTS = 32  # see the README's GPU notes
+GPU_MAX_SLOTS = 32  # see docs/gpu.md
 
 
 CACHE_RAM_MAX = 4 << 30

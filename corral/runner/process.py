@@ -8,6 +8,7 @@ port and load report), then serves:
     POST /completion              a CompletionJob (runner.wire) -> NDJSON: {"content"} lines,
                                   then a final {"done": true, ...}
     POST /embed                   {"embeddings": [[...]], "prompt_eval_count": n}
+    POST /rerank                  a RerankJob (runner.rankwire) -> {"scores", "prompt_eval_count"}
     POST /tokenize, /detokenize   the model's own tokenizer, as llama-server's: the daemon
                                   renders text and needs neither; tests and tools that
                                   count tokens against a runner do
@@ -41,6 +42,7 @@ from corral.runner.jobs import Done, Failed, Job, JobEvent, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.loading import LoadedModel, Pending, load
 from corral.runner.service import RunnerService
+from corral.runner.rankwire import RerankJob
 from corral.runner.wire import (Cancel, CompletionJob, Counted, Detokenize, EmbedJob, Health,
                                LoadReport, Threads, TokenLine, Tokenize, read_command)
 
@@ -107,6 +109,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._completion(body)
             elif route == "/embed":
                 self._send(200, self.service.embed(EmbedJob.from_json(body)).to_json())
+            elif route == "/rerank":
+                self._send(200, self.service.rerank(RerankJob.from_json(body)).to_json())
             elif route == "/tokenize":
                 tokens = self.service.tokenize(read_command(Tokenize, body))
                 self._send(200, {"tokens": [t if isinstance(t, int) else asdict(t)

@@ -17,6 +17,8 @@ from corral.runner.engine import Engine
 from corral.runner.fim import FIM_REUSE, NULL, FimTokens, Infill, infill_tokens
 from corral.runner.jobs import Embed, Job, SamplingParams
 from corral.runner import native
+from corral.runner.rankwire import Ranked, RerankJob
+from corral.runner.rerank import is_reranker, prompt_tokens, rerank_template
 from corral.runner.wire import (CompletionJob, EmbedJob, Embeddings, LoadReport, TokenPiece,
                                Tokenize)
 
@@ -151,19 +153,39 @@ class RunnerService:
         if job.max_tokens and total > job.max_tokens:
             raise BadRequest(f"too many tokens: the inputs hold {total}, over the limit of "
                              f"{job.max_tokens} (CORRAL_MAX_EMBED_TOKENS)")
-        command = Embed(tokens, job.truncate, id=job.id)
-        if command.id:
-            with self.lock:
-                self.jobs[command.id] = command
-        try:
-            vectors = self.engine.run_embed(command)
-        finally:
-            self.forget(command)
+        vectors = self._pooled(Embed(tokens, job.truncate, id=job.id))
         if job.dimensions > 0:
             vectors = [v[:job.dimensions] for v in vectors]
         if job.normalize:
             vectors = [_normalize(v) for v in vectors]
         return Embeddings(vectors, total)
+
+
+    def rerank(self, job: RerankJob) -> Ranked:
+        """Each document's score against the query, as llama-server's /rerank computes it:
+        the documents are sequences of the engine's embedding batches (runner.embedding)."""
+        engine = self.engine
+        if not is_reranker(engine.model):
+            raise BadRequest("this model is not a reranker (its GGUF has no rank pooling)")
+        template = rerank_template(engine.model)
+        prompts = [prompt_tokens(engine.vocab, template, job.query, doc)
+                   for doc in job.documents]
+        for i, tokens in enumerate(prompts):
+            if len(tokens) > engine.num_ctx:
+                raise BadRequest(f"document {i} is too long: its prompt is {len(tokens)} "
+                                 f"tokens, over the context of {engine.num_ctx} (num_ctx)")
+        outputs = self._pooled(Embed(prompts, truncate=False, id=job.id))
+        return Ranked([out[0] for out in outputs], sum(len(t) for t in prompts))
+
+    def _pooled(self, command: Embed) -> list[list[float]]:
+        """The engine's pooled outputs for `command`, cancellable by its id meanwhile."""
+        if command.id:
+            with self.lock:
+                self.jobs[command.id] = command
+        try:
+            return self.engine.run_embed(command)
+        finally:
+            self.forget(command)
 
 
 def _decode(images: Any) -> list[bytes]:

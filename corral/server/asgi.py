@@ -59,8 +59,10 @@ async def send_error(send: Send, exc: CorralError, shape: Shape) -> None:
 def shape_of(path: str) -> Shape:
     if path.startswith("/v1/messages"):
         return Shape.ANTHROPIC
-    if path in ("/tokenize", "/detokenize", "/infill"):  # llama-server's: OpenAI's shape
+    if path in ("/tokenize", "/detokenize", "/rerank", "/infill"):  # llama-server's: OpenAI's
         return Shape.OPENAI
+    if path.startswith("/v2/"):  # Cohere's v2 API (/v2/rerank)
+        return Shape.COHERE
     return Shape.OPENAI if path.startswith("/v1/") else Shape.OLLAMA
 
 

@@ -40,7 +40,7 @@ def routes(services: Services, puller: Puller, pusher: Pusher
     """(method, path, route): a path may end in Starlette's `{name:path}` for a prefix."""
     from corral.server import lifecycle, manage, page
     from corral.server.dialects import (anthropic, infill, native, openai, openai_misc,
-                                        responses, tokens)
+                                        rerank, responses, tokens)
 
     blobs = manage.blobs(services)
     return [
@@ -54,6 +54,8 @@ def routes(services: Services, puller: Puller, pusher: Pusher
         ("POST", "/api/detokenize", tokens.api_detokenize(services)),
         ("POST", "/tokenize", tokens.llama_tokenize(services)),  # llama-server's
         ("POST", "/detokenize", tokens.llama_detokenize(services)),
+        *[("POST", path, rerank.jina_rerank(services)) for path in rerank.JINA_PATHS],
+        ("POST", "/v2/rerank", rerank.cohere_rerank(services)),  # Cohere's v2
         ("POST", "/infill", infill.infill(services)),  # llama-server's code completion
         ("GET", "/api/tags", manage.tags(services)),
         ("POST", "/api/show", manage.show(services)),

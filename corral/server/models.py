@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from corral.server.prompt import PromptBuilder
 
 VIEWS_CACHED = 64
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's GGUF
 
 
 def require_model(name: Any) -> str:
@@ -39,10 +40,13 @@ def require_model(name: Any) -> str:
 
 
 def capabilities(template: str, embedding: bool, vision: bool,
-                 fim: frozenset[str] = frozenset()) -> tuple[str, ...]:
+                 rerank: bool = False, fim: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """Ollama's capability list: what the weights are for, and what the template can do.
+    A reranker (rank pooling) only scores documents, whatever its chat template says.
     `insert` is a template that renders `.Suffix`, or, beyond Ollama, the vocabulary's
     fill-in-the-middle tokens (registry/fim.py), which a suffix is then written with."""
+    if rerank:
+        return ("rerank",)
     caps = ["embedding" if embedding else "completion"]
     if template_calls_tools(template):
         caps.append("tools")
@@ -67,6 +71,7 @@ class ModelView:
     vision: bool  # a projector the runner can load beside these weights
     capabilities: tuple[str, ...]
     defaults: Options  # the model's PARAMETERs, coerced
+    rerank: bool = False  # the weights pool to a relevance score (rank pooling)
     fim: frozenset[str] = frozenset()  # the vocabulary's FIM roles (registry/fim.py)
 
     @property
@@ -95,7 +100,7 @@ class ModelView:
             return self
         return replace(self, template=template,
                        capabilities=capabilities(template, self.embedding, self.vision,
-                                                 self.fim))
+                                                 self.rerank, self.fim))
 
     def builder(self, bos: str, eos: str, go: str | None = None) -> PromptBuilder:
         """The prompt builder for the runner's BOS and EOS text: the TEMPLATE layer, else
@@ -161,15 +166,16 @@ class Models:
     def _describe(self, record: ModelRecord) -> ModelView:
         try:
             info = self.store.gguf_info(record.model_digest)
-            jinja, embedding, fim = info.chat_template or None, \
-                f"{info.architecture}.pooling_type" in info.metadata, info.fim
+            pooling = info.metadata.get(f"{info.architecture}.pooling_type")
+            jinja, embedding, fim = info.chat_template or None, pooling is not None, info.fim
         except CorralError:
-            jinja, embedding, fim = None, False, frozenset()
+            jinja, embedding, pooling, fim = None, False, None, frozenset()
+        rerank = pooling == RANK_POOLING
         template = record.template or jinja or ""
         vision = self._vision(record)
         return ModelView(record, template, None if record.template else jinja, embedding,
-                         vision, capabilities(template, embedding, vision, fim),
-                         Options.parse(record.parameters), fim)
+                         vision, capabilities(template, embedding, vision, rerank, fim),
+                         Options.parse(record.parameters), rerank, fim)
 
     def _vision(self, record: ModelRecord) -> bool:
         # A GGUF that merely describes a vision tower, without a projector, cannot see.

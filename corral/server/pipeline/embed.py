@@ -21,6 +21,9 @@ def embed(services: Services, view: ModelView, inputs: list[str], options: Any,
           ) -> tuple[Embeddings, float]:
     """The runner's embeddings and the seconds spent getting the model ready."""
     settings = services.settings
+    if view.rerank:
+        raise BadRequest(f"{view.name} is a reranker: it scores documents against a query "
+                         "(POST /v1/rerank) and does not embed")
     if len(inputs) > settings.max_embed_inputs:
         raise BadRequest(f"too many inputs: {len(inputs)} is over the limit of "
                          f"{settings.max_embed_inputs} (CORRAL_MAX_EMBED_INPUTS)")

@@ -42,6 +42,8 @@ class Plan:
 def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
     """The plan of `request` against `view`, or a 400 naming what is wrong."""
     caps = view.capabilities
+    if view.rerank:
+        raise BadRequest(not_generative(view))
     if request.think and "thinking" not in caps:
         raise BadRequest(f'"{request.model}" does not support thinking')
     # No `think` sent: a thinking model thinks, as Ollama decides (Hugging Face's templates
@@ -59,6 +61,11 @@ def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
         images = checked_images(view, request.images, limits)
     return Plan(request, view, view.options(request.options), fmt, tools, grammar,
                 messages, images, special=uses_harmony(view.template), think=think)
+
+
+def not_generative(view: ModelView) -> str:
+    return (f"{view.name} is a reranker: it scores documents against a query "
+            "(POST /v1/rerank) and does not generate text")
 
 
 def _tools(view: ModelView, request: Task) -> list[Tool]:

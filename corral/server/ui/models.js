@@ -74,6 +74,8 @@ async function details(name) {
     ["Quantization", d.quantization_level], ["Format", d.format],
     ["Context length", info[`${info["general.architecture"]}.context_length`]],
     ["Capabilities", (show.capabilities || []).join(", ")]];
+  // A reranker cannot chat: say where it is used instead.
+  if ((show.capabilities || []).includes("rerank")) facts.push(["Use", "POST /v1/rerank or /v2/rerank: scores documents against a query"]);
   box.replaceChildren(el("h2", { text: name }),
     el("dl", {}, ...facts.filter(([, v]) => v !== undefined && v !== "").flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: String(v) })])),
     ...[section("Parameters", show.parameters), section("Template", show.template),
