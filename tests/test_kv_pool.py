@@ -114,12 +114,17 @@ def test_preempted_streams_resume_whole(pooled: Any) -> None:
 
 
 MARGIN = 0.25  # nats between two picks that make a near-tie (seen here: up to 0.1)
+# How many near-ties may flip in a run. Which rows share a batch depends on thread timing,
+# and the batch's shape changes a logit in its last places, so the count varies from run to
+# run (seen here: 0 to 3 of 100, once 3 at the pinned commit before any change). A resume
+# that lost its KV is caught by MARGIN at its first wrong token, not by this count.
+NEAR_TIES = N // 20
 
 
 def assert_greedy_alone(engine: Any, prompt: list[int], generated: list[int]) -> None:
     """`generated` is what a greedy run of `prompt` alone in the pool (never preempted)
     makes of it, but for near-ties: each token is the pick of such a run from the same text
-    before it, or, at two places at most, a token as likely as that pick within MARGIN.
+    before it, or, at NEAR_TIES places at most, a token as likely as that pick within MARGIN.
     (Sharing the buffer changes a sequence's logits a little, so a pick between two
     near-equal tokens may flip: README, KV pool. A resume that lost or misplaced its KV
     disagrees with the alone run from then on, and by more.)"""
@@ -137,7 +142,7 @@ def assert_greedy_alone(engine: Any, prompt: list[int], generated: list[int]) ->
             rivals = [t.logprob for t in pick.top if t.bytes == mine]
             assert rivals and pick.logprob - rivals[0] < MARGIN, (i, pick, mine)
             flips.append(i)
-    assert len(flips) <= 2, flips
+    assert len(flips) <= NEAR_TIES, flips
     assert engine.status()["preemptions"] == before  # alone, so never preempted
 
 

@@ -63,6 +63,13 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         b.close()
 
 
+# Deadlines, not speed bounds. With a clean-clone CI run beside the suite, the wait for a
+# grammar-forced answer (each pick checks the grammar over the whole vocabulary) ran out at
+# 60 s here once.
+ANSWERED_MS = 240_000
+ACTION_MS = 120_000  # Playwright's own default, 30 s, for every click and wait
+
+
 class Page:
     """One tab on the daemon's page, with its console errors and outside requests recorded."""
 
@@ -72,6 +79,7 @@ class Page:
         self.outside: list[str] = []
         self.errors: list[str] = []
         self.context.route("**/*", self._only_daemon)
+        self.context.set_default_timeout(ACTION_MS)
         self.page = self.context.new_page()
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
@@ -172,7 +180,7 @@ def test_chat_streams_an_answer_into_the_log(tab: Page, tmp_path: Path) -> None:
     tab.rewrite_chat(options={"temperature": 0, "seed": 1, "num_predict": 24})
     tab.send("Name three colors.")
     answer = tab.answer()
-    answer.locator(".note").wait_for(timeout=60_000)  # "N tokens, X tokens/s" at the end
+    answer.locator(".note").wait_for(timeout=ANSWERED_MS)  # "N tokens, X tokens/s" at the end
     assert answer.locator(".content").inner_text().strip()
     assert page.evaluate("window.__changes") > 3
     screenshot(page, "ui-chat.png", tmp_path)
@@ -192,7 +200,7 @@ def test_model_output_with_markup_is_shown_as_text(tab: Page, tmp_path: Path) ->
     tab.rewrite_chat(grammar="root ::= " + json.dumps(words), options={"temperature": 0})
     tab.send("Say it.")
     answer = tab.answer()
-    answer.locator(".note").wait_for(timeout=60_000)
+    answer.locator(".note").wait_for(timeout=ANSWERED_MS)
     content = answer.locator(".content")
     assert "<script>window.pwned = 1</script>" in content.inner_text()
     assert content.locator("script, img").count() == 0
@@ -224,7 +232,7 @@ def test_thinking_is_folded_and_tool_calls_are_shown(tab: Page, ui_daemon: Daemo
                      grammar=f'root ::= [a-z]{{3,8}} " " [a-z]{{3,8}} "</think>" {call}')
     tab.send("Weather in Paris?", model="thinker:latest")
     answer = tab.answer()
-    answer.locator(".note").wait_for(timeout=60_000)
+    answer.locator(".note").wait_for(timeout=ANSWERED_MS)
     folded = answer.locator("details.thinking")
     assert folded.count() == 1 and folded.get_attribute("open") is None
     assert not answer.locator(".thinking-text").is_visible()
@@ -284,7 +292,7 @@ def test_a_late_answer_for_an_earlier_pick_does_not_count(tab: Page, ui_daemon: 
     assert not page.get_by_label("Think").is_visible()
     tab.rewrite_chat(options={"temperature": 0, "num_predict": 4})
     tab.send("Hi")
-    tab.answer().locator(".note").wait_for(timeout=60_000)
+    tab.answer().locator(".note").wait_for(timeout=ANSWERED_MS)
     assert tab.answer().get_by_role("alert").count() == 0
 
 
@@ -428,7 +436,7 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
             page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
         tab.send("What is this?", model="looker:latest")
     answer = tab.answer()
-    answer.locator(".note").wait_for(timeout=60_000)
+    answer.locator(".note").wait_for(timeout=ANSWERED_MS)
     assert answer.get_by_role("alert").count() == 0
     assert answer.locator(".content").inner_text().strip()
     assert page.get_by_role("log").locator("article.user img").count() == 1
