@@ -1,15 +1,23 @@
 """An editing session replayed against /infill: Corral against llama-server.
 
 One Python file is typed into as a person types: 30 /infill requests whose cursor
-moves through a new function a word or a few characters at a time (the prefix is the
-file up to the cursor, the suffix the rest of it), each streamed as llama.vscode streams
-it. Both servers run the same GGUF (SmolLM2 with FIM tokens, tests/fim_model.py) on the
+moves through a new function a word or a few characters at a time, each streamed. Two
+request shapes (`--shape`):
+
+- `editor` (the default), as llama.vim and llama.vscode send it: `input_prefix` is the
+  lines above the cursor's line, `prompt` that line up to the cursor (llama.cpp puts it
+  after the FIM middle token, so typing on one line only appends), `input_suffix` the
+  rest of the line and the lines below;
+- `prefix`: the whole file up to the cursor as `input_prefix` and the rest as
+  `input_suffix`, so every keystroke lands before the suffix (the shape of the first
+  runs in RESULTS.md).
+ Both servers run the same GGUF (SmolLM2 with FIM tokens, tests/fim_model.py) on the
 same threads: llama-server with one slot and `--cache-reuse 256`, the setting
 llama.vscode recommends, and Corral with one slot. Prints time to first token p50 and
 p90 for each and the ratio Corral / llama-server (target: at most 0.8), and appends
 them to benchmarks/RESULTS.md.
 
-    .venv/bin/python benchmarks/infill_edit.py [--threads N] [--n-predict 8]
+    .venv/bin/python benchmarks/infill_edit.py [--threads N] [--n-predict 8] [--shape editor]
 """
 
 from __future__ import annotations
@@ -83,11 +91,21 @@ if __name__ == "__main__":
 '''
 
 
-def session(n: int = 30) -> list[dict[str, str]]:
-    """n cursor stops through TYPED, evenly spaced: each request's prefix has what was
-    typed so far, its suffix the rest of the file."""
+def session(shape: str, n: int = 30) -> list[dict[str, str]]:
+    """n cursor stops through TYPED, evenly spaced, each as a request of `shape`."""
     stops = [round((i + 1) * len(TYPED) / n) for i in range(n)]
-    return [{"input_prefix": BEFORE + TYPED[:k], "input_suffix": AFTER} for k in stops]
+    if shape == "prefix":
+        return [{"input_prefix": BEFORE + TYPED[:k], "input_suffix": AFTER} for k in stops]
+    return [editor_request(BEFORE + TYPED[:k], AFTER) for k in stops]
+
+
+def editor_request(before: str, after: str) -> dict[str, str]:
+    """What llama.vim sends with the cursor between `before` and `after` (its
+    llama#fim: the whole of this small file fits its 256 lines above and 64 below)."""
+    start = before.rfind("\n") + 1  # the cursor's line starts here
+    # Lines joined by newlines, each ended by one: the rest of the file, newline-ended.
+    return {"input_prefix": before[:start], "prompt": before[start:],
+            "input_suffix": after if after.endswith("\n") else after + "\n"}
 
 
 def ttft(url: str, body: dict[str, object]) -> float:
@@ -108,7 +126,7 @@ def replay(url: str, args: argparse.Namespace, model: str | None) -> list[float]
     sampling = {"n_predict": args.n_predict, "temperature": 0, "seed": 1, "stream": True,
                 **extra}
     ttft(url, {"input_prefix": "warm", "input_suffix": "up", **sampling})
-    return [ttft(url, {**stop, **sampling}) for stop in session()]
+    return [ttft(url, {**stop, **sampling}) for stop in session(args.shape)]
 
 
 def start_corral(store: Path, threads: int) -> tuple[str, subprocess.Popen[bytes]]:
@@ -151,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--n-predict", type=int, default=8)
+    parser.add_argument("--shape", choices=("editor", "prefix"), default="editor")
     args = parser.parse_args()
     threads = args.threads or physical_cores()
     build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
@@ -171,7 +190,8 @@ def report(args: argparse.Namespace, threads: int, load: float, ours: list[float
     lines = [f"\n## /infill editing session ({dt.date.today()}, {threads} threads, "
              f"load {load:.1f} at start)\n",
              "30 streamed /infill requests, the cursor moving through a new function of one "
-             f"file; SmolLM2 135M with FIM tokens, n_predict {args.n_predict}, greedy; "
+             f"file, `--shape {args.shape}`; SmolLM2 135M with FIM tokens, "
+             f"n_predict {args.n_predict}, greedy; "
              "llama-server `-np 1 --cache-reuse 256`, Corral one slot.\n",
              "| server | TTFT p50 ms | TTFT p90 ms |", "|---|---|---|",
              f"| llama-server | {q50 * 1e3:.1f} | {percentile(peer, 90) * 1e3:.1f} |",
