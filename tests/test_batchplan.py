@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from corral.runner.batchplan import Entry, plan_step
+from corral.runner.engine.batchplan import Entry, plan_step
 from corral.runner.jobs import Job
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
 
 
 class NoSampler:
@@ -74,13 +74,13 @@ def test_idle_slots_and_a_full_batch_add_nothing() -> None:
 
 def test_planning_needs_no_llama_cpp() -> None:
     # The step's policies are pure: planning, scheduling and the prompt cache's bookkeeping.
-    code = ("import sys, corral.runner.batchplan, corral.runner.scheduler, "
-            "corral.runner.promptcache; sys.exit('llama_cpp' in sys.modules)")
+    code = ("import sys, corral.runner.engine.batchplan, corral.runner.engine.placer, "
+            "corral.runner.cache.promptcache; sys.exit('llama_cpp' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_tails_over_a_long_context_go_a_few_per_step_short_prompts_all_at_once() -> None:
-    from corral.runner.batchplan import ATTEND_BUDGET
+    from corral.runner.engine.batchplan import ATTEND_BUDGET
 
     # Sixteen 10-token questions after a shared 1,140-token document (a burst, again).
     tails = [slot(i, SlotState.PREFILL, cached=1140, pending=10, started=i) for i in range(16)]

@@ -1,4 +1,4 @@
-"""Reads of the disk tier off the engine thread (runner.diskread), without llama.cpp: a
+"""Reads of the disk tier off the engine thread (runner.cache.diskread), without llama.cpp: a
 held read holds only its own sequence, a corrupt or swapped entry gives no bytes, a read
 past its deadline gives up and stops further reads until it returns, a cancelled
 sequence leaves, and sequences that want one entry share one read."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from corral.runner.caches import PrefixCaches
-from corral.runner.diskcache import DiskEntry, DiskTier, Read
-from corral.runner.diskread import DiskReads
+from corral.runner.cache.caches import PrefixCaches
+from corral.runner.cache.diskcache import DiskEntry, DiskTier, Read
+from corral.runner.cache.diskread import DiskReads
 from corral.runner.jobs import Job
-from corral.runner.promptcache import PromptCache
-from corral.runner.scheduler import Placement, Scheduler, Source
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot
+from corral.runner.cache.promptcache import PromptCache
+from corral.runner.engine.placer import Placement, Scheduler, Source
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot
 
 A = list(range(100, 300))
 B = list(range(500, 700))

@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from corral.runner.context import EngineConfig
+from corral.runner.llama.context import EngineConfig
 from corral.errors import ContextOverflow
-from corral.runner.engine import Engine
-from corral.runner.batchplan import StepPlan
+from corral.runner.engine.engine import Engine
+from corral.runner.engine.batchplan import StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 

@@ -12,15 +12,15 @@ import pytest
 from corral.cli.images import extract_images, mentions_image
 from corral.config import load_settings
 from corral.errors import BadRequest
-from corral.runner.batchplan import plan_step, text_run
-from corral.runner.admission import align_keep
-from corral.runner.imagefeed import check_images as check_spans
+from corral.runner.engine.batchplan import plan_step, text_run
+from corral.runner.engine.admission import align_keep
+from corral.runner.engine.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
 from corral.server.chat import Message
 from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
-from corral.runner.vision import ImageSpan
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.jobs import ImageSpan
 from corral.server.images import check_images, from_data_uri, measure
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes
 

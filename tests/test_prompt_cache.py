@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from corral.runner.caches import PrefixCaches, caches_for
-from corral.runner.diskcache import DiskTier
-from corral.runner.context import EngineConfig
+from corral.runner.cache.caches import PrefixCaches, caches_for
+from corral.runner.cache.diskcache import DiskTier
+from corral.runner.llama.context import EngineConfig
 from corral.runner.jobs import Job
-from corral.runner.promptcache import MIN_TOKENS, PromptCache
-from corral.runner.scheduler import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState, common_prefix
+from corral.runner.cache.promptcache import MIN_TOKENS, PromptCache
+from corral.runner.engine.placer import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
+from corral.runner.slots.sequence import Sequence
+from corral.runner.prefix import common_prefix
+from corral.runner.slots.slot import Slot, SlotState
 from tests.gguf_files import write_tiny_gguf
 
 A = list(range(100, 300))  # 200 tokens
@@ -168,7 +169,7 @@ def test_keys_that_must_not_match(tmp_path: Path) -> None:
 
 
 def test_images_are_part_of_the_key() -> None:
-    # An image is a run of one placeholder id derived from its hash (runner.vision):
+    # An image is a run of one placeholder id derived from its hash (runner.llama.vision):
     # another image stops the match where it starts.
     cache = PromptCache(budget=1000)
     text = list(range(1, 60))

@@ -19,9 +19,9 @@ import pytest
 from corral.api.wire import parse
 from corral.api.wire.rerank import RerankRequest
 from corral.errors import BadRequest
-from corral.runner.embedding import SEQS, Embedder, _groups
+from corral.runner.llama.embedding import SEQS, Embedder, _groups
 from corral.runner.rankwire import RerankJob
-from corral.runner.rerank import is_reranker, prompt_tokens, rerank_template
+from corral.runner.llama.rerank import is_reranker, prompt_tokens, rerank_template
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
 from corral.server.models import capabilities

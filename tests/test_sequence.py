@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from corral.runner.jobs import Done, Job
-from corral.runner.sequence import DoneReason, Sequence, SeqState
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
+from corral.runner.slots.slot import Slot, SlotState
 
 
 class CountingSampler:
