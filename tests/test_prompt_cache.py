@@ -1,5 +1,5 @@
 """The prompt cache's policies, without llama.cpp: which entry a prompt restores, what is
-evicted, what the disk tier refuses, which keys never match, and when the scheduler
+evicted, what the disk tier refuses, which keys never match, and when the placer
 branches from a running slot or holds a sequence for a prefix about to be computed."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from corral.runner.cache.diskcache import DiskTier
 from corral.runner.llama.context import EngineConfig
 from corral.runner.jobs import Job
 from corral.runner.cache.promptcache import MIN_TOKENS, PromptCache
-from corral.runner.engine.placer import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
+from corral.runner.engine.placer import HOLD_MIN, MIN_GAIN, Placement, Placer, Source
 from corral.runner.slots.sequence import Sequence
 from corral.runner.prefix import common_prefix
 from corral.runner.slots.slot import Slot, SlotState
@@ -196,39 +196,39 @@ def test_a_sequence_waits_for_a_shared_prefix_being_prefilled_then_branches() ->
     shared = list(range(1000, 1000 + 2 * HOLD_MIN))
     leader = busy(0, shared[:10], shared[10:] + [1, 2, 3])
     idle = Slot(seq_id=1, num_ctx=4096)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
     follower = waiting(shared + [7, 8, 9])
-    sched.add(follower)
-    assert sched.next([leader, idle]) is None  # held: the leader is computing its prefix
+    placer.add(follower)
+    assert placer.next([leader, idle]) is None  # held: the leader is computing its prefix
     leader.cached = shared + [1]  # the leader's prefill covered the shared part
     leader.sequence.pending = [2, 3]  # type: ignore[union-attr]
-    p = sched.next([leader, idle])
+    p = placer.next([leader, idle])
     assert isinstance(p, Placement) and p.source is Source.BRANCH
     assert p.donor is leader and p.slot is idle and p.keep == len(shared)
-    assert not sched.waiting
+    assert not placer.waiting
 
 
 def test_an_unrelated_sequence_is_not_held_behind_one_that_is() -> None:
     shared = list(range(1000, 1000 + 2 * HOLD_MIN))
     leader = busy(0, [], shared)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
-    sched.add(waiting(shared + [1]))
-    sched.add(waiting([5] * 50))
-    p = sched.next([leader, Slot(seq_id=1, num_ctx=4096)])
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
+    placer.add(waiting(shared + [1]))
+    placer.add(waiting([5] * 50))
+    p = placer.next([leader, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.seq.job.prompt == [5] * 50
 
 
 def test_restore_beats_reuse_only_by_a_real_gain() -> None:
     ram = PromptCache(budget=1 << 20)
     ram.add(A, b"a")
-    sched = Scheduler(4096, PrefixCaches(ram))
+    placer = Placer(4096, PrefixCaches(ram))
     slot = Slot(seq_id=0, num_ctx=4096, cached=A[:200 - MIN_GAIN + 1])
-    sched.add(waiting(A + [1]))
-    p = sched.next([slot])
+    placer.add(waiting(A + [1]))
+    p = placer.next([slot])
     assert isinstance(p, Placement) and p.source is Source.REUSE  # the gain is too small
     slot = Slot(seq_id=0, num_ctx=4096, cached=B)
-    sched.add(waiting(A + [1]))
-    p = sched.next([slot])
+    placer.add(waiting(A + [1]))
+    p = placer.next([slot])
     assert isinstance(p, Placement) and p.source is Source.RESTORE and p.keep == len(A)
     assert p.entry is not None and p.slot is slot
 
@@ -236,9 +236,9 @@ def test_restore_beats_reuse_only_by_a_real_gain() -> None:
 def test_a_prefix_never_ends_inside_the_prompt() -> None:
     ram = PromptCache(budget=1 << 20)
     ram.add(A, b"a")
-    sched = Scheduler(4096, PrefixCaches(ram))
-    sched.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
-    p = sched.next([Slot(seq_id=0, num_ctx=4096)])
+    placer = Placer(4096, PrefixCaches(ram))
+    placer.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
+    p = placer.next([Slot(seq_id=0, num_ctx=4096)])
     assert isinstance(p, Placement) and p.keep == len(A) - 1
 
 
@@ -246,7 +246,7 @@ def test_a_prefix_never_ends_inside_the_prompt() -> None:
 def test_a_tainted_slot_is_never_a_donor(state: SlotState) -> None:
     donor = busy(0, A, [] if state is SlotState.DECODE else [1])
     donor.tainted = True  # a context shift ran: its KV is not what a prefill would give
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
-    sched.add(waiting(A + [2]))
-    p = sched.next([donor, Slot(seq_id=1, num_ctx=4096)])
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
+    placer.add(waiting(A + [2]))
+    p = placer.next([donor, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.source is Source.NONE

@@ -2,10 +2,10 @@
 
 A prefix on disk is tens of megabytes to read and hash. On the engine thread that read
 would stall every other slot's decode, so a sequence whose best prefix is on disk
-waits here instead, off the scheduler's queue, while a helper thread reads and
+waits here instead, off the placer's queue, while a helper thread reads and
 verifies the entry (runner.cache.diskcache `DiskTier.read`: the bytes llama_state_seq_set_data
 will be given). The helper tells the engine thread it is done through the engine's
-command queue (`wake`), so an engine that waits for work wakes; the scheduler collects
+command queue (`wake`), so an engine that waits for work wakes; the placer collects
 finished reads at each admission (`poll`), and the sequence goes back to the front of
 the queue with its bytes, which the engine thread places (one thread per llama
 context: set_data stays there).
@@ -76,7 +76,7 @@ class Flight:
 
 @dataclass(frozen=True)
 class Fetched:
-    """A finished read as the scheduler gets it: the bytes, or None (go without)."""
+    """A finished read as the placer gets it: the bytes, or None (go without)."""
 
     seq: "Sequence"
     entry: DiskEntry

@@ -6,7 +6,7 @@ arrive on one queue (runner.jobs: Submit, Embed, Stop, Resized, SetThreads); eac
 job's results leave on its own queue as Token events, then Done or Failed.
 
 Each step reads schedule -> run (one llama_decode of the batch) -> postprocess:
-  schedule     the scheduler (engine/placer.py) admits waiting sequences onto idle
+  schedule     the placer (engine/placer.py) admits waiting sequences onto idle
                slots, each with its prefix from the slot's own cache, another slot or
                the prompt cache; context shifts; engine/batchplan.py chooses the next token
                of every decoding slot and prompt chunks of prefilling ones within n_batch;
@@ -46,7 +46,7 @@ from corral.runner.llama.sampling import for_job
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.postprocess import Postprocess
 from corral.runner.prefix import State
-from corral.runner.engine.placer import Placement, Refusal, Scheduler, Source
+from corral.runner.engine.placer import Placement, Placer, Refusal, Source
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -107,7 +107,7 @@ class Engine(Postprocess):
             if llama.streams < config.n_slots else None
         self.pool = KVPool(self.n_ctx) if config.kv_pool else None
         self.caches = caches or caches_for(model_path, config)  # or a test's
-        self.scheduler = Scheduler(self.num_ctx, self.caches, self.pool, reads_for(
+        self.placer = Placer(self.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
         self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
         self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
@@ -153,7 +153,7 @@ class Engine(Postprocess):
         return {
             "slots": len(slots), "slots_cap": self.config.n_slots, "threads": self.n_threads,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
-            "waiting": self.scheduler.queued() + len(self._embeds.pending)
+            "waiting": self.placer.queued() + len(self._embeds.pending)
             + self._commands.qsize(),
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
@@ -215,7 +215,7 @@ class Engine(Postprocess):
                 self.failed.set()  # the runner process exits; the daemon loads afresh
 
     def _idle(self) -> bool:
-        return not self.scheduler.waiting and not self._embeds and all(
+        return not self.placer.waiting and not self._embeds and all(
             s.state is SlotState.IDLE for s in self.slots)
 
     def _drain(self, block: bool) -> None:
@@ -225,7 +225,7 @@ class Engine(Postprocess):
             return
         while True:
             if isinstance(item, Submit):
-                self.scheduler.add(Sequence(item.job))
+                self.placer.add(Sequence(item.job))
             elif isinstance(item, Embed):
                 self._embeds.add(item)
             elif isinstance(item, Stop):
@@ -269,7 +269,7 @@ class Engine(Postprocess):
 
     def _reap_cancelled(self) -> None:
         # A queued request whose client has gone is dropped without running.
-        waiting = self.scheduler.waiting
+        waiting = self.placer.waiting
         for seq in [s for s in waiting if s.job.cancelled.is_set()]:
             waiting.remove(seq)
             seq.end(Done(DoneLine(done_reason=DoneReason.CANCEL.value)))
@@ -279,7 +279,7 @@ class Engine(Postprocess):
 
     def _admit(self) -> None:
         donors: dict[tuple[int, int], State] = {}  # states read from donor slots this round
-        while (decision := self.scheduler.next(self.slots)) is not None:
+        while (decision := self.placer.next(self.slots)) is not None:
             if isinstance(decision, Refusal):
                 decision.seq.end(Failed(decision.error))
                 continue
@@ -289,7 +289,7 @@ class Engine(Postprocess):
                 decision.seq.end(Failed(exc))
 
     def _place(self, p: Placement, donors: dict[tuple[int, int], State]) -> None:
-        """Start (or resume) a sequence on its slot, with the prefix the scheduler chose."""
+        """Start (or resume) a sequence on its slot, with the prefix the placer chose."""
         seq, job, tokens = p.seq, p.seq.job, p.tokens
         resuming = seq.state is SeqState.PREEMPTED
         if not resuming:
@@ -327,7 +327,7 @@ class Engine(Postprocess):
                 capacity.warm(len(s.cached), s.last_used, now)
                 for s in self.slots if s.state is SlotState.IDLE)
             self._overwritten = 0
-            self.resizer.tick(active, len(self.scheduler.waiting), now, warm)
+            self.resizer.tick(active, len(self.placer.waiting), now, warm)
         if not active:
             return None
         for slot in self.slots:
@@ -367,7 +367,7 @@ class Engine(Postprocess):
         seq = slot.vacate(self.clock())
         assert seq is not None
         seq.preempt()  # it keeps its sampler, streams and tokens: nothing is copied
-        self.scheduler.requeue(seq)
+        self.placer.requeue(seq)
         self.pool.preemptions += 1
         self.pool.pressure = True
         log.debug("preempted a sequence after %d tokens", seq.n_generated)
@@ -382,7 +382,7 @@ class Engine(Postprocess):
         for slot in self.slots:
             if slot.sequence is not None:
                 self._fail(slot, error)
-        for seq in self.scheduler.take_all():  # waiting, or waiting for a disk read
+        for seq in self.placer.take_all():  # waiting, or waiting for a disk read
             seq.end(Failed(error))
         self._embeds.fail_all(error)
 

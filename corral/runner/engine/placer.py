@@ -1,6 +1,6 @@
-"""The engine's scheduler: which waiting sequence runs next, on which slot, and where the
+"""The engine's placer: which waiting sequence runs next, on which slot, and where the
 KV of its prompt's prefix comes from. (The daemon's scheduler, server.scheduler, decides
-which models are loaded; this one works inside one model's engine.)
+which models are loaded; the placer works inside one model's engine.)
 
 Each engine step reads schedule -> run -> postprocess (runner.engine.engine); this is the
 first part's policy. It owns the waiting queue (new and preempted sequences, oldest
@@ -81,7 +81,7 @@ class Refusal:
     error: CorralError
 
 
-class Scheduler:
+class Placer:
     def __init__(self, num_ctx: int, caches: PrefixCaches, pool: "KVPool | None" = None,
                  reads: DiskReads | None = None) -> None:
         """`reads` reads the disk tier for it; without them it looks only in RAM."""
