@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence as Seq, Union
 
-# A sequence's state: what llama.cpp wrote (runner.kv.kvbytes: a bytearray, written in
+# A sequence's KV as bytes: what llama.cpp wrote (runner.kv.kvbytes: a bytearray, written in
 # place and never changed after) or what was read back from disk (bytes).
-State = Union[bytes, bytearray]
+KVBytes = Union[bytes, bytearray]
 
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from corral.runner.cache.diskcache import DiskEntry, DiskTier, namespace
 from corral.runner.cache.promptcache import Entry, PromptCache
-from corral.runner.prefix import State
+from corral.runner.prefix import KVBytes
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import EngineConfig
@@ -58,19 +58,19 @@ class PrefixCaches:
         return self.ram.worth_saving(tokens) or (
             self.disk is not None and self.ram.budget == 0)
 
-    def keep(self, tokens: Sequence[int], data: State) -> None:
+    def keep(self, tokens: Sequence[int], data: KVBytes) -> None:
         if not self.ram.add(tokens, data) and self.disk is not None \
                 and len(data) > self.ram.budget:
             self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk
 
     @staticmethod
-    def fetch(entry: Entry | None) -> State | None:
+    def fetch(entry: Entry | None) -> KVBytes | None:
         """A RAM entry's state. A disk entry's comes read and verified already, off the
         engine thread (runner.cache.diskread), with the placement."""
         return entry.data if entry is not None else None
 
     def restored(self, entry: Entry | None, disk: DiskEntry | None, n: int,
-                 data: State | None) -> None:
+                 data: KVBytes | None) -> None:
         if entry is None and disk is not None and data is not None:
             entry = self.ram.add(disk.tokens, data)  # read once from disk, then from RAM
         self.ram.restored(entry, n)
@@ -79,7 +79,7 @@ class PrefixCaches:
         if entry is not None:
             self.ram.remove(entry)
 
-    def flush(self, states: list[tuple[list[int], State]]) -> int:
+    def flush(self, states: list[tuple[list[int], KVBytes]]) -> int:
         """At unload: the given slot states and every RAM entry, newest first, go to the
         disk tier (when there is one), and the writer is waited for (FLUSH_WAIT at most);
         returns how many were kept."""

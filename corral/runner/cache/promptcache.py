@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from corral.runner.prefix import State, common_prefix
+from corral.runner.prefix import KVBytes, common_prefix
 
 # Shorter prefixes are cheaper to prefill than to copy in and out of llama.cpp.
 MIN_TOKENS = 32
@@ -36,7 +36,7 @@ MIN_TOKENS = 32
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    data: State  # llama_state_seq_get_data's output for those tokens
+    data: KVBytes  # llama_state_seq_get_data's output for those tokens
     used: int = 0  # the cache's clock at its last save or restore
 
     @property
@@ -87,7 +87,7 @@ class PromptCache:
     def worth_saving(self, tokens: Sequence[int]) -> bool:
         return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
-    def add(self, tokens: Sequence[int], data: State) -> Entry | None:
+    def add(self, tokens: Sequence[int], data: KVBytes) -> Entry | None:
         """Keep a state; None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):

@@ -45,7 +45,7 @@ from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, Pre
 from corral.runner.llama.sampling import for_job
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.postprocess import Postprocess
-from corral.runner.prefix import State
+from corral.runner.prefix import KVBytes
 from corral.runner.engine.placer import Placement, Placer, Refusal, Source
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
@@ -278,7 +278,7 @@ class Engine(Postprocess):
                 self._finish(slot, DoneReason.CANCEL)
 
     def _admit(self) -> None:
-        donors: dict[tuple[int, int], State] = {}  # states read from donor slots this round
+        donors: dict[tuple[int, int], KVBytes] = {}  # states read from donor slots this round
         while (decision := self.placer.next(self.slots)) is not None:
             if isinstance(decision, Refusal):
                 decision.seq.end(Failed(decision.error))
@@ -288,7 +288,7 @@ class Engine(Postprocess):
             except BadRequest as exc:
                 decision.seq.end(Failed(exc))
 
-    def _place(self, p: Placement, donors: dict[tuple[int, int], State]) -> None:
+    def _place(self, p: Placement, donors: dict[tuple[int, int], KVBytes]) -> None:
         """Start (or resume) a sequence on its slot, with the prefix the placer chose."""
         seq, job, tokens = p.seq, p.seq.job, p.tokens
         resuming = seq.state is SeqState.PREEMPTED

@@ -9,7 +9,7 @@ import llama_cpp as L
 
 from corral.runner.kv import kvbytes
 from corral.runner.cache.caches import PrefixCaches
-from corral.runner.prefix import State, common_prefix
+from corral.runner.prefix import KVBytes, common_prefix
 from corral.runner.engine.placer import Placement, Source
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -80,7 +80,7 @@ def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
 
 
 def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int,
-                held: Iterable[Sequence[int]], donors: dict[tuple[int, int], State],
+                held: Iterable[Sequence[int]], donors: dict[tuple[int, int], KVBytes],
                 can_shift: bool = False) -> int:
     """Put the placement's prefix into its slot's KV; returns the tokens it holds after
     (0 when a copy failed: the prompt is then prefilled whole). The slot's own cache
@@ -140,7 +140,7 @@ def reuse_chunks(mem: Any, slot: Slot, tokens: list[int], keep: int, least: int)
     return head_p
 
 
-def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], State]) -> State | None:
+def donor_state(ctx: Any, donor: Slot, donors: dict[tuple[int, int], KVBytes]) -> KVBytes | None:
     """A donor slot's state, read once per round of placements (keyed by its sequence
     and length: a slot that took a prefix this round is a new key)."""
     key = (donor.seq_id, donor.n_past)

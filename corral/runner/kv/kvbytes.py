@@ -14,10 +14,10 @@ from typing import Any
 
 import llama_cpp as L
 
-from corral.runner.prefix import State
+from corral.runner.prefix import KVBytes
 
 
-def get(ctx: Any, seq: int) -> State | None:
+def get(ctx: Any, seq: int) -> KVBytes | None:
     """The sequence's state; None when llama.cpp gives nothing. llama.cpp writes it
     straight into the object returned (a bytearray, never changed after): a long
     prompt's state is tens of megabytes, and a second buffer and copy of it cost the
@@ -36,7 +36,7 @@ def get(ctx: Any, seq: int) -> State | None:
     return state
 
 
-def put(ctx: Any, state: State, seq: int, streams: int) -> bool:
+def put(ctx: Any, state: KVBytes, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""
     data = restream(state, streams, seq)
@@ -57,7 +57,7 @@ def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) 
     return state is not None and put(dst, state, dst_seq, streams)
 
 
-def restream(state: State, streams: int, seq: int) -> State | None:
+def restream(state: KVBytes, streams: int, seq: int) -> KVBytes | None:
     """A sequence's state, written by a context of some number of KV streams, as one of
     `streams` streams would take it for sequence `seq`; None if it does not parse.
 
@@ -73,7 +73,7 @@ def restream(state: State, streams: int, seq: int) -> State | None:
     if len(state) < 8:
         return None
     view = memoryview(state)
-    parts: list[State | memoryview] = [state[:4], seq.to_bytes(4, "little")]
+    parts: list[KVBytes | memoryview] = [state[:4], seq.to_bytes(4, "little")]
     same, at = True, 8
     try:
         while at < len(state):
@@ -102,13 +102,13 @@ def restream(state: State, streams: int, seq: int) -> State | None:
     return state if same else b"".join(parts)
 
 
-def _u32(data: State, at: int) -> int:
+def _u32(data: KVBytes, at: int) -> int:
     if at + 4 > len(data):
         raise IndexError("state ends early")
     return int.from_bytes(data[at:at + 4], "little")
 
 
-def _skip_cells(state: State, at: int, cells: int) -> int:
+def _skip_cells(state: KVBytes, at: int, cells: int) -> int:
     """Past one stream's cells: (pos, n_seq_id, the ids) each, then
     v_trans, n_layer, each layer's K rows, each layer's V rows (or V elements)."""
     # Each cell is (pos i32, n_seq u32, the ids). A single sequence's cells have one id
