@@ -141,4 +141,4 @@ def test_text_prefill_stops_at_an_image() -> None:
     plan = plan_step([image_first, text], n_batch=8)
     # The slot waiting on its image yields the batch to the next one's text.
     assert [(s.seq_id, n) for s, n in plan.prefill] == [(1, 2)]
-    assert [e.token for e in plan.entries] == [1, 2] and not any(e.logits for e in plan.entries)
+    assert [row.token for row in plan.rows] == [1, 2] and not any(row.logits for row in plan.rows)

@@ -31,7 +31,9 @@ from corral.runner.slots.slot import Slot, SlotState
 ATTEND_BUDGET = 64 * 1024
 
 
-class Entry(NamedTuple):
+class BatchRow(NamedTuple):
+    """One row of the step's llama_batch: a token at a position of a sequence."""
+
     token: int
     pos: int
     seq_id: int
@@ -40,7 +42,7 @@ class Entry(NamedTuple):
 
 @dataclass
 class StepPlan:
-    entries: list[Entry] = field(default_factory=list)
+    rows: list[BatchRow] = field(default_factory=list)
     decoding: list[Slot] = field(default_factory=list)  # slots whose next token is in the batch
     prefill: list[tuple[Slot, int]] = field(default_factory=list)  # (slot, prompt tokens taken)
     sample_at: dict[int, int] = field(default_factory=dict)  # slot seq -> batch row to sample
@@ -53,24 +55,24 @@ class StepPlan:
 def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
     plan = StepPlan()
     for slot in slots:
-        if slot.state is SlotState.DECODE and len(plan.entries) < n_batch:
-            plan.sample_at[slot.seq_id] = len(plan.entries)
-            plan.entries.append(Entry(slot.last_token, slot.n_past, slot.seq_id, True))
+        if slot.state is SlotState.DECODE and len(plan.rows) < n_batch:
+            plan.sample_at[slot.seq_id] = len(plan.rows)
+            plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
             plan.decoding.append(slot)
     prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
     attended = 0
     for slot in prefilling:
-        if len(plan.entries) >= n_batch or attended >= ATTEND_BUDGET:
+        if len(plan.rows) >= n_batch or attended >= ATTEND_BUDGET:
             break
-        take = text_run(slot.pending, n_batch - len(plan.entries))
+        take = text_run(slot.pending, n_batch - len(plan.rows))
         if take == 0:
             continue  # an image comes next: the engine feeds it through its own batch
         last_chunk = take == len(slot.pending)
         for k in range(take):
-            plan.entries.append(Entry(slot.pending[k], slot.n_past + k, slot.seq_id,
+            plan.rows.append(BatchRow(slot.pending[k], slot.n_past + k, slot.seq_id,
                                       last_chunk and k == take - 1))
         if last_chunk:
-            plan.sample_at[slot.seq_id] = len(plan.entries) - 1
+            plan.sample_at[slot.seq_id] = len(plan.rows) - 1
         plan.prefill.append((slot, take))
         attended += take * slot.n_past + take * (take + 1) // 2
     return plan

@@ -341,9 +341,9 @@ class Engine(Postprocess):
         return plan
 
     def _run_batch(self, plan: StepPlan) -> int:
-        if not plan.entries:
+        if not plan.rows:
             return 0
-        native.fill_batch(self.batch, plan.entries, self.n_batch)
+        native.fill_batch(self.batch, plan.rows, self.n_batch)
         t0 = self.clock()
         rc = int(L.llama_decode(self.ctx, self.batch))
         self.native_time += self.clock() - t0
@@ -352,7 +352,7 @@ class Engine(Postprocess):
     def _postprocess(self, plan: StepPlan, rc: int) -> None:
         if rc != 0:
             self._decode_failed(rc, plan.slots)
-        elif plan.entries:
+        elif plan.rows:
             self._apply(plan)
         self._feed_image()
 

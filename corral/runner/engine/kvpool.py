@@ -71,7 +71,7 @@ class KVPool:
             preempt: Callable[[Slot], None], replan: Callable[[], StepPlan]) -> StepPlan:
         """Make the pool hold this step's plan: drop idle caches first, then preempt the
         newest running sequence, until it fits or nothing more can go."""
-        while plan.entries and self.shortfall(slots, len(plan.entries)) > 0:
+        while plan.rows and self.shortfall(slots, len(plan.rows)) > 0:
             idle, victim = KVPool.evictable(slots), KVPool.victim(slots)
             if idle:
                 drop(idle[0])

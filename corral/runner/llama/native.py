@@ -104,19 +104,19 @@ def release_free_memory() -> None:
     trim_malloc()
 
 
-def fill_batch(batch: Any, entries: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:
+def fill_batch(batch: Any, rows: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:
     """Write (token, position, sequence, wants logits) rows into a llama_batch.
 
     The capacity check stands before native code: llama_decode aborts the
     process on an overfull batch instead of returning an error.
     """
-    if len(entries) > capacity:
-        raise RuntimeError(f"batch overflow: {len(entries)} > {capacity}")
-    for i, (token, pos, seq, logits) in enumerate(entries):
+    if len(rows) > capacity:
+        raise RuntimeError(f"batch overflow: {len(rows)} > {capacity}")
+    for i, (token, pos, seq, logits) in enumerate(rows):
         batch.token[i] = token
         batch.pos[i] = pos
         batch.n_seq_id[i] = 1
         batch.seq_id[i][0] = seq
         batch.logits[i] = logits
-    batch.n_tokens = len(entries)
+    batch.n_tokens = len(rows)
 
