@@ -184,7 +184,7 @@ def test_the_placer_places_others_while_a_read_runs(tmp_path: Path) -> None:
     assert wake.wait(WAIT)
     p = placer.next(slots)
     assert isinstance(p, Placement) and p.seq is first and p.source is Source.RESTORE
-    assert p.data == b"A" * 1000 and p.keep == len(A) and placer.queued() == 0
+    assert p.data == b"A" * 1000 and p.n_prefix == len(A) and placer.queued() == 0
     assert gate.calls == 1
 
 
@@ -201,5 +201,5 @@ def test_a_truncated_entry_read_in_the_helper_gives_a_cold_placement(tmp_path: P
     assert placer.next(slots) is None
     assert wake.wait(WAIT)
     p = placer.next(slots)
-    assert isinstance(p, Placement) and p.source is Source.NONE and p.keep == 0
+    assert isinstance(p, Placement) and p.source is Source.NONE and p.n_prefix == 0
     assert gate.calls == 1 and tier.rejected == 1

@@ -13,7 +13,7 @@ from corral.cli.images import extract_images, mentions_image
 from corral.config import load_settings
 from corral.errors import BadRequest
 from corral.runner.engine.batchplan import plan_step, text_run
-from corral.runner.engine.admission import align_keep
+from corral.runner.engine.admission import align_prefix
 from corral.runner.engine.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
 from corral.server.chat import Message
@@ -126,9 +126,9 @@ def test_spans_must_match_the_placeholders() -> None:
 
 def test_a_non_causal_image_is_reused_whole_or_not_at_all() -> None:
     spans = [span(2, 4, non_causal=True), span(8, 4)]
-    assert align_keep(spans, 4) == 2
-    assert align_keep(spans, 6) == 6 and align_keep(spans, 2) == 2
-    assert align_keep(spans, 10) == 10  # a causal image may be reused in part
+    assert align_prefix(spans, 4) == 2
+    assert align_prefix(spans, 6) == 6 and align_prefix(spans, 2) == 2
+    assert align_prefix(spans, 10) == 10  # a causal image may be reused in part
 
 
 def test_text_prefill_stops_at_an_image() -> None:

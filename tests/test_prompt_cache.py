@@ -88,8 +88,8 @@ def test_common_prefix_matches_a_walk_over_lists_and_tuples() -> None:
 def test_spilled_entries_go_to_the_disk_tier(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 1 << 20, "space")
     caches = PrefixCaches(PromptCache(budget=15), disk)
-    caches.keep(A, b"a" * 10)
-    caches.keep(B, b"b" * 10)  # evicts A from RAM, to disk
+    caches.save(A, b"a" * 10)
+    caches.save(B, b"b" * 10)  # evicts A from RAM, to disk
     hit = caches.lookup(A + [1])
     assert hit.entry is None and hit.disk is not None and hit.n == len(A)
     assert disk.load(hit.disk) == b"a" * 10
@@ -204,7 +204,7 @@ def test_a_sequence_waits_for_a_shared_prefix_being_prefilled_then_branches() ->
     leader.sequence.pending = [2, 3]  # type: ignore[union-attr]
     p = placer.next([leader, idle])
     assert isinstance(p, Placement) and p.source is Source.BRANCH
-    assert p.donor is leader and p.slot is idle and p.keep == len(shared)
+    assert p.donor is leader and p.slot is idle and p.n_prefix == len(shared)
     assert not placer.waiting
 
 
@@ -229,7 +229,7 @@ def test_restore_beats_reuse_only_by_a_real_gain() -> None:
     slot = Slot(seq_id=0, num_ctx=4096, cached=B)
     placer.add(waiting(A + [1]))
     p = placer.next([slot])
-    assert isinstance(p, Placement) and p.source is Source.RESTORE and p.keep == len(A)
+    assert isinstance(p, Placement) and p.source is Source.RESTORE and p.n_prefix == len(A)
     assert p.entry is not None and p.slot is slot
 
 
@@ -239,7 +239,7 @@ def test_a_prefix_never_ends_inside_the_prompt() -> None:
     placer = Placer(4096, PrefixCaches(ram))
     placer.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
     p = placer.next([Slot(seq_id=0, num_ctx=4096)])
-    assert isinstance(p, Placement) and p.keep == len(A) - 1
+    assert isinstance(p, Placement) and p.n_prefix == len(A) - 1
 
 
 @pytest.mark.parametrize("state", [SlotState.PREFILL, SlotState.DECODE])

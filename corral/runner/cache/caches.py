@@ -1,5 +1,5 @@
 """The prompt cache as the engine sees it: the RAM cache (runner.cache.promptcache) and its
-optional disk tier (runner.cache.diskcache) behind one lookup, one place to keep a state, and
+optional disk tier (runner.cache.diskcache) behind one lookup, one place to save a state, and
 the accounting of what was restored and what was shared between running requests."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Hit:
 
 class PrefixCaches:
     """The RAM cache and its optional disk tier as the engine sees them: one lookup, one
-    place to keep a state, and the accounting of what was restored and shared."""
+    place to save a state, and the accounting of what was restored and shared."""
 
     def __init__(self, ram: PromptCache, disk: DiskTier | None = None) -> None:
         self.ram, self.disk = ram, disk
@@ -58,7 +58,7 @@ class PrefixCaches:
         return self.ram.worth_saving(tokens) or (
             self.disk is not None and self.ram.budget == 0)
 
-    def keep(self, tokens: Sequence[int], data: KVBytes) -> None:
+    def save(self, tokens: Sequence[int], data: KVBytes) -> None:
         if not self.ram.add(tokens, data) and self.disk is not None \
                 and len(data) > self.ram.budget:
             self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk

@@ -35,10 +35,10 @@ def generation_limit(job: Job, n_prompt: int, num_ctx: int) -> int:
     return max(job.num_predict, 0)
 
 
-def align_keep(spans: Sequence["ImageSpan"], keep: int) -> int:
+def align_prefix(spans: Sequence["ImageSpan"], n_prefix: int) -> int:
     """A cached prefix may end inside an image only if its tokens attend causally;
     otherwise the whole image is decoded again, together."""
     for span in spans:
-        if span.non_causal and span.start < keep < span.end:
+        if span.non_causal and span.start < n_prefix < span.end:
             return span.start
-    return keep
+    return n_prefix

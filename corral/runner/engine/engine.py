@@ -299,19 +299,19 @@ class Engine(Postprocess):
         sampler = None if resuming else for_job(job, tokens, self.vocab, self.n_vocab,
                                                 self.num_ctx, eog)
         streams = 1 if self.pool is not None else len(self.slots)
-        slot, kept = p.slot, p.keep if p.source is Source.REUSE else 0
+        slot, reused = p.slot, p.n_prefix if p.source is Source.REUSE else 0
         if self.resizer is not None and self.resizer.capacity.warm(
-                len(slot.cached) - kept, slot.last_used, self.clock()):
+                len(slot.cached) - reused, slot.last_used, self.clock()):
             self._overwritten += 1  # another conversation's prefix goes: want a stream more
-        keep = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
+        n_prefix = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
                                  [s.reusable() for s in self.slots if s is not slot], donors,
                                  self.can_shift)
-        p.slot.assign(seq, tokens[:keep], shifted=slot.tainted and keep > 0 and p.source in (
-            Source.NONE, Source.REUSE))
+        p.slot.assign(seq, tokens[:n_prefix], shifted=slot.tainted and n_prefix > 0
+                      and p.source in (Source.NONE, Source.REUSE))
         if sampler is None:
-            seq.resume(tokens, keep)
+            seq.resume(tokens, n_prefix)
         else:
-            seq.start(sampler, generation_limit(job, len(tokens), self.num_ctx), tokens, keep,
+            seq.start(sampler, generation_limit(job, len(tokens), self.num_ctx), tokens, n_prefix,
                       self.clock())
 
     # ---- one step ----------------------------------------------------------------------

@@ -61,22 +61,22 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
 
 # ---- prefixes from elsewhere: the prompt cache and other slots ---------------------------
 
-def save(ctx: Any, slot: Slot, caches: PrefixCaches, keep: int = 0,
+def save(ctx: Any, slot: Slot, caches: PrefixCaches, n_prefix: int = 0,
          held: Iterable[Sequence[int]] = ()) -> None:
-    """Before a slot's cached tokens past `keep` are overwritten: if enough would be lost,
-    copy the slot's state into the prompt cache. Lost is what neither `keep`, another
+    """Before a slot's cached tokens past `n_prefix` are overwritten: if enough would be lost,
+    copy the slot's state into the prompt cache. Lost is what neither `n_prefix`, another
     slot staying in the context (`held`: the last of them is saved when it goes) nor a
     cache entry holds: sixteen requests that shared a document and differ in a short
     question leave one copy of it, and a slot taken from them copies nothing out."""
     tokens, least = slot.reusable(), caches.ram.min_tokens
-    if len(tokens) - keep < least:  # a warm turn keeps its slot's tokens: nothing to look at
+    if len(tokens) - n_prefix < least:  # a warm turn keeps its slot's tokens: nothing to look at
         return
     kept = max((common_prefix(other, tokens) for other in held), default=0)
     if len(tokens) - kept < least or not caches.wanted(tokens):
         return
     data = kvbytes.get(ctx, slot.seq_id)
     if data is not None:
-        caches.keep(tokens, data)
+        caches.save(tokens, data)
 
 
 def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams: int,
@@ -89,13 +89,13 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     slots between placements of one round (no decode runs between them, so a donor's
     KV is unchanged): fifteen requests branching from one slot read it once."""
     slot = p.slot
-    save(ctx, slot, caches, p.keep if p.source is Source.REUSE else 0, held)
+    save(ctx, slot, caches, p.n_prefix if p.source is Source.REUSE else 0, held)
     if p.source in (Source.NONE, Source.REUSE):
-        keep = p.keep
+        n_prefix = p.n_prefix
         if p.seq.job.reuse_chunk > 0 and can_shift and not p.seq.job.images:
-            keep = reuse_chunks(mem, slot, p.tokens, keep, p.seq.job.reuse_chunk)
-        if keep and L.llama_memory_seq_rm(mem, slot.seq_id, keep, -1):
-            return keep
+            n_prefix = reuse_chunks(mem, slot, p.tokens, n_prefix, p.seq.job.reuse_chunk)
+        if n_prefix and L.llama_memory_seq_rm(mem, slot.seq_id, n_prefix, -1):
+            return n_prefix
         L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
         return 0
     branch = p.donor is not None
@@ -105,25 +105,25 @@ def load_prefix(ctx: Any, mem: Any, p: Placement, caches: PrefixCaches, streams:
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     # A partial removal fails on memories that cannot roll back (recurrent models).
     if data is not None and kvbytes.put(ctx, data, slot.seq_id, streams) \
-            and L.llama_memory_seq_rm(mem, slot.seq_id, p.keep, -1):
+            and L.llama_memory_seq_rm(mem, slot.seq_id, p.n_prefix, -1):
         if branch:
-            caches.tokens_shared += p.keep
+            caches.tokens_shared += p.n_prefix
         else:
-            caches.restored(p.entry, p.disk, p.keep, data)
-        return p.keep
+            caches.restored(p.entry, p.disk, p.n_prefix, data)
+        return p.n_prefix
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
     caches.refused(p.entry)
     return 0
 
 
-def reuse_chunks(mem: Any, slot: Slot, tokens: list[int], keep: int, least: int) -> int:
+def reuse_chunks(mem: Any, slot: Slot, tokens: list[int], n_prefix: int, least: int) -> int:
     """llama-server's --cache-reuse (server-context.cpp): past the common prefix, each run
     of at least `least` cached tokens that comes again in the prompt is shifted to where
     the prompt has it, instead of evaluated again: an editor's suffix, behind a prefix
     that grew by a word. Returns the prompt tokens the slot holds after. The moved KV was
     computed after other tokens, so the slot is `tainted`: only requests that ask for
     shifted reuse may keep it."""
-    cached, head_c, head_p = slot.cached, keep, keep
+    cached, head_c, head_p = slot.cached, n_prefix, n_prefix
     end = len(tokens) - 1  # the last prompt token is decoded for its logits
     while head_c < len(cached) and head_p < end:
         n = 0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corral.errors import CorralError
-from corral.runner.engine.admission import align_keep, fit_prompt
+from corral.runner.engine.admission import align_prefix, fit_prompt
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.cache.diskread import DiskReads, Fetched
 from corral.runner.cache.promptcache import Entry
@@ -59,13 +59,13 @@ class Source(enum.Enum):
 
 @dataclass(frozen=True)
 class Placement:
-    """A decision: `seq` runs on `slot`, whose first `keep` tokens of `tokens` come from
+    """A decision: `seq` runs on `slot`, whose first `n_prefix` tokens of `tokens` come from
     `source` (the donor slot, or the cache entry) and the rest are prefilled."""
 
     seq: "Sequence"
     slot: Slot
     tokens: list[int]
-    keep: int
+    n_prefix: int
     source: Source
     donor: Slot | None = None
     entry: Entry | None = None
@@ -159,7 +159,7 @@ class Placer:
         # At least one prompt token must be decoded to get logits; a prefix may not end
         # inside an image whose tokens attend both ways.
         def usable(n: int) -> int:
-            return align_keep(seq.job.images, min(n, len(tokens) - 1))
+            return align_prefix(seq.job.images, min(n, len(tokens) - 1))
 
         # The idle slot sharing the longest prefix; ties go to the least recently used.
         shifted = seq.job.reuse_chunk > 0
@@ -172,20 +172,20 @@ class Placer:
         target = min(idle, key=lambda s: (len(s.reusable()), s.last_used))
         for donor in busy:
             n = usable(common_prefix(donor.cached, tokens))
-            if n >= best.keep + MIN_GAIN:
+            if n >= best.n_prefix + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.BRANCH, donor=donor)
         # The disk tier once per sequence: its read is done (bytes or not), or starts now.
         read = self._fetched.get(id(seq))
         hit = self.caches.lookup(tokens, disk=read is None and self.reads is not None
                                  and self.reads.open)
-        if (hit.entry or hit.disk) and usable(hit.n) >= best.keep + MIN_GAIN:
+        if (hit.entry or hit.disk) and usable(hit.n) >= best.n_prefix + MIN_GAIN:
             best = Placement(seq, target, tokens, usable(hit.n), Source.RESTORE,
                              entry=hit.entry, disk=hit.disk)
         if read is not None and read.data is not None and usable(
-                n := common_prefix(read.entry.tokens, tokens)) >= best.keep + MIN_GAIN:
+                n := common_prefix(read.entry.tokens, tokens)) >= best.n_prefix + MIN_GAIN:
             best = Placement(seq, target, tokens, usable(n), Source.RESTORE, disk=read.entry,
                              data=read.data)
-        if seq.state is SeqState.WAITING and self._worth_holding(tokens, busy, best.keep):
+        if seq.state is SeqState.WAITING and self._worth_holding(tokens, busy, best.n_prefix):
             return None
         return best
 

@@ -73,21 +73,21 @@ class Sequence:
                                f"{self.state} -> {new}")
         self.state = new
 
-    def start(self, sampler: "Sampler", limit: int, tokens: list[int], keep: int,
+    def start(self, sampler: "Sampler", limit: int, tokens: list[int], n_prefix: int,
               now: float) -> None:
-        """WAITING -> RUNNING: `keep` of `tokens` are cached on its slot already."""
+        """WAITING -> RUNNING: `n_prefix` of `tokens` are cached on its slot already."""
         self.transition(SeqState.RUNNING)
         self.sampler, self.limit = sampler, limit
         self.stops = StopMatcher(self.job.stop)
-        self.pending = tokens[keep:]
+        self.pending = tokens[n_prefix:]
         self.n_prompt_eval = len(self.pending)
         self.t_start = now
 
-    def resume(self, tokens: list[int], keep: int) -> None:
+    def resume(self, tokens: list[int], n_prefix: int) -> None:
         """PREEMPTED -> RUNNING: `tokens` (its prompt and what it generated) are prefilled
-        again from `keep`; sampling then continues from where it stopped."""
+        again from `n_prefix`; sampling then continues from where it stopped."""
         self.transition(SeqState.RUNNING)
-        self.pending = tokens[keep:]
+        self.pending = tokens[n_prefix:]
         self.last_token = tokens[-1]
 
     def preempt(self) -> None:
