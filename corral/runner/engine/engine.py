@@ -35,7 +35,7 @@ from corral.runner.engine.batchplan import StepPlan, plan_step
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.cache.caches import PrefixCaches, caches_for
 from corral.runner.cache.diskread import Reader, read_entry, reads_for
-from corral.runner.llama.embedding import Embedder, EmbedQueue
+from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.engine.imagefeed import ImageFeed
 from corral.runner.kv.growth import Capacity, Resizer
 from corral.runner.kv.reserve import Reserve
@@ -109,7 +109,7 @@ class Engine(Postprocess):
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(self.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        self.embedder = Embedder(self.model, self.num_ctx, self.n_threads, llama.adapters)
+        self.embed_ctx = EmbeddingContext(self.model, self.num_ctx, self.n_threads, llama.adapters)
         self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
 
     # ---- public API, safe from any thread ---------------------------------------------
@@ -193,7 +193,7 @@ class Engine(Postprocess):
                 if self._stopping:
                     break
                 if self._embeds:
-                    self._embeds.step(self.embedder)
+                    self._embeds.step(self.embed_ctx)
                     self._embedded_at, self._transient = self.clock(), True
                 plan = self._schedule()
                 if plan is not None:
@@ -234,7 +234,7 @@ class Engine(Postprocess):
                 self._resized(item)
             elif isinstance(item, SetThreads):  # the daemon's share of the cores
                 self.n_threads = self.llama.set_threads(item.n)
-                self.embedder.set_threads(item.n)
+                self.embed_ctx.set_threads(item.n)
             elif isinstance(item, ClearCache):
                 self._transient = self._transient or self.caches.ram.clear() > 0
             try:
@@ -260,8 +260,8 @@ class Engine(Postprocess):
         if idle and self.resizer is not None:
             self.resizer.rest(self.sampled > 0, lambda: self._commands.qsize() > 0)
         now = self.clock()
-        if idle and self.embedder.ctx is not None and now - self._embedded_at > EMBED_KEEP:
-            self.embedder.free()
+        if idle and self.embed_ctx.ctx is not None and now - self._embedded_at > EMBED_KEEP:
+            self.embed_ctx.free()
             self._transient = True
         if self._transient and (idle or now - self._trimmed_at > TRIM_EVERY):
             native.release_free_memory()
@@ -393,7 +393,7 @@ class Engine(Postprocess):
             states = [(s.reusable(), kvbytes.get(self.ctx, s.seq_id)) for s in self.slots
                       if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
             self.caches.flush([(t, d) for t, d in states if d is not None])
-        self.embedder.free()
+        self.embed_ctx.free()
         self.feed.free()
         if self.resizer is not None:
             self.resizer.free()

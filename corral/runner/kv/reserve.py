@@ -16,11 +16,11 @@ the GIL released, while the engine serves from the one it has. Its KV pages are 
 without an API for them: the mappings that appeared while it was made, at least
 MIN_MAPPING long, whose pages are resident (the clear wrote them) and read as zero, in
 runs of at least MIN_RUN. A build during which any other context was made or freed
-(growth, the embedder: counted by runner.llama.native) is thrown away and tried again at the
-next rest, since a new context's KV would look the same. The engine thread does the
-looking and the handing back, a piece at a time while nothing waits on its queue, so
-the pages it reads are never written by the engine meanwhile, and a request that
-arrives finds it between two pieces. Only where the KV is in host memory (no
+(growth, the embedding context: counted by runner.llama.native) is thrown away and tried
+again at the next rest, since a new context's KV would look the same. The engine thread
+does the looking and the handing back, a piece at a time while nothing waits on its
+queue, so the pages it reads are never written by the engine meanwhile, and a request
+that arrives finds it between two pieces. Only where the KV is in host memory (no
 offloaded layers) and /proc/self/maps exists (Linux); elsewhere the engine grows on
 demand as before.
 """

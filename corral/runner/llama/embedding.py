@@ -27,7 +27,7 @@ SLICE = 8  # inputs embedded between two decode steps
 SEQS = SLICE  # sequences in one embedding batch: a slice fits one decode when short
 
 
-class Embedder:
+class EmbeddingContext:
     """The embedding context, sized to the inputs it has seen rather than to num_ctx.
 
     Its KV and compute buffers grow with its capacity, so a daemon that embeds
@@ -156,7 +156,7 @@ def _groups(inputs: list[list[int]], cells: int) -> list[list[list[int]]]:
 
 
 class EmbedQueue:
-    """Embed requests in arrival order, worked through a slice per engine step.
+    """Embed commands (runner.jobs) in arrival order, worked through a slice per engine step.
 
     A large batch never stalls the streams decoding beside it for long, and a
     cancelled one stops at its next slice. Used only by the engine thread.
@@ -172,14 +172,14 @@ class EmbedQueue:
     def add(self, command: Embed) -> None:
         self.pending.append(command)
 
-    def step(self, embedder: Embedder) -> None:
+    def step(self, embed_ctx: EmbeddingContext) -> None:
         command = self.pending[0]
         try:
             if command.cancelled.is_set():
                 raise Cancelled("embedding cancelled")
             done = len(self.vectors)
-            self.vectors.extend(embedder.embed(command.inputs[done:done + SLICE],
-                                               command.truncate))
+            self.vectors.extend(embed_ctx.embed(command.inputs[done:done + SLICE],
+                                                command.truncate))
             if len(self.vectors) < len(command.inputs):
                 return
             command.reply.put(self.vectors)
