@@ -15,9 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from corral.runner.jobs import Job
-from corral.runner.slots.sequence import DoneReason, Sequence
-
-__all__ = ["DoneReason", "Slot", "SlotState"]
+from corral.runner.slots.sequence import Sequence
 
 
 class SlotState(enum.Enum):
