@@ -161,7 +161,7 @@ def module_name(root: Path, path: Path) -> str:
 
 def runner_targets(root: Path, path: Path) -> list[tuple[str, int]]:
     """(module of corral.runner, line) for every import of one, relative ones resolved;
-    `from corral.runner import native` names corral.runner.native."""
+    `from corral.runner.llama import native` names corral.runner.llama.native."""
     here = module_name(root, path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
     found: list[tuple[str, int]] = []
