@@ -261,7 +261,7 @@ fi
 # ---- Smoke check: load a model in a child process and decode a few tokens ---------
 say "checking that llama.cpp runs on this machine"
 set +e
-"$VENV/bin/python" -m corral.runner.smoke
+"$VENV/bin/python" -m corral.runner.tools.smoke
 rc=$?
 set -e
 if [ $rc -ne 0 ]; then

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from corral.config import load_settings  # noqa: E402
 from corral.registry.starter import starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
-from corral.runner.context import EngineConfig  # noqa: E402
-from corral.runner.engine import Engine  # noqa: E402
+from corral.runner.llama.context import EngineConfig  # noqa: E402
+from corral.runner.engine.engine import Engine  # noqa: E402
 from corral.runner.jobs import Done, Failed, Job, SamplingParams  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "A recipe for bread starts with",

@@ -283,7 +283,7 @@ def corral_levels(run: Run, daemon: Daemon) -> dict[str, Any]:
     levels = bench(daemon.url, NAME, run.levels, run.work / "corral.json")
     poller.stop_event.set()
     poller.join()
-    from corral.runner.growth import SHRINK_AFTER
+    from corral.runner.kv.growth import SHRINK_AFTER
     t0 = time.monotonic()
     shrank = wait_for(lambda: daemon.ps().get("slots", 0) < poller.slots, SHRINK_AFTER + 20)
     after = daemon.ps()
@@ -334,8 +334,8 @@ def knee(run: Run) -> dict[str, Any]:
             cap = upper["c"]
         else:
             break
-    from corral.runner import memory
-    guess = memory.CPU_MAX_SLOTS if run.cpu else memory.GPU_MAX_SLOTS
+    from corral.runner import fitestimate
+    guess = fitestimate.CPU_MAX_SLOTS if run.cpu else fitestimate.GPU_MAX_SLOTS
     return {"levels": levels, "measured_cap": cap, "guessed_cap": guess}
 
 

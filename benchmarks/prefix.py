@@ -53,7 +53,7 @@ from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
 from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
-from corral.runner.growth import SHRINK_AFTER  # noqa: E402
+from corral.runner.kv.growth import SHRINK_AFTER  # noqa: E402
 
 WORDS = ("river hill snow spring stream valley stone bridge mill town market road field "
          "harvest winter summer forest oak pine meadow village farmer baker smith weaver "

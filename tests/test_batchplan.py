@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from corral.runner.batchplan import Entry, plan_step
+from corral.runner.engine.batchplan import BatchRow, plan_step
 from corral.runner.jobs import Job
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
 
 
 class NoSampler:
@@ -38,9 +38,9 @@ def test_decoding_slots_go_first_each_with_logits() -> None:
     slots = [slot(0, SlotState.DECODE, cached=5), slot(1, SlotState.PREFILL, pending=3),
              slot(2, SlotState.DECODE, cached=9)]
     plan = plan_step(slots, n_batch=16)
-    assert plan.entries[:2] == [Entry(7, 5, 0, True), Entry(9, 9, 2, True)]
-    assert plan.entries[2:] == [Entry(100, 0, 1, False), Entry(101, 1, 1, False),
-                                Entry(102, 2, 1, True)]
+    assert plan.rows[:2] == [BatchRow(7, 5, 0, True), BatchRow(9, 9, 2, True)]
+    assert plan.rows[2:] == [BatchRow(100, 0, 1, False), BatchRow(101, 1, 1, False),
+                             BatchRow(102, 2, 1, True)]
     assert plan.sample_at == {0: 0, 2: 1, 1: 4}
     assert [s.seq_id for s in plan.decoding] == [0, 2] and plan.prefill == [(slots[1], 3)]
 
@@ -49,9 +49,9 @@ def test_long_prompt_is_chunked_and_samples_only_on_its_last_chunk() -> None:
     long = slot(1, SlotState.PREFILL, cached=2, pending=40)
     running = slot(0, SlotState.DECODE, cached=3)
     plan = plan_step([running, long], n_batch=8)
-    assert len(plan.entries) == 8
-    assert [e.pos for e in plan.entries[1:]] == list(range(2, 9))  # continues after the cache
-    assert not any(e.logits for e in plan.entries[1:])
+    assert len(plan.rows) == 8
+    assert [row.pos for row in plan.rows[1:]] == list(range(2, 9))  # continues after the cache
+    assert not any(row.logits for row in plan.rows[1:])
     assert 1 not in plan.sample_at and plan.prefill == [(long, 7)]
     assert plan.sample_at == {0: 0}  # the running stream still advances this step
 
@@ -65,22 +65,22 @@ def test_older_requests_prefill_first_within_the_budget() -> None:
 
 
 def test_idle_slots_and_a_full_batch_add_nothing() -> None:
-    assert plan_step([slot(0, SlotState.IDLE, cached=4)], n_batch=8).entries == []
+    assert plan_step([slot(0, SlotState.IDLE, cached=4)], n_batch=8).rows == []
     decoding = [slot(i, SlotState.DECODE, cached=1) for i in range(3)]
     waiting = slot(3, SlotState.PREFILL, pending=4)
     plan = plan_step(decoding + [waiting], n_batch=3)
-    assert len(plan.entries) == 3 and plan.prefill == []
+    assert len(plan.rows) == 3 and plan.prefill == []
 
 
 def test_planning_needs_no_llama_cpp() -> None:
     # The step's policies are pure: planning, scheduling and the prompt cache's bookkeeping.
-    code = ("import sys, corral.runner.batchplan, corral.runner.scheduler, "
-            "corral.runner.promptcache; sys.exit('llama_cpp' in sys.modules)")
+    code = ("import sys, corral.runner.engine.batchplan, corral.runner.engine.placer, "
+            "corral.runner.cache.promptcache; sys.exit('llama_cpp' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
 def test_tails_over_a_long_context_go_a_few_per_step_short_prompts_all_at_once() -> None:
-    from corral.runner.batchplan import ATTEND_BUDGET
+    from corral.runner.engine.batchplan import ATTEND_BUDGET
 
     # Sixteen 10-token questions after a shared 1,140-token document (a burst, again).
     tails = [slot(i, SlotState.PREFILL, cached=1140, pending=10, started=i) for i in range(16)]

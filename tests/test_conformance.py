@@ -273,7 +273,7 @@ def test_n_choices_count_their_prompt_once(daemon: Daemon, path: str, stream: bo
 
 def test_n_choices_evaluate_their_prompt_once(daemon: Daemon) -> None:
     # A prompt no slot holds a prefix of, long enough to be worth copying (32 tokens and
-    # more, runner.scheduler): the second choice branches from the first, or waits for
+    # more, runner.engine.placer): the second choice branches from the first, or waits for
     # it to be computed, and prefills only the one token it must decode itself.
     prompt = "Quartz zebras juggle seventeen violet umbrellas beneath Kyoto's midnight tram. " * 8
     before = prompt_tokens_evaluated(daemon)

@@ -1,4 +1,4 @@
-"""Reads of the disk tier off the engine thread (runner.diskread), without llama.cpp: a
+"""Reads of the disk tier off the engine thread (runner.cache.diskread), without llama.cpp: a
 held read holds only its own sequence, a corrupt or swapped entry gives no bytes, a read
 past its deadline gives up and stops further reads until it returns, a cancelled
 sequence leaves, and sequences that want one entry share one read."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from corral.runner.caches import PrefixCaches
-from corral.runner.diskcache import DiskEntry, DiskTier, Read
-from corral.runner.diskread import DiskReads
+from corral.runner.cache.caches import PrefixCaches
+from corral.runner.cache.diskcache import DiskEntry, DiskTier, Read
+from corral.runner.cache.diskread import DiskReads
 from corral.runner.jobs import Job
-from corral.runner.promptcache import PromptCache
-from corral.runner.scheduler import Placement, Scheduler, Source
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot
+from corral.runner.cache.promptcache import PromptCache
+from corral.runner.engine.placer import Placement, Placer, Source
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot
 
 A = list(range(100, 300))
 B = list(range(500, 700))
@@ -166,25 +166,25 @@ def test_a_cancelled_sequence_leaves_without_its_read(tmp_path: Path) -> None:
     gate.release.set()
 
 
-def test_the_scheduler_places_others_while_a_read_runs(tmp_path: Path) -> None:
+def test_the_placer_places_others_while_a_read_runs(tmp_path: Path) -> None:
     """A sequence whose prefix is on disk leaves the queue for its read; the one behind
     it is placed at once; the first comes back with the bytes and restores them."""
     tier = tier_with(tmp_path, A)
     gate = Gate()
     reads, wake = reads_for(tier, gate)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0), tier), reads=reads)
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0), tier), reads=reads)
     first, second = Sequence(Job(prompt=A + [1])), Sequence(Job(prompt=B))
-    sched.add(first)
-    sched.add(second)
+    placer.add(first)
+    placer.add(second)
     slots = [Slot(seq_id=0, num_ctx=4096), Slot(seq_id=1, num_ctx=4096)]
-    p = sched.next(slots)
+    p = placer.next(slots)
     assert isinstance(p, Placement) and p.seq is second and p.source is Source.NONE
-    assert sched.next(slots) is None and sched.queued() == 1 and not sched.waiting
+    assert placer.next(slots) is None and placer.queued() == 1 and not placer.waiting
     gate.release.set()
     assert wake.wait(WAIT)
-    p = sched.next(slots)
+    p = placer.next(slots)
     assert isinstance(p, Placement) and p.seq is first and p.source is Source.RESTORE
-    assert p.data == b"A" * 1000 and p.keep == len(A) and sched.queued() == 0
+    assert p.data == b"A" * 1000 and p.n_prefix == len(A) and placer.queued() == 0
     assert gate.calls == 1
 
 
@@ -195,11 +195,11 @@ def test_a_truncated_entry_read_in_the_helper_gives_a_cold_placement(tmp_path: P
     gate = Gate()
     gate.release.set()
     reads, wake = reads_for(tier, gate)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0), tier), reads=reads)
-    sched.add(Sequence(Job(prompt=A + [1])))
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0), tier), reads=reads)
+    placer.add(Sequence(Job(prompt=A + [1])))
     slots = [Slot(seq_id=0, num_ctx=4096)]
-    assert sched.next(slots) is None
+    assert placer.next(slots) is None
     assert wake.wait(WAIT)
-    p = sched.next(slots)
-    assert isinstance(p, Placement) and p.source is Source.NONE and p.keep == 0
+    p = placer.next(slots)
+    assert isinstance(p, Placement) and p.source is Source.NONE and p.n_prefix == 0
     assert gate.calls == 1 and tier.rejected == 1

@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from corral.runner.context import EngineConfig
+from corral.runner.llama.context import EngineConfig
 from corral.errors import ContextOverflow
-from corral.runner.engine import Engine
-from corral.runner.batchplan import StepPlan
+from corral.runner.engine.engine import Engine
+from corral.runner.engine.batchplan import StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 
@@ -256,11 +256,11 @@ def test_embedding_context_is_sized_to_its_inputs(starter_gguf: Path) -> None:
     try:
         short = eng.tokenize("hello world")
         [first] = embed(eng, [short])
-        assert eng.embedder.capacity == 512  # not num_ctx: its KV grows with its inputs
+        assert eng.embed_ctx.capacity == 512  # not num_ctx: its KV grows with its inputs
         embed(eng, [eng.tokenize("word " * 700)])
-        assert eng.embedder.capacity == 1024
+        assert eng.embed_ctx.capacity == 1024
         embed(eng, [eng.tokenize("word " * 5000)])  # truncated to num_ctx
-        assert eng.embedder.capacity == 2048
+        assert eng.embed_ctx.capacity == 2048
         [again] = embed(eng, [short])
         assert again == first  # the context's size does not change the vector
     finally:

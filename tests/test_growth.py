@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from corral.runner.growth import Capacity, GrowthState, tier
+from corral.runner.kv.growth import Capacity, GrowthState, tier
 
 
 def test_tiers_are_powers_of_two_within_start_and_cap() -> None:
@@ -84,7 +84,7 @@ class _Reserve:
 def test_growth_of_any_size_takes_the_reserve_and_warmth_needs_one() -> None:
     import queue
 
-    from corral.runner.growth import Resizer
+    from corral.runner.kv.growth import Resizer
 
     posted: queue.Queue[object] = queue.Queue()
     grows = Resizer(None, Capacity(start=1, cap=16), posted.put, _Reserve())  # type: ignore[arg-type]
@@ -99,8 +99,8 @@ def test_growth_of_any_size_takes_the_reserve_and_warmth_needs_one() -> None:
 
 @pytest.fixture(scope="module")
 def elastic(starter_gguf: Path) -> Iterator[object]:
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
 
     eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, start_slots=1, num_ctx=512,
                                                  deterministic=True))
@@ -112,7 +112,7 @@ def elastic(starter_gguf: Path) -> Iterator[object]:
 
 @pytest.mark.model
 def test_growth_and_shrink_leave_greedy_outputs_unchanged(elastic: object) -> None:
-    from corral.runner.engine import Engine
+    from corral.runner.engine.engine import Engine
     from tests.test_engine import PROMPTS, run, run_together
 
     engine = elastic
@@ -134,7 +134,7 @@ def _back_to_one(engine: object) -> None:
 
 @pytest.mark.model
 def test_a_sequence_carries_on_across_a_growth_step(elastic: object) -> None:
-    from corral.runner.engine import Engine
+    from corral.runner.engine.engine import Engine
     from corral.runner.jobs import Job, Token
     from tests.test_engine import GREEDY, PROMPTS, collect, run, run_together
 
@@ -164,7 +164,7 @@ def _state(streams: int, at: int, cells: int, seq: int = 0) -> bytes:
 
 
 def test_restream_rewrites_the_stream_count_and_nothing_else() -> None:
-    from corral.runner.seqstate import restream
+    from corral.runner.kv.kvbytes import restream
 
     one = _state(streams=1, at=0, cells=2, seq=5)
     assert restream(one, 1, 5) == one

@@ -12,15 +12,15 @@ import pytest
 from corral.cli.images import extract_images, mentions_image
 from corral.config import load_settings
 from corral.errors import BadRequest
-from corral.runner.batchplan import plan_step, text_run
-from corral.runner.admission import align_keep
-from corral.runner.imagefeed import check_images as check_spans
+from corral.runner.engine.batchplan import plan_step, text_run
+from corral.runner.engine.admission import align_prefix
+from corral.runner.engine.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
 from corral.server.chat import Message
 from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
-from corral.runner.vision import ImageSpan
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.jobs import ImageSpan
 from corral.server.images import check_images, from_data_uri, measure
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes
 
@@ -126,9 +126,9 @@ def test_spans_must_match_the_placeholders() -> None:
 
 def test_a_non_causal_image_is_reused_whole_or_not_at_all() -> None:
     spans = [span(2, 4, non_causal=True), span(8, 4)]
-    assert align_keep(spans, 4) == 2
-    assert align_keep(spans, 6) == 6 and align_keep(spans, 2) == 2
-    assert align_keep(spans, 10) == 10  # a causal image may be reused in part
+    assert align_prefix(spans, 4) == 2
+    assert align_prefix(spans, 6) == 6 and align_prefix(spans, 2) == 2
+    assert align_prefix(spans, 10) == 10  # a causal image may be reused in part
 
 
 def test_text_prefill_stops_at_an_image() -> None:
@@ -141,4 +141,4 @@ def test_text_prefill_stops_at_an_image() -> None:
     plan = plan_step([image_first, text], n_batch=8)
     # The slot waiting on its image yields the batch to the next one's text.
     assert [(s.seq_id, n) for s, n in plan.prefill] == [(1, 2)]
-    assert [e.token for e in plan.entries] == [1, 2] and not any(e.logits for e in plan.entries)
+    assert [row.token for row in plan.rows] == [1, 2] and not any(row.logits for row in plan.rows)

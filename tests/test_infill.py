@@ -19,7 +19,7 @@ import pytest
 from corral.registry.create import CreateRequest, create_model
 from corral.registry.gguf import inspect_gguf
 from corral.registry.store import Store
-from corral.runner import native
+from corral.runner.llama import native
 from corral.runner.fim import FimTokens, Infill, infill_tokens
 from corral.server.daemon import Daemon
 from tests.fim_model import write_fim_gguf
@@ -226,8 +226,8 @@ def test_a_cached_suffix_is_shifted_into_place_for_infill_only(fim_ggufs: dict[s
     """llama-server's --cache-reuse: a word deleted before the suffix (a backspace) keeps
     the suffix's KV, shifted; a request that did not ask for shifted KV (reuse_chunk 0)
     evaluates its prompt whole rather than keep it, and leaves an exact cache behind."""
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
     from corral.runner.jobs import Job, SamplingParams, Token
 
     engine = Engine(str(fim_ggufs["fim"]), EngineConfig(n_slots=1, num_ctx=1024))

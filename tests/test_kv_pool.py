@@ -16,9 +16,9 @@ from typing import Any, Iterator
 import pytest
 
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.kvpool import KVPool
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState
+from corral.runner.engine.kvpool import KVPool
+from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
 
 
 def slot(seq: int, state: SlotState, n_past: int, pending: int = 0, t: float = 0.0) -> Slot:
@@ -54,8 +54,8 @@ def test_shortfall_victim_and_eviction_order() -> None:
 
 @pytest.fixture(scope="module")
 def pooled(chat_gguf: Path) -> Iterator[Any]:
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
 
     # Three sequences of about 10 + 100 tokens need 330 cells; the pool has 256.
     eng = Engine(str(chat_gguf), EngineConfig(n_slots=3, num_ctx=192, kv_pool=256,
@@ -128,7 +128,7 @@ def assert_greedy_alone(engine: Any, prompt: list[int], generated: list[int]) ->
     (Sharing the buffer changes a sequence's logits a little, so a pick between two
     near-equal tokens may flip: README, KV pool. A resume that lost or misplaced its KV
     disagrees with the alone run from then on, and by more.)"""
-    from corral.runner.native import token_bytes
+    from corral.runner.llama.native import token_bytes
 
     before = engine.status()["preemptions"]
     alone = _greedy(engine, prompt, len(generated))[0]
@@ -242,8 +242,8 @@ def test_alone_in_the_pool_a_greedy_request_equals_the_default_engine(chat_gguf:
     """What pool mode keeps exact: a sequence whose cells nobody else's surround. (A
     preempted one is recomputed into whatever cells are free among its neighbours', and
     can then differ in the last bits: README, pool mode.)"""
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
 
     outputs = []
     for config in (EngineConfig(n_slots=2, num_ctx=256, kv_pool=512, deterministic=True),

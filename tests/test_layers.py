@@ -5,6 +5,11 @@ functions, so a lazy import cannot hide an arrow pointing the wrong way. Each la
 is a subpackage `corral/<layer>/` (the foundation is the modules of `corral` itself),
 so an import names its layer by its second part; a bare `server` or `runner` import
 names no package of ours, and is a violation too.
+
+Inside the runner the same holds between its folders: the top of `corral/runner/` is
+the contract with the daemon and the types the folders share, and imports no folder;
+each folder imports only those below it. The daemon imports the top, and of the
+folders only the few entry points named in DAEMON_REACHES.
 """
 
 from __future__ import annotations
@@ -102,12 +107,12 @@ def test_every_package_is_in_the_table() -> None:
 
 @pytest.mark.parametrize("package,line", [
     ("corral", "from corral.registry.store import Store"),
-    ("registry", "def f():\n    from corral.runner.engine import Engine\n"),
+    ("registry", "def f():\n    from corral.runner.engine.engine import Engine\n"),
     ("runner", "import corral.server.daemon"),
     ("runner", "from corral import server"),
     ("api", "from corral.server.http import Handler"),
     ("cli", "def run():\n    from corral.server.daemon import Daemon\n"),
-    ("server", "from runner.engine import Engine"),  # bare: works only from a checkout
+    ("server", "from runner.engine.engine import Engine"),  # bare: works only from a checkout
 ])
 def test_a_forbidden_import_is_caught(tmp_path: Path, package: str, line: str) -> None:
     for name in LAYERS:
@@ -123,3 +128,125 @@ def test_serve_may_import_the_server(tmp_path: Path) -> None:
     (tmp_path / "cli" / "main.py").write_text(
         "def serve():\n    from corral.server.daemon import Daemon\n")
     assert violations(tmp_path) == []
+
+
+# ---- the runner's folders ---------------------------------------------------------------
+
+RUNNER = ROOT / "runner"
+TOP = ""  # the modules at the top of corral/runner/: the daemon's contract, shared types
+# runner folder -> the runner folders it may import (besides itself)
+RUNNER_ALLOWED: dict[str, frozenset[str]] = {
+    TOP: frozenset(),
+    "llama": frozenset({TOP}),
+    "slots": frozenset({TOP, "llama"}),
+    "kv": frozenset({TOP, "llama", "slots"}),
+    "cache": frozenset({TOP, "llama", "slots", "kv"}),
+    "engine": frozenset({TOP, "llama", "slots", "kv", "cache"}),
+    "tools": frozenset({TOP, "llama"}),
+    "process": frozenset({TOP, "llama", "slots", "kv", "cache", "engine", "tools"}),
+}
+# `python -m corral.runner`: the process's entry, the one module at the top that imports
+# what runs in the process (the bindings, then the load, then the rest).
+RUNNER_ENTRY = "__main__.py"
+# What the daemon reaches below the top: children it starts, and llama-cpp-python's
+# grammar converter, a pure Python module (loaded without the bindings).
+DAEMON_REACHES = frozenset({"corral.runner.tools.quantize", "corral.runner.tools.probe",
+                            "corral.runner.llama.capi"})
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = ["corral", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runner_targets(root: Path, path: Path) -> list[tuple[str, int]]:
+    """(module of corral.runner, line) for every import of one, relative ones resolved;
+    `from corral.runner.llama import native` names corral.runner.llama.native."""
+    here = module_name(root, path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found.extend((f"{base}.{a.name}", node.lineno) for a in node.names)
+    return [(name, line) for name, line in found
+            if name == "corral.runner" or name.startswith("corral.runner.")]
+
+
+def folder_of(module: str) -> str:
+    """corral.runner.engine.placer -> engine; corral.runner.wire (a top module) -> TOP."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in RUNNER_ALLOWED else TOP
+
+
+def runner_violations(root: Path) -> list[str]:
+    bad = []
+    for path in sorted((root / "runner").rglob("*.py")):
+        rel = path.relative_to(root / "runner")
+        folder = rel.parts[0] if len(rel.parts) > 1 else TOP
+        if rel.as_posix() == RUNNER_ENTRY:
+            continue
+        if folder not in RUNNER_ALLOWED:
+            bad.append(f"runner/{rel.as_posix()}: runner/{folder}/ is not in RUNNER_ALLOWED")
+            continue
+        for target, line in runner_targets(root, path):
+            to = folder_of(target)
+            if to != folder and to not in RUNNER_ALLOWED[folder]:
+                bad.append(f"runner/{rel.as_posix()}:{line} imports {target}")
+    return bad
+
+
+def daemon_reaches(root: Path) -> list[str]:
+    """The daemon's imports of a runner module below the top, other than DAEMON_REACHES."""
+    bad = []
+    for package in ("server", "cli", "api"):
+        for path in modules_of(root, package):
+            for target, line in runner_targets(root, path):
+                module = ".".join(target.split(".")[:4])  # corral.runner.<folder>.<module>
+                if folder_of(target) != TOP and module not in DAEMON_REACHES:
+                    bad.append(f"{path.relative_to(root).as_posix()}:{line} imports {module}")
+    return bad
+
+
+def test_every_runner_import_points_down() -> None:
+    assert runner_violations(ROOT) == []
+
+
+def test_every_runner_folder_is_in_the_table() -> None:
+    folders = {p.parent.name for p in RUNNER.glob("*/__init__.py")} | {TOP}
+    assert folders == set(RUNNER_ALLOWED)
+
+
+def test_the_daemon_imports_the_runners_contract_and_its_entry_points_only() -> None:
+    assert daemon_reaches(ROOT) == []
+
+
+@pytest.mark.parametrize("where,line", [
+    ("wire.py", "from corral.runner.engine.engine import Engine"),  # the contract, up
+    ("jobs.py", "def f():\n    from corral.runner.llama import native\n"),
+    ("llama/bad.py", "from corral.runner.slots.slot import Slot"),
+    ("kv/bad.py", "from corral.runner.cache import promptcache"),
+    ("cache/bad.py", "from ..engine.placer import Placer"),  # relative, resolved
+    ("engine/bad.py", "import corral.runner.process.main"),
+    ("tools/bad.py", "from corral.runner.engine import kvops"),
+    ("llama/bad.py", "from corral.runner import tools"),
+])
+def test_a_forbidden_runner_import_is_caught(tmp_path: Path, where: str, line: str) -> None:
+    for folder in RUNNER_ALLOWED:
+        (tmp_path / "runner" / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "runner" / where).write_text(line + "\n")
+    assert len(runner_violations(tmp_path)) == 1
+
+
+def test_the_daemon_reaching_into_the_engine_is_caught(tmp_path: Path) -> None:
+    for name in LAYERS:
+        (tmp_path / name).mkdir()
+    (tmp_path / "server" / "bad.py").write_text(
+        "from corral.runner.wire import MARKER\n"  # the contract: allowed
+        "from corral.runner.tools.quantize import quantize_in_child\n"  # an entry point
+        "from corral.runner.engine.kvpool import KVPool\n")
+    assert daemon_reaches(tmp_path) == ["server/bad.py:3 imports corral.runner.engine.kvpool"]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from corral.errors import ContextOverflow
-from corral.runner.context import EngineConfig
-from corral.runner.engine import Engine
+from corral.runner.llama.context import EngineConfig
+from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 

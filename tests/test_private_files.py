@@ -18,7 +18,7 @@ import pexpect
 import pytest
 
 from corral.private import open_private, private_dir, write_private
-from corral.runner.diskcache import DiskTier
+from corral.runner.cache.diskcache import DiskTier
 from corral.server.daemon import Daemon
 
 
@@ -90,8 +90,8 @@ def test_the_disk_tier_tightens_what_an_older_version_left(
 
 @pytest.mark.model
 def test_a_real_engine_writes_its_disk_tier_private(chat_gguf: Path, tmp_path: Path) -> None:
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
     from corral.runner.jobs import Done, Job, SamplingParams
 
     root = tmp_path / "state" / "kvcache"

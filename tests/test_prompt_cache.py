@@ -1,5 +1,5 @@
 """The prompt cache's policies, without llama.cpp: which entry a prompt restores, what is
-evicted, what the disk tier refuses, which keys never match, and when the scheduler
+evicted, what the disk tier refuses, which keys never match, and when the placer
 branches from a running slot or holds a sequence for a prefix about to be computed."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from corral.runner.caches import PrefixCaches, caches_for
-from corral.runner.diskcache import DiskTier
-from corral.runner.context import EngineConfig
+from corral.runner.cache.caches import PrefixCaches, caches_for
+from corral.runner.cache.diskcache import DiskTier
+from corral.runner.llama.context import EngineConfig
 from corral.runner.jobs import Job
-from corral.runner.promptcache import MIN_TOKENS, PromptCache
-from corral.runner.scheduler import HOLD_MIN, MIN_GAIN, Placement, Scheduler, Source
-from corral.runner.sequence import Sequence
-from corral.runner.slot import Slot, SlotState, common_prefix
+from corral.runner.cache.promptcache import MIN_TOKENS, PromptCache
+from corral.runner.engine.placer import HOLD_MIN, MIN_GAIN, Placement, Placer, Source
+from corral.runner.slots.sequence import Sequence
+from corral.runner.prefix import common_prefix
+from corral.runner.slots.slot import Slot, SlotState
 from tests.gguf_files import write_tiny_gguf
 
 A = list(range(100, 300))  # 200 tokens
@@ -87,8 +88,8 @@ def test_common_prefix_matches_a_walk_over_lists_and_tuples() -> None:
 def test_spilled_entries_go_to_the_disk_tier(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 1 << 20, "space")
     caches = PrefixCaches(PromptCache(budget=15), disk)
-    caches.keep(A, b"a" * 10)
-    caches.keep(B, b"b" * 10)  # evicts A from RAM, to disk
+    caches.save(A, b"a" * 10)
+    caches.save(B, b"b" * 10)  # evicts A from RAM, to disk
     hit = caches.lookup(A + [1])
     assert hit.entry is None and hit.disk is not None and hit.n == len(A)
     assert disk.load(hit.disk) == b"a" * 10
@@ -168,7 +169,7 @@ def test_keys_that_must_not_match(tmp_path: Path) -> None:
 
 
 def test_images_are_part_of_the_key() -> None:
-    # An image is a run of one placeholder id derived from its hash (runner.vision):
+    # An image is a run of one placeholder id derived from its hash (runner.llama.vision):
     # another image stops the match where it starts.
     cache = PromptCache(budget=1000)
     text = list(range(1, 60))
@@ -195,57 +196,57 @@ def test_a_sequence_waits_for_a_shared_prefix_being_prefilled_then_branches() ->
     shared = list(range(1000, 1000 + 2 * HOLD_MIN))
     leader = busy(0, shared[:10], shared[10:] + [1, 2, 3])
     idle = Slot(seq_id=1, num_ctx=4096)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
     follower = waiting(shared + [7, 8, 9])
-    sched.add(follower)
-    assert sched.next([leader, idle]) is None  # held: the leader is computing its prefix
+    placer.add(follower)
+    assert placer.next([leader, idle]) is None  # held: the leader is computing its prefix
     leader.cached = shared + [1]  # the leader's prefill covered the shared part
     leader.sequence.pending = [2, 3]  # type: ignore[union-attr]
-    p = sched.next([leader, idle])
+    p = placer.next([leader, idle])
     assert isinstance(p, Placement) and p.source is Source.BRANCH
-    assert p.donor is leader and p.slot is idle and p.keep == len(shared)
-    assert not sched.waiting
+    assert p.donor is leader and p.slot is idle and p.n_prefix == len(shared)
+    assert not placer.waiting
 
 
 def test_an_unrelated_sequence_is_not_held_behind_one_that_is() -> None:
     shared = list(range(1000, 1000 + 2 * HOLD_MIN))
     leader = busy(0, [], shared)
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
-    sched.add(waiting(shared + [1]))
-    sched.add(waiting([5] * 50))
-    p = sched.next([leader, Slot(seq_id=1, num_ctx=4096)])
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
+    placer.add(waiting(shared + [1]))
+    placer.add(waiting([5] * 50))
+    p = placer.next([leader, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.seq.job.prompt == [5] * 50
 
 
 def test_restore_beats_reuse_only_by_a_real_gain() -> None:
     ram = PromptCache(budget=1 << 20)
     ram.add(A, b"a")
-    sched = Scheduler(4096, PrefixCaches(ram))
+    placer = Placer(4096, PrefixCaches(ram))
     slot = Slot(seq_id=0, num_ctx=4096, cached=A[:200 - MIN_GAIN + 1])
-    sched.add(waiting(A + [1]))
-    p = sched.next([slot])
+    placer.add(waiting(A + [1]))
+    p = placer.next([slot])
     assert isinstance(p, Placement) and p.source is Source.REUSE  # the gain is too small
     slot = Slot(seq_id=0, num_ctx=4096, cached=B)
-    sched.add(waiting(A + [1]))
-    p = sched.next([slot])
-    assert isinstance(p, Placement) and p.source is Source.RESTORE and p.keep == len(A)
+    placer.add(waiting(A + [1]))
+    p = placer.next([slot])
+    assert isinstance(p, Placement) and p.source is Source.RESTORE and p.n_prefix == len(A)
     assert p.entry is not None and p.slot is slot
 
 
 def test_a_prefix_never_ends_inside_the_prompt() -> None:
     ram = PromptCache(budget=1 << 20)
     ram.add(A, b"a")
-    sched = Scheduler(4096, PrefixCaches(ram))
-    sched.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
-    p = sched.next([Slot(seq_id=0, num_ctx=4096)])
-    assert isinstance(p, Placement) and p.keep == len(A) - 1
+    placer = Placer(4096, PrefixCaches(ram))
+    placer.add(waiting(list(A)))  # the whole prompt is cached: one token is decoded again
+    p = placer.next([Slot(seq_id=0, num_ctx=4096)])
+    assert isinstance(p, Placement) and p.n_prefix == len(A) - 1
 
 
 @pytest.mark.parametrize("state", [SlotState.PREFILL, SlotState.DECODE])
 def test_a_tainted_slot_is_never_a_donor(state: SlotState) -> None:
     donor = busy(0, A, [] if state is SlotState.DECODE else [1])
     donor.tainted = True  # a context shift ran: its KV is not what a prefill would give
-    sched = Scheduler(4096, PrefixCaches(PromptCache(budget=0)))
-    sched.add(waiting(A + [2]))
-    p = sched.next([donor, Slot(seq_id=1, num_ctx=4096)])
+    placer = Placer(4096, PrefixCaches(PromptCache(budget=0)))
+    placer.add(waiting(A + [2]))
+    p = placer.next([donor, Slot(seq_id=1, num_ctx=4096)])
     assert isinstance(p, Placement) and p.source is Source.NONE

@@ -16,12 +16,12 @@ from typing import Iterator
 
 import pytest
 
-from corral.runner.caches import PrefixCaches
-from corral.runner.context import EngineConfig
-from corral.runner.diskcache import DiskEntry, DiskTier, Read
-from corral.runner.engine import Engine
+from corral.runner.cache.caches import PrefixCaches
+from corral.runner.llama.context import EngineConfig
+from corral.runner.cache.diskcache import DiskEntry, DiskTier, Read
+from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.promptcache import PromptCache
+from corral.runner.cache.promptcache import PromptCache
 
 pytestmark = pytest.mark.model
 

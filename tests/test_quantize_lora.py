@@ -18,8 +18,8 @@ import ollama
 import pytest
 
 from corral.registry.store import Store, file_sha256
-from corral.runner.context import EngineConfig
-from corral.runner.engine import Engine
+from corral.runner.llama.context import EngineConfig
+from corral.runner.engine.engine import Engine
 from corral.server.daemon import Daemon
 from tests.f16_model import write_f16_copy, write_lora
 from tests.test_engine import run

@@ -19,9 +19,9 @@ import pytest
 from corral.api.wire import parse
 from corral.api.wire.rerank import RerankRequest
 from corral.errors import BadRequest
-from corral.runner.embedding import SEQS, Embedder, _groups
+from corral.runner.llama.embedding import SEQS, EmbeddingContext, _groups
 from corral.runner.rankwire import RerankJob
-from corral.runner.rerank import is_reranker, prompt_tokens, rerank_template
+from corral.runner.llama.rerank import is_reranker, prompt_tokens, rerank_template
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
 from corral.server.models import capabilities
@@ -154,13 +154,13 @@ def test_prompts_and_batched_scores_are_llama_cpps(models: dict[str, Any], name:
     vocab = L.llama_model_get_vocab(model)
     prompts = [prompt_tokens(vocab, template, QUERY, doc) for doc in DOCS]
     assert prompts == [llama_prompt(model, QUERY, doc) for doc in DOCS]
-    embedder = Embedder(model, 1024, 2)
+    embed_ctx = EmbeddingContext(model, 1024, 2)
     try:
-        scores = [out[0] for out in embedder.embed(prompts, truncate=False)]
+        scores = [out[0] for out in embed_ctx.embed(prompts, truncate=False)]
         # Several documents to a decode, as many as the context's cells hold.
-        assert embedder.decodes == len(_groups(prompts, embedder.capacity)) < len(DOCS) / 2
+        assert embed_ctx.decodes == len(_groups(prompts, embed_ctx.capacity)) < len(DOCS) / 2
     finally:
-        embedder.free()
+        embed_ctx.free()
     expected = [llama_score(model, tokens) for tokens in prompts]
     assert scores == pytest.approx(expected, abs=1e-4)
     assert max(expected) - min(expected) > 1e-3  # the documents are told apart

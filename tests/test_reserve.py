@@ -1,4 +1,4 @@
-"""The uncommitted reserve (runner.reserve): finding new mappings, handing back only
+"""The uncommitted reserve (runner.kv.reserve): finding new mappings, handing back only
 zero pages, and with the real model a burst that adopts the reserve in one step,
 outputs unchanged, memory handed back when it shrinks."""
 
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from corral.runner.reserve import PAGE, appeared, release, zero_runs
+from corral.runner.kv.reserve import PAGE, appeared, release, zero_runs
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -64,13 +64,13 @@ def _resident(runs: list[tuple[int, int]]) -> int:
 
 class _Llama:
     """Makes 'contexts' that are what a KV buffer is after llama.cpp's clear: a private
-    anonymous mapping written with zeros (counted as a context is, by runner.native)."""
+    anonymous mapping written with zeros (counted as a context is, by runner.llama.native)."""
 
     def __init__(self, size: int) -> None:
         self.size, self.made, self.freed = size, [], []  # type: ignore[var-annotated]
 
     def new_context(self, streams: int) -> mmap.mmap:
-        from corral.runner import native
+        from corral.runner.llama import native
 
         with native.context_event():
             area = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -85,7 +85,7 @@ class _Llama:
 
 @linux
 def test_the_reserve_is_made_off_the_engine_and_settled_in_pieces_that_yield() -> None:
-    from corral.runner.reserve import PIECE, Reserve
+    from corral.runner.kv.reserve import PIECE, Reserve
 
     llama = _Llama(6 * PIECE)
     woken = threading.Event()
@@ -111,8 +111,8 @@ def test_the_reserve_is_made_off_the_engine_and_settled_in_pieces_that_yield() -
 
 @pytest.fixture(scope="module")
 def reserved(starter_gguf: Path) -> Iterator[object]:
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
 
     # 4 x 2,048 cells of the base starter: ~150 MB of KV, above reserve.MIN_MAPPING.
     eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, start_slots=1, num_ctx=2048,
@@ -134,7 +134,7 @@ def _wait(check: object, what: str) -> None:
 @pytest.mark.model
 def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
         reserved: object) -> None:
-    from corral.runner.engine import Engine
+    from corral.runner.engine.engine import Engine
     from tests.test_engine import PROMPTS, run, run_together
 
     engine = reserved
@@ -144,7 +144,7 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     alone = [run(engine, p, 20)[0] for p in PROMPTS]
     assert reserve.tried.wait(60), "the reserve is made when idle"
     # Made; prompts that came one after another may already serve from it (each kept its
-    # stream as a warm conversation: runner.growth), which commits only what they wrote.
+    # stream as a warm conversation: runner.kv.growth), which commits only what they wrote.
     assert reserve._ctx is not None or reserve.owns(engine.llama.ctx), \
         "the KV mapping was not found"
     # Measured on the reserve's own KV pages (mincore), not the process's RSS: this
@@ -156,7 +156,7 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     assert pages * PAGE > kv // 2  # the runs are the KV buffer's
     if reserve._ctx is not None:  # made and not yet taken: nothing of it committed
         assert _resident(runs) < pages // 100
-        # What ps counts (runner.growth): the one stream in use, whole, and no more.
+        # What ps counts (runner.kv.growth): the one stream in use, whole, and no more.
         assert kv // 4 <= engine.kv_held(kv) < kv // 4 + kv // 100
     assert engine.status()["reserve_streams"] == 4
     assert run_together(engine, [(p, 20, {}) for p in PROMPTS]) == alone
@@ -180,8 +180,8 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
 def test_a_request_runs_while_the_reserve_is_being_built(starter_gguf: Path) -> None:
     """The reserve is made off the engine thread: with its build held by a gate, a
     request sent after the first one gets its tokens and ends; then the build finishes."""
-    from corral.runner.context import EngineConfig
-    from corral.runner.engine import Engine
+    from corral.runner.llama.context import EngineConfig
+    from corral.runner.engine.engine import Engine
     from tests.support import wait_for
     from tests.test_engine import PROMPTS, run
 

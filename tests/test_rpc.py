@@ -147,6 +147,6 @@ def test_a_bad_worker_is_a_load_error_naming_it(starter_store: Store,
 
 
 def test_a_real_worker_passes_the_handshake(workers: list[tuple[str, Any]]) -> None:
-    from corral.runner.rpc import RPC_PROTO_MAJOR, probe
+    from corral.runner.tools.rpc import RPC_PROTO_MAJOR, probe
 
     assert probe(workers[0][0])[0] == RPC_PROTO_MAJOR

@@ -19,15 +19,15 @@ import pytest
 
 from corral.errors import EngineFailed
 from corral.registry.store import Store
-from corral.runner.batchplan import StepPlan
+from corral.runner.engine.batchplan import StepPlan
 from corral.runner.client import RunnerProcess
-from corral.runner.context import EngineConfig
-from corral.runner.engine import Engine
+from corral.runner.llama.context import EngineConfig
+from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Embed, Failed, Job, SamplingParams, Token
 from corral.options import Options
 from corral.runner.loadconfig import LoadConfig
-from corral.runner.process import Handler
-from corral.runner.service import RunnerService
+from corral.runner.process.main import Handler
+from corral.runner.process.service import RunnerService
 from corral.runner.wire import CompletionJob, LoadReport
 from corral.server.daemon import Daemon
 from tests.support import start_daemon, wait_for
@@ -97,10 +97,10 @@ STAND_IN = '''#!{python}
 import sys
 from pathlib import Path
 
-from corral.runner import capi
+from corral.runner.llama import capi
 capi.install()
-from corral.runner.loading import Pending
-from corral.runner import process
+from corral.runner.process.loading import Pending
+from corral.runner.process.main import main
 
 marker, steps = Path({marker!r}), []
 
@@ -110,7 +110,7 @@ def hook(plan):
         marker.unlink()
         raise RuntimeError("a bug in the step")
 
-sys.exit(process.main(pending=Pending(sys.argv[3:]), step_hook=hook))
+sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
 '''
 
 

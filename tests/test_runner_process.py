@@ -14,7 +14,7 @@ import pytest
 
 from corral.errors import RunnerError
 from corral.registry.gguf import inspect_gguf
-from corral.runner import memory
+from corral.runner import fitestimate
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import CompletionJob, DoneLine, EmbedJob, TokenLine
@@ -139,15 +139,15 @@ def test_malformed_model_fails_to_start(tmp_path: Path) -> None:
 
 def test_offload_estimate(starter_gguf: Path) -> None:
     info = inspect_gguf(starter_gguf)
-    cpu = memory.estimate(info, 4096, 4, free_vram=0, n_vocab=262144)
+    cpu = fitestimate.estimate(info, 4096, 4, free_vram=0, n_vocab=262144)
     assert cpu.gpu_layers == 0 and cpu.gpu_bytes == 0 and cpu.cpu_bytes == cpu.total
-    assert cpu.kv == memory.kv_bytes_per_token(info) * 4096 * 4
-    assert memory.kv_bytes_per_token(info) == 18 * 1 * (256 + 256) * 2
-    big = memory.estimate(info, 4096, 4, free_vram=64 << 30, n_vocab=262144)
+    assert cpu.kv == fitestimate.kv_bytes_per_token(info) * 4096 * 4
+    assert fitestimate.kv_bytes_per_token(info) == 18 * 1 * (256 + 256) * 2
+    big = fitestimate.estimate(info, 4096, 4, free_vram=64 << 30, n_vocab=262144)
     assert big.gpu_layers == 18 and big.cpu_bytes == 0
     per_layer = info.layer_bytes()[0] + cpu.kv // 18
-    part = memory.estimate(info, 4096, 4, free_vram=big.compute + (big.weights - sum(
+    part = fitestimate.estimate(info, 4096, 4, free_vram=big.compute + (big.weights - sum(
         info.layer_bytes().values())) + 5 * per_layer + 10, n_vocab=262144)
     assert 4 <= part.gpu_layers <= 5 and 0 < part.gpu_bytes < part.total
-    forced = memory.estimate(info, 4096, 4, free_vram=0, num_gpu=7)
+    forced = fitestimate.estimate(info, 4096, 4, free_vram=0, num_gpu=7)
     assert forced.gpu_layers == 7

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corral.runner.sampling import top_ids
+from corral.runner.llama.sampling import top_ids
 
 pytestmark = pytest.mark.model
 
@@ -33,11 +33,11 @@ def test_top_ids_is_the_top_k_whatever_the_spread() -> None:
 def test_preselection_matches_the_full_chain(starter_gguf: Path, options: dict) -> None:
     import llama_cpp as L
 
-    from corral.runner import native
-    from corral.runner.context import EngineConfig, LlamaContext
+    from corral.runner.llama import native
+    from corral.runner.llama.context import EngineConfig, LlamaContext
     from corral.options import Options
     from corral.runner.jobs import SamplingParams
-    from corral.runner.sampling import Sampler
+    from corral.runner.llama.sampling import Sampler
 
     native.init_backend()
     llama = LlamaContext(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=256))

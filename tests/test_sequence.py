@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from corral.runner.jobs import Done, Job
-from corral.runner.sequence import DoneReason, Sequence, SeqState
-from corral.runner.slot import Slot, SlotState
+from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
+from corral.runner.slots.slot import Slot, SlotState
 
 
 class CountingSampler:
@@ -16,16 +16,16 @@ class CountingSampler:
         self.freed += 1
 
 
-def running(prompt: list[int], keep: int = 0) -> tuple[Slot, Sequence, CountingSampler]:
-    slot, seq, sampler = Slot(seq_id=3, num_ctx=64, cached=prompt[:keep]), Sequence(Job(prompt)), \
-        CountingSampler()
-    slot.assign(seq, prompt[:keep])
-    seq.start(sampler, 10, prompt, keep, now=1.0)  # type: ignore[arg-type]
+def running(prompt: list[int], n_prefix: int = 0) -> tuple[Slot, Sequence, CountingSampler]:
+    slot, seq = Slot(seq_id=3, num_ctx=64, cached=prompt[:n_prefix]), Sequence(Job(prompt))
+    sampler = CountingSampler()
+    slot.assign(seq, prompt[:n_prefix])
+    seq.start(sampler, 10, prompt, n_prefix, now=1.0)  # type: ignore[arg-type]
     return slot, seq, sampler
 
 
 def test_a_preempted_sequence_moves_whole_to_another_slot() -> None:
-    slot, seq, sampler = running([1, 2, 3, 4], keep=2)
+    slot, seq, sampler = running([1, 2, 3, 4], n_prefix=2)
     assert seq.pending == [3, 4] and seq.n_prompt_eval == 2 and slot.job is seq.job
     slot.cached += seq.pending
     seq.pending.clear()
@@ -37,7 +37,7 @@ def test_a_preempted_sequence_moves_whole_to_another_slot() -> None:
     assert seq.state is SeqState.PREEMPTED and seq.sampler is sampler and sampler.freed == 0
     other = Slot(seq_id=5, num_ctx=64)
     other.assign(seq, [])
-    seq.resume(seq.job.prompt + seq.generated, keep=0)
+    seq.resume(seq.job.prompt + seq.generated, n_prefix=0)
     # The same object carries on: its progress was never copied out and back.
     assert other.sequence is seq and seq.pending == [1, 2, 3, 4, 7, 8] and seq.last_token == 8
     assert (seq.n_generated, seq.n_prompt_eval, seq.t_first) == (2, 2, 1.5)

@@ -130,7 +130,7 @@ def _alive(pid: int) -> bool:
 def test_an_orphaned_runner_ends_even_when_its_stop_hangs() -> None:
     """The stop an orphan runs (engine, disk tier) gets a bounded time, then the process
     ends: here the stop never returns, and the end is called once the grace has passed."""
-    from corral.runner.process import exit_with_parent
+    from corral.runner.process.main import exit_with_parent
 
     ended: list[int] = []
     gone = threading.Event()

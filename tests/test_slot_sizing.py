@@ -12,7 +12,7 @@ from corral.options import Options
 from corral.registry.gguf import GGUFInfo
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
-from corral.runner import memory
+from corral.runner import fitestimate
 from corral.server.scheduler import Scheduler
 from tests.test_scheduler import FakeRunner
 
@@ -21,35 +21,35 @@ MB = 1 << 20
 # 4096 tokens per slot come to 90 MiB.
 INFO = GGUFInfo(3, "llama", 135_000_000, 15, "Q4_1", 8192, 30, 576, 9, 3, 64, 64, None, None,
                 {**{f"blk.{i}.w": 3 * MB for i in range(30)}, "token_embd": 28 * MB}, 0, 0)
-SLOT = memory.kv_bytes_per_token(INFO) * 4096
+SLOT = fitestimate.kv_bytes_per_token(INFO) * 4096
 
 
 def fits(n: int, budget: int) -> bool:
-    room = budget - memory.memory_margin(budget)
-    return memory.estimate(INFO, 4096, n, 0).total <= room
+    room = budget - fitestimate.memory_margin(budget)
+    return fitestimate.estimate(INFO, 4096, n, 0).total <= room
 
 
 def test_estimator_sizes_slots_by_memory_and_never_past_the_cap() -> None:
     assert SLOT == 90 * MB
     for budget in (600 * MB, 1200 * MB, 2 << 30, 8 << 30):
-        n = memory.slots_that_fit(INFO, 4096, budget, 16)
+        n = fitestimate.slots_that_fit(INFO, 4096, budget, 16)
         assert 1 <= n <= 16
         assert n == 16 or not fits(n + 1, budget)  # the most that fit ...
         assert n == 1 or fits(n, budget)  # ... and they do fit, margin kept
-    assert memory.slots_that_fit(INFO, 4096, 64 << 30, 16) == 16
-    assert memory.slots_that_fit(INFO, 4096, 64 << 30, 40) == 40
-    assert memory.slots_that_fit(INFO, 4096, 100 * MB, 16) == 1  # at least one
-    assert memory.slots_that_fit(INFO, 2048, 1200 * MB, 16) > memory.slots_that_fit(
+    assert fitestimate.slots_that_fit(INFO, 4096, 64 << 30, 16) == 16
+    assert fitestimate.slots_that_fit(INFO, 4096, 64 << 30, 40) == 40
+    assert fitestimate.slots_that_fit(INFO, 4096, 100 * MB, 16) == 1  # at least one
+    assert fitestimate.slots_that_fit(INFO, 2048, 1200 * MB, 16) > fitestimate.slots_that_fit(
         INFO, 4096, 1200 * MB, 16)
 
 
 def test_pool_tokens_fit_memory() -> None:
-    per_token = memory.kv_bytes_per_token(INFO)
-    assert memory.pool_tokens_that_fit(INFO, 65536, 64 << 30, 16) == 65536
-    small = memory.pool_tokens_that_fit(INFO, 65536, 1 << 30, 16)
+    per_token = fitestimate.kv_bytes_per_token(INFO)
+    assert fitestimate.pool_tokens_that_fit(INFO, 65536, 64 << 30, 16) == 65536
+    small = fitestimate.pool_tokens_that_fit(INFO, 65536, 1 << 30, 16)
     assert 256 <= small < 65536
-    fixed = memory.estimate(INFO, 0, 16, 0).total
-    assert fixed + small * per_token <= (1 << 30) - memory.memory_margin(1 << 30)
+    fixed = fitestimate.estimate(INFO, 0, 16, 0).total
+    assert fixed + small * per_token <= (1 << 30) - fitestimate.memory_margin(1 << 30)
 
 
 def scheduler(free: int, **env: str) -> Scheduler:
@@ -66,13 +66,13 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     opts = Options(num_ctx=4096)
     r = rec(tmp_path)
     big, small = 64 << 30, 1200 * MB
-    assert scheduler(big).fit.slots(r, opts) == memory.CPU_MAX_SLOTS == 16
+    assert scheduler(big).fit.slots(r, opts) == fitestimate.CPU_MAX_SLOTS == 16
     # The prompt cache's RAM (a quarter of what is free, at most) counts in the fit.
-    cache = memory.prompt_cache_budget(None, 64 << 30, small)
+    cache = fitestimate.prompt_cache_budget(None, 64 << 30, small)
     assert cache == small // 4
-    assert scheduler(small).fit.slots(r, opts) == memory.slots_that_fit(
+    assert scheduler(small).fit.slots(r, opts) == fitestimate.slots_that_fit(
         INFO, 4096, small - cache, 16)
-    assert scheduler(small, CACHE_RAM="0").fit.slots(r, opts) == memory.slots_that_fit(
+    assert scheduler(small, CACHE_RAM="0").fit.slots(r, opts) == fitestimate.slots_that_fit(
         INFO, 4096, small, 16)
     assert scheduler(small).fit.slots(r, opts) < 16
     assert scheduler(big, MAX_SLOTS="6").fit.slots(r, opts) == 6
@@ -92,25 +92,25 @@ def test_a_gpu_backend_is_found_where_llama_cpp_lib_path_points(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The GPU check builds llama.cpp on the spot and points llama-cpp-python at it; the
     # memory fit must see that build's CUDA backend, or it keeps every layer on the CPU.
-    from corral.runner import memory
+    from corral.runner import fitestimate
 
     monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
-    if memory.gpu_backend_present():
+    if fitestimate.gpu_backend_present():
         pytest.skip("this install's llama.cpp has a GPU backend of its own")
     (tmp_path / "libggml-cuda.so").write_bytes(b"")
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
-    assert memory.gpu_backend_present()
+    assert fitestimate.gpu_backend_present()
 
 
 def test_the_daemon_asks_nvml_only_for_cuda_and_falls_back_without_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from corral.runner import memory, nvml
+    from corral.runner import fitestimate, nvml
 
     assert nvml.free_bytes(str(tmp_path / "no-such-libnvidia-ml.so")) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert nvml.free_bytes() is None  # NVML would count GPUs that CUDA may not use
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
-    if memory.gpu_backend_present():
+    if fitestimate.gpu_backend_present():
         pytest.skip("this install's llama.cpp has a GPU backend of its own")
-    assert memory.daemon_free_gpu_memory() == 0  # a CPU build: nothing asked of any GPU
+    assert fitestimate.daemon_free_gpu_memory() == 0  # a CPU build: nothing asked of any GPU

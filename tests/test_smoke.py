@@ -12,7 +12,7 @@ pytestmark = pytest.mark.model  # llama.cpp runs in every test here
 
 
 def test_smoke_decodes_tokens(starter_gguf: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "corral.runner.smoke", str(starter_gguf)],
+    out = subprocess.run([sys.executable, "-m", "corral.runner.tools.smoke", str(starter_gguf)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("llama.cpp works: ")
@@ -21,6 +21,6 @@ def test_smoke_decodes_tokens(starter_gguf: Path) -> None:
 def test_smoke_fails_cleanly_on_a_bad_model(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    out = subprocess.run([sys.executable, "-m", "corral.runner.smoke", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "corral.runner.tools.smoke", str(bad)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -28,17 +28,39 @@ def test_daemon_spawns_its_first_runner_before_the_http_stack_is_imported() -> N
                 "prometheus_client"} & mods
 
 
+# What the daemon loads of the runner, every server module imported: the contract at the
+# top of corral/runner/ and, below it, only the entry points tests/test_layers.py names
+# (DAEMON_REACHES). Nothing that runs in the runner process, and so no llama.cpp.
+DAEMON_RUNNER_MODULES = {
+    "corral.runner", "corral.runner.client", "corral.runner.wire", "corral.runner.rankwire",
+    "corral.runner.fim", "corral.runner.loadconfig", "corral.runner.fitestimate",
+    "corral.runner.tools", "corral.runner.tools.quantize",  # quantize_in_child
+    "corral.runner.tools.probe",  # probe_in_child
+    "corral.runner.llama", "corral.runner.llama.capi",  # pure_module: grammar conversion
+}
+
+
+def test_the_daemon_loads_the_runners_contract_and_nothing_of_its_process() -> None:
+    mods = imported_after(
+        "import importlib, pkgutil, corral.server\n"
+        "for m in pkgutil.walk_packages(corral.server.__path__, 'corral.server.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)")
+    assert {m for m in mods if m.startswith("corral.runner")} == DAEMON_RUNNER_MODULES
+    assert "llama_cpp" not in mods
+
+
 @pytest.mark.model
 def test_runner_entry_loads_only_the_c_bindings() -> None:
-    mods = imported_after("from corral.runner import capi\ncapi.install()\n"
-                          "import corral.runner.process")
+    mods = imported_after("from corral.runner.llama import capi\ncapi.install()\n"
+                          "import corral.runner.process.main")
     assert "llama_cpp.llama_cpp" in mods
     assert "llama_cpp.llama" not in mods and "llama_cpp.llama_chat_format" not in mods
 
 
 @pytest.mark.model
 def test_bare_package_has_the_bindings_and_its_submodules() -> None:
-    code = ("from corral.runner import capi\nL = capi.install()\n"
+    code = ("from corral.runner.llama import capi\nL = capi.install()\n"
             "assert L.llama_decode is L.llama_cpp.llama_decode\n"
             "import llama_cpp.llama_grammar\nassert capi.install() is L")
     subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
@@ -58,7 +80,7 @@ def test_concurrent_first_grammar_conversions_wait_for_one_load() -> None:
     # saw the module while its body was still running ("has no attribute").
     code = """
 import threading
-from corral.runner.capi import pure_module
+from corral.runner.llama.capi import pure_module
 from corral.server.pipeline.grammar import grammar_for
 errors = []
 start = threading.Barrier(8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral.runner.textstream import StopMatcher, Utf8Stream
+from corral.runner.llama.textstream import StopMatcher, Utf8Stream
 
 
 def test_multibyte_split_across_tokens() -> None:

@@ -20,8 +20,8 @@ from corral.errors import CorralError
 from corral.runner.jobs import Done, Failed, Token
 from corral.runner.loadconfig import LoadConfig
 from corral.registry.gguf import inspect_gguf
-from corral.runner.process import build
-from corral.runner.service import RunnerService
+from corral.runner.process.main import build
+from corral.runner.process.service import RunnerService
 from corral.runner.wire import CompletionJob, DoneLine
 from corral.server.chat import Message
 from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt

@@ -109,7 +109,7 @@ def rpc_server(host: str = typer.Option("127.0.0.1", help="Address to listen on;
     """Serve this machine's best device to other hosts' models (llama.cpp RPC)."""
     import os
 
-    argv = [sys.executable, "-m", "corral.runner.rpc", "--host", host, "--port", str(port),
+    argv = [sys.executable, "-m", "corral.runner.tools.rpc", "--host", host, "--port", str(port),
             "--threads", str(threads)]
     if cache is not None:
         argv += ["--cache", str(cache.resolve())]

@@ -19,7 +19,7 @@ from corral.options import Options
 from corral.runner.wire import DoneLine, Logprob
 
 if TYPE_CHECKING:
-    from corral.runner.vision import ImageSpan
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,27 @@ class SamplingParams:
         return self.repeat_last_n != 0 and (
             self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image in a prompt: `n_tokens` placeholders from index `start`."""
+
+    start: int
+    key: int  # the placeholder id: negative, from the image's hash
+    embd: "np.ndarray"  # float32 (n_tokens, n_embd)
+    non_causal: bool  # its tokens attend to each other both ways: decoded in one batch
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.embd.shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+    def shifted(self, offset: int) -> "ImageSpan":
+        return ImageSpan(self.start + offset, self.key, self.embd, self.non_causal)
 
 
 @dataclass(frozen=True)
@@ -122,7 +143,7 @@ class Stop:
 @dataclass(frozen=True)
 class Resized:
     """A context of `streams` KV streams, made off the engine thread for it to adopt
-    (runner.growth); `ctx` is None when it could not be made."""
+    (runner.kv.growth); `ctx` is None when it could not be made."""
 
     ctx: Any
     streams: int
@@ -142,7 +163,7 @@ class ClearCache:
 
 @dataclass(frozen=True)
 class PrefixRead:
-    """A read of the prompt cache's disk tier is over (runner.diskread): it wakes an engine
+    """A read of the prompt cache's disk tier is over (runner.cache.diskread): it wakes an engine
     that waits for work, so the sequence waiting for the read is placed."""
 
 

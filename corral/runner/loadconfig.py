@@ -36,8 +36,8 @@ class LoadConfig:
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
     rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port
     projector: str | None = None  # a vision projector GGUF (mmproj) loaded beside the model
-    cache_ram: int = 0  # bytes of host RAM for the prompt cache (runner.promptcache)
-    cache_disk: int = 0  # bytes of disk for its tier under cache_dir (runner.diskcache)
+    cache_ram: int = 0  # bytes of host RAM for the prompt cache (runner.cache.promptcache)
+    cache_disk: int = 0  # bytes of disk for its tier under cache_dir (runner.cache.diskcache)
     cache_dir: str = ""
 
     @classmethod

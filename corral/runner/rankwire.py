@@ -1,4 +1,4 @@
-"""The wire records of the runner's POST /rerank (runner/rerank.py builds the prompts).
+"""The wire records of the runner's POST /rerank (runner/llama/rerank.py builds the prompts).
 
     daemon --RerankJob--> runner /rerank --Ranked-->
 """

@@ -22,6 +22,10 @@ from corral.errors import BadRequest
 from corral.options import Options
 from corral.runner.fim import Infill
 
+# Where each image goes in the prompt text the daemon renders: mtmd's default media
+# marker, at which the runner's projector splits the prompt (runner.llama.vision).
+MARKER = "<__media__>"
+
 
 @dataclass(frozen=True)
 class CompletionJob:
@@ -242,8 +246,8 @@ class Health:
     preemptions: int = 0
     sampled: int = 0  # tokens sampled since load
     images_encoded: int = 0
-    kv_bytes: int = 0  # KV committed now (runner.growth: Resizer.kv_held)
-    reserve_streams: int = 0  # the cap's context made ahead (runner.reserve); 0: none
+    kv_bytes: int = 0  # KV committed now (runner.kv.growth: Resizer.kv_held)
+    reserve_streams: int = 0  # the cap's context made ahead (runner.kv.reserve); 0: none
     cache: CacheStats = field(default_factory=CacheStats)
 
     def to_json(self) -> dict[str, Any]:

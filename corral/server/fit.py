@@ -13,14 +13,14 @@ from corral.options import Options
 from corral.process import physical_memory_available, physical_memory_total
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
-from corral.runner import memory
+from corral.runner import fitestimate
 from corral.server.resident import Resident
 
 
 class MemoryFit:
     def __init__(self, settings: Settings,
                  free_memory: Callable[[], int] = physical_memory_available,
-                 free_vram: Callable[[], int] = memory.daemon_free_gpu_memory,
+                 free_vram: Callable[[], int] = fitestimate.daemon_free_gpu_memory,
                  total_memory: Callable[[], int] = physical_memory_total,
                  inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path)
                  ) -> None:
@@ -35,8 +35,8 @@ class MemoryFit:
         to CORRAL_MAX_SLOTS: the cap elastic KV may grow to (it starts at one)."""
         if self.settings.num_parallel > 0:
             return self.settings.num_parallel
-        cap = self.settings.max_slots or (memory.GPU_MAX_SLOTS if self.free_vram() > 0 else
-                                          memory.CPU_MAX_SLOTS)
+        cap = self.settings.max_slots or (fitestimate.GPU_MAX_SLOTS if self.free_vram() > 0 else
+                                          fitestimate.CPU_MAX_SLOTS)
         if self.settings.kv_pool:
             return cap  # sequences share the pool; num_ctx caps each, reserves nothing
         try:
@@ -48,7 +48,7 @@ class MemoryFit:
             return 1
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self.cache_ram()
-        return memory.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
+        return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                      self.settings.kv_cache_type)
 
     def pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
@@ -66,7 +66,7 @@ class MemoryFit:
         budget = self.budget()
         if budget <= 0:
             return want
-        return memory.pool_tokens_that_fit(info, want, budget, slots,
+        return fitestimate.pool_tokens_that_fit(info, want, budget, slots,
                                            self.settings.kv_cache_type)
 
     def budget(self) -> int:
@@ -83,7 +83,7 @@ class MemoryFit:
 
     def cache_ram(self) -> int:
         free = 0 if self.free_vram() else self.free_memory()  # a GPU's KV is not in RAM
-        return memory.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
+        return fitestimate.prompt_cache_budget(self.settings.cache_ram, self.total_memory(), free)
 
 
 def cache_bytes(entry: Resident) -> int:

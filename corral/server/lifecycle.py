@@ -21,8 +21,8 @@ from corral.registry.modelfile import parse_modelfile
 from corral.registry.names import parse_name
 from corral.registry.pull import Puller
 from corral.registry.push import Pusher
-from corral.runner.quantize import quantize_in_child
-from corral.runner.vision import probe_in_child
+from corral.runner.tools.quantize import quantize_in_child
+from corral.runner.tools.probe import probe_in_child
 from corral.server.http import Handler, Request, StreamWriter
 from corral.server.models import require_model
 from corral.server.services import Services

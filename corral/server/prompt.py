@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from corral.registry.models import FALLBACK_TEMPLATE
-from corral.runner.vision import MARKER as MEDIA_MARKER
+from corral.runner.wire import MARKER as MEDIA_MARKER
 from corral.server.chat import Message, Tool
 from corral.server.templates.gotemplate import GoTemplate
 from corral.server.templates.jinja import JinjaTemplate

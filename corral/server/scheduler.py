@@ -23,7 +23,7 @@ from corral.options import Options
 from corral.process import physical_cores, physical_memory_available, physical_memory_total
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
-from corral.runner import memory
+from corral.runner import fitestimate
 from corral.runner.loadconfig import LoadConfig
 from corral.server.courier import Courier, in_parallel
 from corral.server.fit import MemoryFit, cache_bytes
@@ -45,7 +45,7 @@ class Scheduler:
                  runner_factory: Callable[[LoadConfig], Runner],
                  clock: Callable[[], float] = time.time,
                  free_memory: Callable[[], int] = physical_memory_available,
-                 free_vram: Callable[[], int] = memory.daemon_free_gpu_memory,
+                 free_vram: Callable[[], int] = fitestimate.daemon_free_gpu_memory,
                  total_memory: Callable[[], int] = physical_memory_total,
                  inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path),
                  cores: int = 0) -> None:

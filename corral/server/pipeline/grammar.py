@@ -15,7 +15,7 @@ def grammar_for(fmt: Any, max_bytes: int) -> str | None:
     """Ollama's `format`: "json", a JSON schema object, or nothing."""
     if fmt in (None, "", "null"):
         return None
-    from corral.runner.capi import pure_module
+    from corral.runner.llama.capi import pure_module
 
     grammars = pure_module("llama_grammar")  # not `import llama_cpp`: see pure_module
     if fmt == "json":

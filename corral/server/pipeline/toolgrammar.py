@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from corral.errors import BadRequest
-from corral.runner.capi import pure_module
+from corral.runner.llama.capi import pure_module
 from corral.server.chat import EMPTY_SCHEMA, Tool
 from corral.server.pipeline.gbnf import check_schema
 from corral.server.reply import MISTRAL_TAG, TOOL_TAGS, Format

@@ -1,0 +1,83 @@
+"""Cell accounting for slots that share one KV pool (CORRAL_KV_POOL=1).
+
+In the default mode every slot reserves its whole num_ctx. In pool mode the
+slots share one unified KV buffer, num_ctx only caps a sequence, and so more
+sequences run than reservations would allow. The price is that the pool can
+fill while they generate: then the newest sequence is preempted (its cells
+freed, its job back at the front of the queue with its progress) and
+recomputed once there is room. Pure: it reads slot state and decides; the
+engine does the native calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from corral.runner.engine.batchplan import StepPlan
+from corral.runner.slots.slot import Slot, SlotState
+
+RESERVE = 32  # cells a new request must find beyond its prompt, so it can start generating
+
+
+@dataclass
+class KVPool:
+    size: int  # cells (tokens, all sequences together)
+    reserve: int = RESERVE
+    preemptions: int = 0
+    # Set by a preemption, cleared when a sequence ends: until then nothing new is
+    # admitted, or the job just preempted would come straight back, be preempted
+    # again at the next step, and recompute its tokens over and over.
+    pressure: bool = False
+
+    @staticmethod
+    def used(slots: Iterable[Slot]) -> int:
+        """Cells holding KV now, idle slots' cached prefixes included."""
+        return sum(s.n_past for s in slots)
+
+    @staticmethod
+    def committed(slots: Iterable[Slot]) -> int:
+        """Cells running requests hold or are about to fill with their prompts."""
+        return sum(s.n_past + len(s.pending) for s in slots if s.state is not SlotState.IDLE)
+
+    def admits(self, slots: list[Slot], n_prompt: int) -> bool:
+        """Whether a request with this many prompt tokens may start now (idle caches
+        are evicted for it). An empty pool admits anything that fits at all."""
+        committed = self.committed(slots)
+        if self.pressure and committed:
+            return False
+        return committed + min(n_prompt + self.reserve, self.size) <= self.size
+
+    def shortfall(self, slots: list[Slot], growth: int) -> int:
+        """Cells missing for a step that adds `growth` tokens; <= 0 when it fits."""
+        return self.used(slots) + growth - self.size
+
+    @staticmethod
+    def evictable(slots: list[Slot]) -> list[Slot]:
+        """Idle slots holding cached prefixes, least recently used first."""
+        return sorted((s for s in slots if s.state is SlotState.IDLE and s.cached),
+                      key=lambda s: s.last_used)
+
+    @staticmethod
+    def victim(slots: list[Slot]) -> Slot | None:
+        """The newest running sequence: it has the least work to lose, and the oldest
+        requests keep going (admission is oldest first too)."""
+        busy = [s for s in slots if s.state is not SlotState.IDLE]
+        if len(busy) <= 1:
+            return None  # one sequence alone always fits: num_ctx <= the pool
+        return max(busy, key=lambda s: (s.t_start, s.seq_id))
+
+    def fit(self, plan: StepPlan, slots: list[Slot], drop: Callable[[Slot], None],
+            preempt: Callable[[Slot], None], replan: Callable[[], StepPlan]) -> StepPlan:
+        """Make the pool hold this step's plan: drop idle caches first, then preempt the
+        newest running sequence, until it fits or nothing more can go."""
+        while plan.rows and self.shortfall(slots, len(plan.rows)) > 0:
+            idle, victim = KVPool.evictable(slots), KVPool.victim(slots)
+            if idle:
+                drop(idle[0])
+            elif victim is not None:
+                preempt(victim)
+                plan = replan()
+            else:
+                break
+        return plan

@@ -1,0 +1,189 @@
+"""One model and its generation context, created before the engine thread starts.
+
+The parameters here are what keep greedy output independent of the batch:
+one KV stream per slot, no extra CPU buffer types, a full-size SWA cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as L
+
+from corral.errors import RunnerError
+from corral.process import physical_cores
+from corral.runner.llama import native
+from corral.runner.llama.textstream import Utf8Stream
+from corral.runner.loadconfig import DEFAULT_BATCH
+
+_KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_slots: int = 1
+    num_ctx: int = 4096  # per slot
+    n_batch: int = DEFAULT_BATCH
+    n_threads: int = 0  # 0: physical cores
+    n_gpu_layers: int = 0
+    flash_attn: bool | None = None
+    kv_cache_type: str = "f16"
+    use_mmap: bool = True
+    kv_pool: int = 0  # tokens in one KV buffer the slots share; 0: a stream per slot
+    # Elastic KV: the context starts with this many streams and grows towards n_slots
+    # as requests run at once (runner.kv.growth); 0 means a fixed n_slots.
+    start_slots: int = 0
+    # Batch-invariant kernels (CORRAL_DETERMINISTIC): no tiled matmul and none of
+    # llama.cpp's extra CPU buffer types (weight repacking, AMX), which make a
+    # row's logits depend on how many rows share the batch. Off, greedy output
+    # can change in the last bits with load; on, decoding is 4-13% slower here.
+    deterministic: bool = False
+    adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUFs and their scales
+    # The prompt cache (runner.cache.promptcache): bytes of host RAM for the KV of sequences
+    # that left the context, and of disk under cache_dir for those that outlive it.
+    cache_ram: int = 0
+    cache_disk: int = 0
+    cache_dir: str = ""
+
+
+class LlamaContext:
+    model: Any
+    ctx: Any
+    batch: Any
+
+    def __init__(self, path: str, cfg: EngineConfig) -> None:
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers
+        mparams.use_extra_bufts = not cfg.deterministic
+        if not cfg.use_mmap:
+            mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
+        self.model = L.llama_model_load_from_file(path.encode(), mparams)
+        if not self.model:
+            raise RunnerError(f"llama.cpp could not load {path}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
+        self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
+        if cfg.kv_pool:
+            self.num_ctx = min(self.num_ctx, cfg.kv_pool)  # a cap on each sequence
+        self.n_threads = cfg.n_threads or physical_cores()
+        self.cfg = cfg
+        self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
+            min(cfg.start_slots, cfg.n_slots)
+        self.ctx: Any = None
+        self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
+        self.ctx = self.new_context(self.streams)
+        self._apply_adapters(cfg.adapters)
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_batch = int(L.llama_n_batch(self.ctx))
+        self.n_ctx = int(L.llama_n_ctx(self.ctx))
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._eog: list[int] | None = None
+
+    def new_context(self, streams: int) -> Any:
+        """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
+        thread other than the engine's: it touches the model, read-only, and nothing of
+        the context in use (runner.kv.growth builds the next one this way)."""
+        cfg = self.cfg
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = cfg.kv_pool or self.num_ctx * streams
+        cparams.n_seq_max = streams
+        # The batch size never changes with the streams: one llama_batch serves them all.
+        cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        # One KV stream per slot, unless the slots share a pool. In a shared
+        # (unified) stream, a sequence's new cells can land in holes another slot
+        # left behind, which changes the order flash attention visits them in, and
+        # so its floating-point sums: outputs then depend on the neighbours.
+        cparams.kv_unified = bool(cfg.kv_pool)
+        # Gemma 3's sliding-window cache must be full size, or prefix reuse and
+        # context shift would need KV that has already been evicted.
+        cparams.swa_full = True
+        cparams.embeddings = False
+        cparams.no_perf = True
+        fa = cfg.flash_attn
+        cparams.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
+                                   L.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else
+                                   L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
+        cparams.type_k = cparams.type_v = kv_type
+        ctx = native.init_context(self.model, cparams)
+        if not ctx:
+            if self.ctx is None:  # the first one: nothing to serve with
+                L.llama_model_free(self.model)
+            raise RunnerError("llama.cpp could not create a context (out of memory?)")
+        if self.adapters is not None:
+            handles, scales, n = self.adapters
+            if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
+                native.free_context(ctx)
+                raise RunnerError("llama.cpp could not apply the adapters")
+        return ctx
+
+    def adopt(self, ctx: Any, streams: int) -> Any:
+        """Engine thread: serve from `ctx` from now on; returns the old context, which the
+        caller frees (discard) or keeps (runner.kv.reserve)."""
+        old, self.ctx, self.streams = self.ctx, ctx, streams
+        self.mem = L.llama_get_memory(ctx)
+        self.n_ctx = int(L.llama_n_ctx(ctx))
+        L.llama_set_n_threads(ctx, self.n_threads, self.n_threads)  # made before a change?
+        return old
+
+    def set_threads(self, n: int) -> int:
+        """Engine thread: decode with `n` threads from now on, in later contexts too."""
+        L.llama_set_n_threads(self.ctx, n, n)
+        self.n_threads = n
+        return n
+
+    def discard(self, ctx: Any) -> None:
+        native.free_context(ctx)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        # llama_tokenize only reads the vocab, which is safe from any thread.
+        return native.tokenize(self.vocab, text, add_special and self.add_bos)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        stream = Utf8Stream()
+        return "".join(stream.feed(native.token_bytes(self.vocab, t))
+                       for t in tokens if 0 <= t < self.n_vocab) + stream.flush()
+
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
+        found on first use rather than by a vocabulary-wide scan at every load."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
+        return self._eog
+
+    def _apply_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """Load each LoRA against the model and set them all on the context.
+
+        The adapters stay owned by the model, which frees them with itself."""
+        if not adapters:
+            return
+        loaded = []
+        for path, _ in adapters:
+            adapter = L.llama_adapter_lora_init(self.model, path.encode())
+            if not adapter:
+                self.free()
+                raise RunnerError(f"llama.cpp could not load the adapter {path}")
+            loaded.append(adapter)
+        handles = (L.llama_adapter_lora_p_ctypes * len(loaded))(*loaded)
+        scales = (ctypes.c_float * len(loaded))(*(scale for _, scale in adapters))
+        if L.llama_set_adapters_lora(self.ctx, handles, len(loaded), scales) != 0:
+            self.free()
+            raise RunnerError("llama.cpp could not apply the adapters")
+        self.adapters = (handles, scales, len(loaded))
+
+    def free(self) -> None:
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            native.free_context(self.ctx)
+            self.ctx = None
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,122 @@
+"""Thin, checked access to llama.cpp's C API through llama-cpp-python's ctypes bindings.
+
+Only the engine thread calls into a model or context; these helpers hold no
+state of their own beyond the process-wide backend and log hook.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import llama_cpp as L
+
+from corral.process import apply_native_defaults, trim_malloc
+
+_log_hook: Any = None
+_made_lock = threading.Lock()
+_contexts_made = 0
+
+
+def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
+    """Initialise ggml once and route llama.cpp's logging (silent unless verbose)."""
+    global _log_hook
+    if _log_hook is not None:
+        return
+    apply_native_defaults(deterministic)
+
+    def _log(level: int, text: bytes, _user: Any) -> None:
+        if verbose and text:
+            os.write(2, text)
+
+    # Keep a reference: ctypes would free the trampoline and llama.cpp would crash.
+    _log_hook = L.llama_log_callback(_log)
+    L.llama_log_set(_log_hook, ctypes.c_void_p(0))
+    L.llama_backend_init()
+
+
+def init_context(model: Any, cparams: Any) -> Any:
+    """llama_init_from_model, counted (contexts_made)."""
+    with context_event():
+        return L.llama_init_from_model(model, cparams)
+
+
+def free_context(ctx: Any) -> None:
+    """llama_free, counted (contexts_made)."""
+    with context_event():
+        L.llama_free(ctx)
+
+
+@contextmanager
+def context_event() -> Iterator[None]:
+    """Around making or freeing a context: its beginning and its end each add one to
+    contexts_made(), so a thread can tell whether any context came or went while it
+    made its own (runner.kv.reserve finds its KV pages among the mappings that appeared)."""
+    global _contexts_made
+    with _made_lock:
+        _contexts_made += 1
+    try:
+        yield
+    finally:
+        with _made_lock:
+            _contexts_made += 1
+
+
+def contexts_made() -> int:
+    with _made_lock:
+        return _contexts_made
+
+
+def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    data = text.encode("utf-8")
+    capacity = len(data) + 16
+    buf = (L.llama_token * capacity)()
+    n = L.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    if n < 0:
+        capacity = -n
+        buf = (L.llama_token * capacity)()
+        n = L.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+    if n < 0:
+        raise ValueError("prompt could not be tokenized")
+    return list(buf[:n])
+
+
+def token_bytes(vocab: Any, token: int, special: bool = False) -> bytes:
+    """Raw bytes of one token; may be part of a multi-byte UTF-8 character."""
+    buf = ctypes.create_string_buffer(64)
+    n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
+    return buf.raw[: max(n, 0)]
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise).
+
+    A grammar sampler builds tables over the whole vocabulary and the embedding
+    context has its own compute buffer; once freed, without this the runner's
+    resident size would stay at its peak for good.
+    """
+    trim_malloc()
+
+
+def fill_batch(batch: Any, rows: Sequence[tuple[int, int, int, bool]], capacity: int) -> None:
+    """Write (token, position, sequence, wants logits) rows into a llama_batch.
+
+    The capacity check stands before native code: llama_decode aborts the
+    process on an overfull batch instead of returning an error.
+    """
+    if len(rows) > capacity:
+        raise RuntimeError(f"batch overflow: {len(rows)} > {capacity}")
+    for i, (token, pos, seq, logits) in enumerate(rows):
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+    batch.n_tokens = len(rows)
+

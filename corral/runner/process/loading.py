@@ -1,0 +1,117 @@
+"""The model load, started before the runner's heavier modules are imported.
+
+llama.cpp reads the weights and zeroes the KV cache in C, with the GIL
+released, for a few tenths of a second. `begin` starts that on a helper
+thread, so the Python imports of the engine, sampling (numpy), templates
+(jinja2) and the HTTP service run at the same time instead of before it. The
+context is handed over whole to the engine thread, which alone uses it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from corral.process import limit_malloc_arenas
+from corral.errors import BadRequest
+from corral.registry.gguf import GGUFInfo, inspect_gguf
+from corral.runner import fitestimate
+from corral.runner.llama import native
+from corral.runner.tools import rpc
+from corral.runner.llama.context import EngineConfig, LlamaContext
+from corral.runner.loadconfig import LoadConfig
+
+if TYPE_CHECKING:
+    from corral.runner.llama.vision import Vision
+
+
+@dataclass
+class LoadedModel:
+    """What loading gave the runner process: the weights' context and what was measured."""
+
+    config: LoadConfig
+    info: GGUFInfo
+    estimate: fitestimate.Estimate
+    engine_config: EngineConfig
+    llama: LlamaContext
+    seconds: float
+    rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
+    vision: "Vision | None" = None
+
+
+def load(config: LoadConfig) -> LoadedModel:
+    info = inspect_gguf(config.model)  # reject malformed files before llama.cpp sees them
+    if config.n_slots < 1 or config.n_slots > 256:
+        raise BadRequest("slots must be between 1 and 256")
+    # A pool is one buffer of kv_pool tokens whatever the slot count.
+    per_slot = -(-config.kv_pool // config.n_slots) if config.kv_pool else config.num_ctx
+    gpu_free = fitestimate.free_gpu_memory()  # before RPC devices join the GPU-type list
+    # Remote workers' devices count as offload targets beside local GPUs; llama.cpp
+    # splits the offloaded layers between all of them by the free memory each reports.
+    rpc_free = sum(w.free for w in rpc.add_workers(config.rpc_servers))
+    # Adapters and a projector are weights beside the model's (the projector's compute
+    # buffers are small next to its weights for the models this serves).
+    adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
+    if config.projector:
+        adapters += os.path.getsize(config.projector)
+    # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
+    # asks; the estimate (and so `ps`) must say so too.
+    num_gpu = config.num_gpu if fitestimate.gpu_backend_present() or rpc_free else 0
+    est = fitestimate.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
+                          num_gpu, config.kv_cache_type, config.n_batch,
+                          adapters=adapters)
+    rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
+    cfg = EngineConfig(
+        n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
+        n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
+        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
+        deterministic=config.deterministic, adapters=config.adapters,
+        start_slots=config.start_slots, cache_ram=config.cache_ram,
+        cache_disk=config.cache_disk, cache_dir=config.cache_dir)
+    native.init_backend(deterministic=cfg.deterministic)
+    t0 = time.perf_counter()
+    llama = LlamaContext(config.model, cfg)
+    vision = None
+    if config.projector:
+        from corral.runner.llama.vision import Vision  # numpy: not before the load has started
+
+        try:
+            vision = Vision(config.projector, llama.model, llama.n_threads,
+                            use_gpu=est.gpu_layers > 0)
+        except BaseException:
+            llama.free()
+            raise
+    return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes, vision)
+
+
+class Pending:
+    """A load running on its helper thread; `result()` waits for it."""
+
+    def __init__(self, argv: list[str]) -> None:
+        parser = argparse.ArgumentParser(prog="python -m corral.runner")
+        parser.add_argument("--config", required=True, help="JSON load configuration")
+        parser.add_argument("--verbose", action="store_true")
+        self.args = parser.parse_args(argv)
+        limit_malloc_arenas()  # before any thread allocates
+        self._loaded: LoadedModel | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loaded = load(LoadConfig.from_json(self.args.config))
+        except BaseException as exc:  # re-raised on the main thread by result()
+            self._error = exc
+
+    def result(self) -> LoadedModel:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._loaded is not None
+        return self._loaded
+

@@ -1,0 +1,125 @@
+"""A sequence is one request's progress: a state machine with every transition here.
+
+    WAITING --start--> RUNNING --finish--> FINISHED
+       |                 |  ^
+       |              preempt resume
+       |                 v  |
+       |             PREEMPTED --finish (cancelled, failed)--> FINISHED
+       \\--finish (cancelled or refused while queued)--> FINISHED
+
+It owns what a generation has produced (sampler, text streams, the tokens
+generated, counts and times), so it moves between slots whole: a slot is only a
+KV stream that holds one sequence at a time. A preempted sequence goes back to the
+queue with everything it had; when it resumes, its prompt and the tokens it
+generated are prefilled again and sampling continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from corral.runner.jobs import Job, JobEvent
+from corral.runner.llama.textstream import StopMatcher, Utf8Stream
+from corral.runner.wire import DoneLine
+
+if TYPE_CHECKING:
+    from corral.runner.llama.sampling import Sampler
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # queued, never run
+    RUNNING = "running"  # on a slot, prefilling or decoding
+    PREEMPTED = "preempted"  # off its slot with its progress, queued again
+    FINISHED = "finished"
+
+
+_ALLOWED = {
+    (SeqState.WAITING, SeqState.RUNNING),
+    (SeqState.WAITING, SeqState.FINISHED),
+    (SeqState.RUNNING, SeqState.FINISHED),
+    (SeqState.RUNNING, SeqState.PREEMPTED),
+    (SeqState.PREEMPTED, SeqState.RUNNING),
+    (SeqState.PREEMPTED, SeqState.FINISHED),
+}
+
+
+class DoneReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCEL = "cancel"
+
+
+@dataclass
+class Sequence:
+    job: Job
+    state: SeqState = SeqState.WAITING
+    sampler: "Sampler | None" = None
+    pending: list[int] = field(default_factory=list)  # tokens still to prefill on its slot
+    generated: list[int] = field(default_factory=list)
+    last_token: int = -1
+    n_generated: int = 0
+    n_prompt_eval: int = 0
+    limit: int = 0  # most tokens it may generate
+    utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    def transition(self, new: SeqState) -> None:
+        if (self.state, new) not in _ALLOWED:
+            raise RuntimeError(f"sequence {self.job.id or id(self)}: illegal transition "
+                               f"{self.state} -> {new}")
+        self.state = new
+
+    def start(self, sampler: "Sampler", limit: int, tokens: list[int], n_prefix: int,
+              now: float) -> None:
+        """WAITING -> RUNNING: `n_prefix` of `tokens` are cached on its slot already."""
+        self.transition(SeqState.RUNNING)
+        self.sampler, self.limit = sampler, limit
+        self.stops = StopMatcher(self.job.stop)
+        self.pending = tokens[n_prefix:]
+        self.n_prompt_eval = len(self.pending)
+        self.t_start = now
+
+    def resume(self, tokens: list[int], n_prefix: int) -> None:
+        """PREEMPTED -> RUNNING: `tokens` (its prompt and what it generated) are prefilled
+        again from `n_prefix`; sampling then continues from where it stopped."""
+        self.transition(SeqState.RUNNING)
+        self.pending = tokens[n_prefix:]
+        self.last_token = tokens[-1]
+
+    def preempt(self) -> None:
+        """RUNNING -> PREEMPTED: its slot's KV is dropped; its progress stays here."""
+        self.transition(SeqState.PREEMPTED)
+        self.pending = []
+
+    def finish(self) -> None:
+        """-> FINISHED from any live state: the sampler's native memory goes back."""
+        self.transition(SeqState.FINISHED)
+        if self.sampler is not None:
+            self.sampler.free()
+            self.sampler = None
+        self.pending = []
+
+    def end(self, event: "JobEvent") -> None:
+        """Finish, and tell its caller how it ended (Done or Failed)."""
+        self.finish()
+        self.job.events.put(event)
+
+    def stats(self, reason: DoneReason, now: float) -> DoneLine:
+        """The Done event's counts and durations (Ollama's names)."""
+        first = self.t_first or now
+        job = self.job
+        return DoneLine(
+            done_reason=reason.value,
+            prompt_eval_count=self.n_prompt_eval,
+            prompt_eval_duration=int((first - self.t_start) * 1e9),
+            eval_count=self.n_generated,
+            eval_duration=int((now - first) * 1e9),
+            queue_duration=int((self.t_start - job.submitted) * 1e9),
+            prompt_tokens=len(job.prompt),
+            # Image placeholders mean nothing outside this runner's vision cache.
+            context=tuple([t for t in job.prompt if t >= 0] + self.generated),
+        )

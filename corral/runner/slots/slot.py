@@ -1,0 +1,91 @@
+"""A slot is one llama.cpp KV stream: a state machine with every transition here.
+
+    IDLE --assign--> PREFILL --prompt done--> DECODE --vacate--> IDLE
+                       \\-------------------vacate-----------------^
+
+It holds at most one Sequence (runner.slots.sequence), which carries the request's
+progress; the slot knows only the tokens whose KV it holds. An IDLE slot keeps
+them cached, so the next request that shares a prefix prefills only the rest; when
+another prompt takes the slot, they go to the prompt cache (runner.cache.promptcache).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from corral.runner.jobs import Job
+from corral.runner.slots.sequence import Sequence
+
+
+class SlotState(enum.Enum):
+    IDLE = "idle"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+_ALLOWED = {
+    (SlotState.IDLE, SlotState.PREFILL),
+    (SlotState.PREFILL, SlotState.DECODE),
+    (SlotState.PREFILL, SlotState.IDLE),
+    (SlotState.DECODE, SlotState.IDLE),
+}
+
+
+@dataclass
+class Slot:
+    seq_id: int  # llama.cpp's sequence id: which KV stream this slot is
+    num_ctx: int
+    state: SlotState = SlotState.IDLE
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is resident, in order
+    sequence: Sequence | None = None
+    last_used: float = 0.0
+    tainted: bool = False  # a context shift changed the KV under the cached tokens
+
+    def reusable(self, approximate: bool = False) -> list[int]:
+        """The cached tokens a new request may keep: none once a context shift ran,
+        unless the request takes shifted KV (`approximate`: Job.reuse_chunk)."""
+        return [] if self.tainted and not approximate else self.cached
+
+    def transition(self, new: SlotState) -> None:
+        if (self.state, new) not in _ALLOWED:
+            raise RuntimeError(f"slot {self.seq_id}: illegal transition {self.state} -> {new}")
+        self.state = new
+
+    @property
+    def n_past(self) -> int:
+        return len(self.cached)
+
+    # The sequence's fields the step planner and the pool read, through its slot.
+    @property
+    def job(self) -> Job | None:
+        return self.sequence.job if self.sequence is not None else None
+
+    @property
+    def pending(self) -> list[int]:
+        return self.sequence.pending if self.sequence is not None else []
+
+    @property
+    def last_token(self) -> int:
+        return self.sequence.last_token if self.sequence is not None else -1
+
+    @property
+    def t_start(self) -> float:
+        return self.sequence.t_start if self.sequence is not None else 0.0
+
+    def assign(self, sequence: Sequence, prefix: list[int], shifted: bool = False) -> None:
+        """IDLE -> PREFILL: the sequence runs here; its KV holds `prefix` already (kept
+        from this slot's cache, or copied in from another slot or the prompt cache;
+        `shifted`: some of it moved there, runner.engine.kvops.reuse_chunks)."""
+        self.transition(SlotState.PREFILL)
+        self.sequence = sequence
+        self.cached = list(prefix)
+        self.tainted = shifted
+
+    def vacate(self, now: float) -> Sequence | None:
+        """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""
+        sequence, self.sequence = self.sequence, None
+        self.transition(SlotState.IDLE)
+        self.last_used = now
+        return sequence
+
