@@ -27,7 +27,7 @@ from corral.registry.projector import projector_info
 from corral.runner.wire import Health, LoadReport
 from corral.server.http import Handler, Request
 from corral.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from corral.server.models import ModelView, require_model
+from corral.server.chat.models import ModelView, require_model
 from corral.server.resident import Resident
 from corral.server.scheduler import Scheduler
 from corral.server.services import Services

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from corral.config import Settings, parse_duration
 from corral.errors import BadRequest
 from corral.registry.store import Store
-from corral.server.models import Models
+from corral.server.chat.models import Models
 from corral.server.scheduler import Scheduler
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from corral.server.pipeline.count import only_loaded
 from corral.server.pipeline.request import CompletionTask, Event, Finished
 from corral.server.pipeline.run import run
 from corral.server.pipeline.stream import SSE, respond
-from corral.server.reply import Kind, Piece
+from corral.server.chat.reply import Kind, Piece
 from corral.server.services import Services, keep_alive_of
 
 Route = Callable[[Request, Handler], None]

@@ -17,7 +17,7 @@ from corral.api.wire.tokens import (DetokenizeRequest, LlamaDetokenizeRequest,
                                     LlamaTokenizeRequest, TokenizeRequest)
 from corral.runner.wire import Tokenize
 from corral.server.http import Handler, Request
-from corral.server.models import require_model
+from corral.server.chat.models import require_model
 from corral.server.pipeline.count import detokenize, only_loaded, tokenize
 from corral.server.services import Services, keep_alive_of
 

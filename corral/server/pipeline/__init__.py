@@ -7,7 +7,7 @@
 
 A dialect only translates: its wire record into a request here, and these events
 into its own bytes. Capabilities, `think`, tools and `tool_choice`, grammars and
-images are decided once, in `prepare`, against the model's view (server.models);
+images are decided once, in `prepare`, against the model's view (server.chat.models);
 holding the model, rendering the prompt and splitting the reply happen once, in
 `run`; the stream policy (a real status before the first event, the API's
 in-stream error after it) lives once, in `respond`.

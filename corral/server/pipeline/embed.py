@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest
 from corral.runner.wire import EmbedJob, Embeddings
-from corral.server.models import ModelView
+from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
     from corral.server.services import Services

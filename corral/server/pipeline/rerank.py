@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest
 from corral.runner.rankwire import RerankJob
-from corral.server.models import ModelView
+from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
     from corral.server.services import Services
