@@ -23,7 +23,7 @@ from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
 from corral.server.chat.models import Models
 from corral.server.services import Services
-from corral.server.scheduler import Runner, Scheduler
+from corral.server.residency.scheduler import Runner, Scheduler
 
 if TYPE_CHECKING:
     from corral.registry.download import DownloadOptions

@@ -28,8 +28,8 @@ from corral.runner.wire import Health, LoadReport
 from corral.server.http import Handler, Request
 from corral.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from corral.server.chat.models import ModelView, require_model
-from corral.server.resident import Resident
-from corral.server.scheduler import Scheduler
+from corral.server.residency.resident import Resident
+from corral.server.residency.scheduler import Scheduler
 from corral.server.services import Services
 
 API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it

@@ -11,7 +11,7 @@ from corral.config import Settings, parse_duration
 from corral.errors import BadRequest
 from corral.registry.store import Store
 from corral.server.chat.models import Models
-from corral.server.scheduler import Scheduler
+from corral.server.residency.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from corral.server.metrics import Metrics  # imported with the HTTP stack (metrics.py)
