@@ -22,7 +22,7 @@ from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
 from corral.server.chat.models import Models
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 from corral.server.residency.scheduler import Runner, Scheduler
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from corral.runner.quantize import quantize_in_child
 from corral.runner.vision import probe_in_child
 from corral.server.http import Handler, Request, StreamWriter
 from corral.server.chat.models import require_model
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 
 Work = Callable[[Callable[[dict[str, Any]], None], Callable[[], bool]], Any]
 

@@ -30,7 +30,7 @@ from corral.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from corral.server.chat.models import ModelView, require_model
 from corral.server.residency.resident import Resident
 from corral.server.residency.scheduler import Scheduler
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 
 API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400

@@ -25,11 +25,11 @@ from corral.server.chat.messages import Message, Tool, ToolCall, tool_named
 from corral.server.http import Handler, Request
 from corral.server.chat.images import from_data_uri
 from corral.server.chat.models import require_model
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, Event, Finished,
                                             ToolChoice as Forced)
 from corral.server.pipeline.count import count
-from corral.server.pipeline.stream import SSE, generation
+from corral.server.dialects.stream import SSE, generation
 from corral.server.chat.reply import Kind, Piece
 
 def _text_of(blocks: str | list[TextBlock] | None) -> str:

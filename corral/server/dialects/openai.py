@@ -22,10 +22,10 @@ from corral.server.chat.messages import Message as ChatMessage, ToolCall, functi
 from corral.server.http import Handler, Request
 from corral.server.chat.images import from_data_uri
 from corral.server.chat.models import require_model
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
                                             Finished, ToolChoice)
-from corral.server.pipeline.stream import SSE, generation
+from corral.server.dialects.stream import SSE, generation
 from corral.server.chat.reply import Kind, Piece
 
 FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it

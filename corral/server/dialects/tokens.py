@@ -19,7 +19,7 @@ from corral.runner.wire import Tokenize
 from corral.server.http import Handler, Request
 from corral.server.chat.models import require_model
 from corral.server.pipeline.count import detokenize, only_loaded, tokenize
-from corral.server.services import Services, keep_alive_of
+from corral.server.pipeline.services import Services, keep_alive_of
 
 Route = Callable[[Request, Handler], None]
 

@@ -22,7 +22,7 @@ from corral.server.pipeline.run import render
 
 if TYPE_CHECKING:
     from corral.server.residency.resident import Runner
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 
 def count(services: Services, request: Task) -> int:

@@ -11,7 +11,7 @@ from corral.runner.wire import EmbedJob, Embeddings
 from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 
 def embed(services: Services, view: ModelView, inputs: list[str], options: Any,

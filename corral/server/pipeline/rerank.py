@@ -13,7 +13,7 @@ from corral.runner.rankwire import RerankJob
 from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from corral.server.chat.reply import Piece, ReplyParser
 if TYPE_CHECKING:
     from corral.server.chat.prompt import PromptBuilder
     from corral.server.residency.scheduler import Resident
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 OnDisconnect = Callable[[Callable[[], None]], threading.Event]
 
