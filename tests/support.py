@@ -11,7 +11,7 @@ from corral.config import load_settings
 from corral.registry.store import Store
 from corral.runner.loadconfig import LoadConfig
 from corral.server.daemon import Daemon
-from corral.server.resident import Runner
+from corral.server.residency.resident import Runner
 
 
 def start_daemon(store: Store | None, tmp: Path, capacity: int | None = None,

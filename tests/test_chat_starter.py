@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 
 from corral.registry.gguf import inspect_gguf
-from corral.server.chat import Message
-from corral.server.prompt import PromptBuilder
+from corral.server.chat.messages import Message
+from corral.server.chat.prompt import PromptBuilder
 from corral.server.daemon import Daemon
 
 CHAT = "smollm2:135m"

@@ -16,12 +16,12 @@ from corral.runner.engine.batchplan import plan_step, text_run
 from corral.runner.engine.admission import align_prefix
 from corral.runner.engine.imagefeed import check_images as check_spans
 from corral.runner.jobs import Job
-from corral.server.chat import Message
-from corral.server.prompt import MEDIA_MARKER, mark_messages, mark_prompt
+from corral.server.chat.messages import Message
+from corral.server.chat.prompt import MEDIA_MARKER, mark_messages, mark_prompt
 from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.jobs import ImageSpan
-from corral.server.images import check_images, from_data_uri, measure
+from corral.server.chat.images import check_images, from_data_uri, measure
 from tests.vision_model import bmp_bytes, png_bomb, png_bytes
 
 SETTINGS = load_settings({})

@@ -250,3 +250,108 @@ def test_the_daemon_reaching_into_the_engine_is_caught(tmp_path: Path) -> None:
         "from corral.runner.tools.quantize import quantize_in_child\n"  # an entry point
         "from corral.runner.engine.kvpool import KVPool\n")
     assert daemon_reaches(tmp_path) == ["server/bad.py:3 imports corral.runner.engine.kvpool"]
+
+
+# Inside the server, three rooms and the shell over them. The chat domain (`chat/`:
+# messages, the model's view, prompts and templates, the reply parser) and model
+# residency (`residency/`: the scheduler, the memory fit, the cores' shares) import
+# nothing else of the server; the request pipeline (`pipeline/`) works with both and
+# ends at events; the shell on top (the server's own modules, the transport, the
+# daemon, and the routes in `dialects/`) may import any of them. No room imports the
+# shell, so the pipeline runs without an HTTP module.
+SERVER_ROOMS: dict[str, frozenset[str]] = {
+    "chat": frozenset(),
+    "residency": frozenset(),
+    "pipeline": frozenset({"chat", "residency"}),
+    "shell": frozenset({"chat", "residency", "pipeline"}),
+}
+SHELL_PACKAGES = frozenset({"dialects"})  # subpackages of the server that are the shell
+
+
+def room_of(module: str) -> str | None:
+    """`corral.server.chat.reply` is the chat room, `corral.server.http` and
+    `corral.server.dialects.openai` the shell; None is outside the server."""
+    parts = module.split(".")
+    if parts[:2] != ["corral", "server"]:
+        return None
+    if len(parts) > 2 and parts[2] in SERVER_ROOMS and parts[2] != "shell":
+        return parts[2]
+    return "shell"
+
+
+def server_imports_of(path: Path) -> list[tuple[str, int]]:
+    """(imported room, line) for every import of the server, lazy ones included."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from corral.server import pipeline` names the room, as `from corral import`
+            # names the layer
+            names = ([f"{node.module}.{a.name}" for a in node.names]
+                     if node.module in ("corral", "corral.server") else [node.module])
+        else:
+            continue
+        found.extend((room, node.lineno) for name in names
+                     if (room := room_of(name)) is not None)
+    return found
+
+
+def server_violations(root: Path) -> list[str]:
+    bad = []
+    for path in sorted((root / "server").rglob("*.py")):
+        rel = path.relative_to(root / "server")
+        first = rel.parts[0] if len(rel.parts) > 1 else ""
+        room = first if first in SERVER_ROOMS else "shell"
+        for target, line in server_imports_of(path):
+            if target != room and target not in SERVER_ROOMS[room]:
+                bad.append(f"server/{rel.as_posix()}:{line} ({room}) imports the {target}")
+    return bad
+
+
+def test_the_server_rooms_point_down() -> None:
+    assert server_violations(ROOT) == []
+
+
+def test_every_server_package_has_a_room() -> None:
+    packages = {p.parent.name for p in (ROOT / "server").glob("*/__init__.py")}
+    assert packages == (set(SERVER_ROOMS) - {"shell"}) | SHELL_PACKAGES
+
+
+def _server_tree(tmp_path: Path) -> Path:
+    for name in ("chat", "residency", "pipeline", "dialects"):
+        (tmp_path / "server" / name).mkdir(parents=True)
+    return tmp_path
+
+
+@pytest.mark.parametrize("room,line", [
+    ("chat", "from corral.server.pipeline.request import ChatTask"),
+    ("chat", "def f():\n    from corral.server.residency.scheduler import Scheduler\n"),
+    ("chat", "from corral.server.http import Handler"),
+    ("residency", "from corral.server.chat.models import Models"),
+    ("residency", "from corral.server import pipeline"),
+    ("pipeline", "from corral.server.http import Handler, Request, Route"),
+    ("pipeline", "import corral.server.asgi"),
+    ("pipeline", "from corral.server.dialects.stream import respond"),
+    ("pipeline", "if TYPE_CHECKING:\n    from corral.server.metrics import Metrics\n"),
+])
+def test_a_forbidden_server_import_is_caught(tmp_path: Path, room: str, line: str) -> None:
+    root = _server_tree(tmp_path)
+    (root / "server" / room / "bad.py").write_text(line + "\n")
+    assert len(server_violations(root)) == 1
+
+
+@pytest.mark.parametrize("where,line", [
+    ("pipeline", "from corral.server.chat.messages import Message"),
+    ("pipeline", "from corral.server.residency.resident import Resident"),
+    ("pipeline/deeper", "from corral.server.pipeline.run import run"),
+    ("dialects", "from corral.server.pipeline.run import run"),
+    ("", "from corral.server.dialects import openai"),
+    ("", "from corral.server.residency.scheduler import Scheduler"),
+])
+def test_the_shell_and_the_pipeline_may_import_down(tmp_path: Path, where: str,
+                                                   line: str) -> None:
+    root = _server_tree(tmp_path)
+    (root / "server" / where).mkdir(parents=True, exist_ok=True)
+    (root / "server" / where / "good.py").write_text(line + "\n")
+    assert server_violations(root) == []

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corral.server.reply import Format, Kind, Piece, ReplyParser
+from corral.server.chat.reply import Format, Kind, Piece, ReplyParser
 
 CASES = json.loads((Path(__file__).parent / "peers" / "ollama" / "thinking" /
                     "parser_cases.json").read_text())

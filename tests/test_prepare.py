@@ -16,8 +16,8 @@ from corral.errors import BadRequest
 from corral.options import Options
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
-from corral.server.chat import Message, Tool
-from corral.server.models import ModelView, capabilities
+from corral.server.chat.messages import Message, Tool
+from corral.server.chat.models import ModelView, capabilities
 from corral.server.pipeline.prepare import prepare
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask,
                                             ToolChoice)

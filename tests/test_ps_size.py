@@ -15,7 +15,7 @@ from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.wire import LoadReport
 from corral.server.daemon import Daemon
-from corral.server.resident import Resident
+from corral.server.residency.resident import Resident
 from tests.support import DaemonFactory, wait_for
 
 MODEL = "smollm2:135m"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from corral.server.reply import Format, Kind, Piece, ReplyParser, call_id, reply_format
+from corral.server.chat.reply import Format, Kind, Piece, ReplyParser, call_id, reply_format
 
 THINK = Format(think=("<think>", "</think>"))
 TAGS = Format(tools="tags")

@@ -24,7 +24,7 @@ from corral.runner.rankwire import RerankJob
 from corral.runner.llama.rerank import is_reranker, prompt_tokens, rerank_template
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
-from corral.server.models import capabilities
+from corral.server.chat.models import capabilities
 from corral.server.pipeline.rerank import order
 from tests.rerank_model import write_reranker
 

@@ -15,7 +15,7 @@ from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import CacheStats, Health, LoadReport
-from corral.server.scheduler import ModelState, Scheduler
+from corral.server.residency.scheduler import ModelState, Scheduler
 from tests.gguf_files import write_tiny_gguf
 from tests.support import wait_for
 
@@ -251,7 +251,7 @@ def test_failed_load_is_an_error_and_leaves_nothing(tmp_path: Path, clock: Clock
 
 
 def test_thread_shares_split_the_cores_between_busy_models() -> None:
-    from corral.server.threads import shares
+    from corral.server.residency.threads import shares
 
     assert shares(2, ["a"], ["b"]) == {"a": 2, "b": 1}  # b would wake beside a: one core
     assert shares(2, ["a", "b"], []) == {"a": 1, "b": 1}  # each keeps one, neither fights

@@ -14,7 +14,7 @@ from corral.errors import RunnerError
 from corral.registry.models import ModelRecord
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import Health
-from corral.server.scheduler import ModelState, Scheduler
+from corral.server.residency.scheduler import ModelState, Scheduler
 from tests.support import wait_for
 from tests.test_scheduler import Clock, FakeRunner, acquire, record
 

@@ -13,7 +13,7 @@ from corral.registry.gguf import GGUFInfo
 from corral.registry.models import ModelRecord
 from corral.registry.names import parse_name
 from corral.runner import fitestimate
-from corral.server.scheduler import Scheduler
+from corral.server.residency.scheduler import Scheduler
 from tests.test_scheduler import FakeRunner
 
 MB = 1 << 20

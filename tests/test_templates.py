@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from corral.registry.models import FALLBACK_TEMPLATE
-from corral.server.chat import Message
-from corral.server.prompt import PromptBuilder
-from corral.server.templates.gotemplate import GoTemplate, TemplateError
-from corral.server.templates.jinja import JinjaTemplate
+from corral.server.chat.messages import Message
+from corral.server.chat.prompt import PromptBuilder
+from corral.server.chat.templates.gotemplate import GoTemplate, TemplateError
+from corral.server.chat.templates.jinja import JinjaTemplate
 
 MSGS = [{"Role": "user", "Content": "hi"}, {"Role": "assistant", "Content": "yo"},
         {"Role": "user", "Content": "more"}]

@@ -23,8 +23,8 @@ from corral.registry.gguf import inspect_gguf
 from corral.runner.process.main import build
 from corral.runner.process.service import RunnerService
 from corral.runner.wire import CompletionJob, DoneLine
-from corral.server.chat import Message
-from corral.server.prompt import PromptBuilder, mark_messages, mark_prompt
+from corral.server.chat.messages import Message
+from corral.server.chat.prompt import PromptBuilder, mark_messages, mark_prompt
 from tests.vision_model import png_bytes, write_projector
 
 pytestmark = pytest.mark.model

@@ -196,7 +196,7 @@ class RunnerProcess:
                           "lost the connection to the runner process")
 
     def set_threads(self, n: int) -> None:
-        """The runner's share of the cores (server.threads); a runner that does not
+        """The runner's share of the cores (server.residency.threads); a runner that does not
         answer keeps what it had."""
         try:
             self._client().post("/threads", json=asdict(Threads(n)), timeout=CONTROL_DEADLINE)

@@ -357,7 +357,7 @@ class Counted:
 
 @dataclass(frozen=True)
 class Threads:
-    """POST /threads: the runner's share of the cores (server.threads)."""
+    """POST /threads: the runner's share of the cores (server.residency.threads)."""
 
     n: int = 0
 

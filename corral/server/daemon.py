@@ -21,9 +21,9 @@ from corral.errors import CorralError
 from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
-from corral.server.models import Models
-from corral.server.services import Services
-from corral.server.scheduler import Runner, Scheduler
+from corral.server.chat.models import Models
+from corral.server.pipeline.services import Services
+from corral.server.residency.scheduler import Runner, Scheduler
 
 if TYPE_CHECKING:
     from corral.registry.download import DownloadOptions

@@ -24,8 +24,8 @@ from corral.registry.push import Pusher
 from corral.runner.tools.quantize import quantize_in_child
 from corral.runner.tools.probe import probe_in_child
 from corral.server.http import Handler, Request, StreamWriter
-from corral.server.models import require_model
-from corral.server.services import Services
+from corral.server.chat.models import require_model
+from corral.server.pipeline.services import Services
 
 Work = Callable[[Callable[[dict[str, Any]], None], Callable[[], bool]], Any]
 
@@ -129,7 +129,7 @@ def create(services: Services) -> Any:
             raise BadRequest(f"too many files: {len(request.files)} is over the limit of {limit}"
                              " (CORRAL_MAX_CREATE_FILES)")
         if request.template is not None:
-            from corral.server.templates.gotemplate import GoTemplate
+            from corral.server.chat.templates.gotemplate import GoTemplate
             GoTemplate(request.template)  # a broken template is a 400 now, not a bad prompt later
         stream_progress(body.streams, handler, lambda progress, cancelled: create_model(
             services.store, request, progress, quantizer=_quantizer(cancelled),

@@ -27,10 +27,10 @@ from corral.registry.projector import projector_info
 from corral.runner.wire import Health, LoadReport
 from corral.server.http import Handler, Request
 from corral.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from corral.server.models import ModelView, require_model
-from corral.server.resident import Resident
-from corral.server.scheduler import Scheduler
-from corral.server.services import Services
+from corral.server.chat.models import ModelView, require_model
+from corral.server.residency.resident import Resident
+from corral.server.residency.scheduler import Scheduler
+from corral.server.pipeline.services import Services
 
 API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
 FOREVER_SECONDS = 292 * 365 * 86400
@@ -193,7 +193,7 @@ def _sizes(entry: Resident, health: Health | None) -> dict[str, int]:
     """ps' memory fields. `size` is what the model holds now (LoadReport.held): the
     weights and compute buffer, the KV committed (elastic KV holds one slot's worth while
     idle and grows as requests run at once; the reserve's streams cost only the cells
-    written: runner.growth) and the prompt cache's RAM. Not the runner's RSS, which adds
+    written: runner.kv.growth) and the prompt cache's RAM. Not the runner's RSS, which adds
     the interpreter and, on a GPU, the driver's host memory, and would show a fully
     offloaded model partly on the CPU; on a CPU the two stay within 20% (test_ps_size).
     `size_cap` is what the model may grow to, which fitting other models reckons with.

@@ -1,6 +1,6 @@
 """The engine's placer: which waiting sequence runs next, on which slot, and where the
-KV of its prompt's prefix comes from. (The daemon's scheduler, server.scheduler, decides
-which models are loaded; the placer works inside one model's engine.)
+KV of its prompt's prefix comes from. (The daemon's scheduler, server.residency.scheduler,
+decides which models are loaded; the placer works inside one model's engine.)
 
 Each engine step reads schedule -> run -> postprocess (runner.engine.engine); this is the
 first part's policy. It owns the waiting queue (new and preempted sequences, oldest

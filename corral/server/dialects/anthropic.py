@@ -21,16 +21,16 @@ from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ImageBlock, Mes
                                        ToolChoice, ToolResultBlock, ToolUseBlock, URLSource,
                                        Usage)
 from corral.errors import CorralError, Shape, format_error
-from corral.server.chat import Message, Tool, ToolCall, tool_named
+from corral.server.chat.messages import Message, Tool, ToolCall, tool_named
 from corral.server.http import Handler, Request
-from corral.server.images import from_data_uri
-from corral.server.models import require_model
-from corral.server.services import Services
+from corral.server.chat.images import from_data_uri
+from corral.server.chat.models import require_model
+from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, Event, Finished,
                                             ToolChoice as Forced)
 from corral.server.pipeline.count import count
-from corral.server.pipeline.stream import SSE, generation
-from corral.server.reply import Kind, Piece
+from corral.server.dialects.stream import SSE, generation
+from corral.server.chat.reply import Kind, Piece
 
 def _text_of(blocks: str | list[TextBlock] | None) -> str:
     if blocks is None or isinstance(blocks, str):

@@ -24,9 +24,9 @@ from corral.server.http import Handler, Request
 from corral.server.pipeline.count import only_loaded
 from corral.server.pipeline.request import CompletionTask, Event, Finished
 from corral.server.pipeline.run import run
-from corral.server.pipeline.stream import SSE, respond
-from corral.server.reply import Kind, Piece
-from corral.server.services import Services, keep_alive_of
+from corral.server.dialects.stream import SSE, respond
+from corral.server.chat.reply import Kind, Piece
+from corral.server.pipeline.services import Services, keep_alive_of
 
 Route = Callable[[Request, Handler], None]
 Clock = Callable[[], float]

@@ -17,14 +17,14 @@ from corral.api.wire.native import (ChatRequest, EmbeddingsRequest, EmbedRequest
                                     Final, GenerateRequest, Generation)
 from corral.api.wire.native import Message as WireMessage
 from corral.errors import BadRequest, CorralError, Shape, format_error
-from corral.server.chat import Message, ToolCall, function_tool
+from corral.server.chat.messages import Message, ToolCall, function_tool
 from corral.server.http import Handler, Request
-from corral.server.models import require_model
+from corral.server.chat.models import require_model
 from corral.server.pipeline.embed import embed as embed_inputs
-from corral.server.services import Services, keep_alive_of
+from corral.server.pipeline.services import Services, keep_alive_of
 from corral.server.pipeline.request import ChatTask, CompletionTask, Event, Finished
-from corral.server.pipeline.stream import generation
-from corral.server.reply import Kind, Piece
+from corral.server.dialects.stream import generation
+from corral.server.chat.reply import Kind, Piece
 
 
 

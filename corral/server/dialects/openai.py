@@ -18,15 +18,15 @@ from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRe
                                     TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.runner.wire import Logprob
-from corral.server.chat import Message as ChatMessage, ToolCall, function_tool, tool_named
+from corral.server.chat.messages import Message as ChatMessage, ToolCall, function_tool, tool_named
 from corral.server.http import Handler, Request
-from corral.server.images import from_data_uri
-from corral.server.models import require_model
-from corral.server.services import Services
+from corral.server.chat.images import from_data_uri
+from corral.server.chat.models import require_model
+from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
                                             Finished, ToolChoice)
-from corral.server.pipeline.stream import SSE, generation
-from corral.server.reply import Kind, Piece
+from corral.server.dialects.stream import SSE, generation
+from corral.server.chat.reply import Kind, Piece
 
 FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it
 EFFORTS = ("max", "high", "medium", "low", "none")

@@ -11,7 +11,7 @@ from corral.api.wire.openai import EmbeddingRequest
 from corral.errors import CorralError, ModelNotFound
 from corral.server.http import Handler, Request
 from corral.server.pipeline.embed import embed as embed_inputs
-from corral.server.services import Services
+from corral.server.pipeline.services import Services
 
 
 def embeddings(services: Services) -> Callable[[Request, Handler], None]:

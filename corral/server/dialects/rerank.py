@@ -20,9 +20,9 @@ from typing import Callable
 from corral.api.wire import parse
 from corral.api.wire.rerank import CohereRerank, JinaRerank, RerankRequest, RerankResult
 from corral.server.http import Handler, Request
-from corral.server.models import require_model
+from corral.server.chat.models import require_model
 from corral.server.pipeline.rerank import Ranking, rerank
-from corral.server.services import Services, keep_alive_of
+from corral.server.pipeline.services import Services, keep_alive_of
 
 Route = Callable[[Request, Handler], None]
 JINA_PATHS = ("/v1/rerank", "/rerank", "/v1/reranking")

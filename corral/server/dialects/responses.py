@@ -22,16 +22,16 @@ from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice
                                        ReasoningItem, Response, ResponsesRequest, TextPart,
                                        Usage)
 from corral.errors import BadRequest, CorralError
-from corral.server.chat import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
+from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
-from corral.server.images import from_data_uri
-from corral.server.models import require_model
-from corral.server.services import Services
+from corral.server.chat.images import from_data_uri
+from corral.server.chat.models import require_model
+from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import ChatTask, ChoiceMode, Event, Finished, ToolChoice
 from corral.server.pipeline.count import count
-from corral.server.pipeline.stream import SSE, generation
-from corral.server.reply import Kind, Piece
+from corral.server.dialects.stream import SSE, generation
+from corral.server.chat.reply import Kind, Piece
 
 def _text(content: Content, images: list[str] | None = None) -> str:
     """A content's text; its input_image parts (data URIs) go to `images` where allowed."""

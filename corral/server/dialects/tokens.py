@@ -1,7 +1,7 @@
 """The model's tokenizer over HTTP: Ollama's proposed /api/tokenize and /api/detokenize
 (its unmerged pull request's shape) and llama-server's /tokenize and /detokenize.
 
-Both run llama.cpp's own tokenizer in the model's runner (runner/service.py), so the ids
+Both run llama.cpp's own tokenizer in the model's runner (runner/process/service.py), so the ids
 are llama-server's on the same GGUF. llama-server serves one model and Corral many: its
 routes take a `model` too, and without one mean the only loaded model (a 400 asks for a
 name when none or several are loaded). An unknown model is a 404: Ollama's shape on
@@ -17,9 +17,9 @@ from corral.api.wire.tokens import (DetokenizeRequest, LlamaDetokenizeRequest,
                                     LlamaTokenizeRequest, TokenizeRequest)
 from corral.runner.wire import Tokenize
 from corral.server.http import Handler, Request
-from corral.server.models import require_model
+from corral.server.chat.models import require_model
 from corral.server.pipeline.count import detokenize, only_loaded, tokenize
-from corral.server.services import Services, keep_alive_of
+from corral.server.pipeline.services import Services, keep_alive_of
 
 Route = Callable[[Request, Handler], None]
 

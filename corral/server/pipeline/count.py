@@ -21,8 +21,8 @@ from corral.server.pipeline.request import Task
 from corral.server.pipeline.run import render
 
 if TYPE_CHECKING:
-    from corral.server.resident import Runner
-    from corral.server.services import Services
+    from corral.server.residency.resident import Runner
+    from corral.server.pipeline.services import Services
 
 
 def count(services: Services, request: Task) -> int:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest
 from corral.runner.wire import EmbedJob, Embeddings
-from corral.server.models import ModelView
+from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 
 def embed(services: Services, view: ModelView, inputs: list[str], options: Any,

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, replace
 from corral.config import Settings
 from corral.errors import BadRequest
 from corral.options import Options
-from corral.server.chat import Message, Tool
-from corral.server.harmony import uses_harmony
-from corral.server.images import check_images
-from corral.server.models import ModelView
+from corral.server.chat.messages import Message, Tool
+from corral.server.chat.harmony import uses_harmony
+from corral.server.chat.images import check_images
+from corral.server.chat.models import ModelView
 from corral.server.pipeline.grammar import request_grammar
 from corral.server.pipeline.request import ChatTask, ChoiceMode, Task
-from corral.server.reply import Format, reply_format
+from corral.server.chat.reply import Format, reply_format
 
 
 @dataclass(frozen=True)

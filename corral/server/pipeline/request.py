@@ -1,6 +1,6 @@
 """Dialect-neutral requests and the events a generation yields.
 
-Messages and tools are the records of server.chat, whichever API they came in; the
+Messages and tools are the records of server.chat.messages, whichever API they came in; the
 options are the request's JSON object, checked against the model in `prepare`.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
 from corral.runner.fim import Infill
-from corral.server.chat import Message, Tool
-from corral.server.reply import Piece
+from corral.server.chat.messages import Message, Tool
+from corral.server.chat.reply import Piece
 
 
 class ChoiceMode(str, enum.Enum):

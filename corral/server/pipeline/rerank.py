@@ -1,6 +1,6 @@
 """`rerank(services, view, query, documents, ...)`: the one reranking path, for the Jina
 (llama-server) and Cohere shapes. The runner scores every document of a request as
-parallel sequences of its embedding batches (runner/embedding.py, runner/rerank.py)."""
+parallel sequences of its embedding batches (runner/llama/embedding.py, runner/llama/rerank.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import BadRequest
 from corral.runner.rankwire import RerankJob
-from corral.server.models import ModelView
+from corral.server.chat.models import ModelView
 
 if TYPE_CHECKING:
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`run(services, request)`: the one generation path, for every API.
 
-    view      the model, described once (server.models: record, template, capabilities)
+    view      the model, described once (server.chat.models: record, template, capabilities)
     prepare   a pure function of request x view: think, tools and tool_choice, grammars,
               images, options                    (pipeline/prepare.py; 400s, before any load)
     hold      the scheduler admits the request and holds a ready model (503, load errors)
@@ -25,19 +25,19 @@ from corral.errors import RunnerError
 from corral.options import Options
 from corral.runner.fim import Infill
 from corral.runner.wire import CompletionJob, DoneLine, LoadReport, Logprob
-from corral.server.models import jinja_builder
+from corral.server.chat.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
 from corral.server.pipeline.prepare import Plan, prepare
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
                                             Finished, Task)
 from corral.server.pipeline.toolgrammar import tool_grammar
-from corral.server.prompt import mark_messages, mark_prompt
-from corral.server.reply import Piece, ReplyParser
+from corral.server.chat.prompt import mark_messages, mark_prompt
+from corral.server.chat.reply import Piece, ReplyParser
 
 if TYPE_CHECKING:
-    from corral.server.prompt import PromptBuilder
-    from corral.server.scheduler import Resident
-    from corral.server.services import Services
+    from corral.server.chat.prompt import PromptBuilder
+    from corral.server.residency.scheduler import Resident
+    from corral.server.pipeline.services import Services
 
 OnDisconnect = Callable[[Callable[[], None]], threading.Event]
 

@@ -13,9 +13,9 @@ import json
 
 from corral.errors import BadRequest
 from corral.runner.llama.capi import pure_module
-from corral.server.chat import EMPTY_SCHEMA, Tool
+from corral.server.chat.messages import EMPTY_SCHEMA, Tool
 from corral.server.pipeline.gbnf import check_schema
-from corral.server.reply import MISTRAL_TAG, TOOL_TAGS, Format
+from corral.server.chat.reply import MISTRAL_TAG, TOOL_TAGS, Format
 
 
 def _literal(text: str) -> str:

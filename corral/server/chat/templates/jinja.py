@@ -21,7 +21,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from corral.server.templates.gotemplate import TemplateError
+from corral.server.chat.templates.gotemplate import TemplateError
 
 MAX_OUTPUT = 1 << 20
 MAX_SEQUENCE = 1 << 20

@@ -1,6 +1,6 @@
 """What the scheduler keeps per model: the runner it talks to, the model's state, and
 an admitted request's ticket. Every transition between the states is in
-server/scheduler.py, under its lock."""
+server/residency/scheduler.py, under its lock."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Resident:
     expires_at: float | None = None  # wall clock; None while busy or forever
     reload: bool = False
     inflight: int = 0  # admitted requests, running or queued in the runner
-    threads: int = 0  # its share of the cores, last told (server.threads); 0: not yet
+    threads: int = 0  # its share of the cores, last told (server.residency.threads); 0: not yet
     health: Health | None = None  # the runner's last answer to a health check
     silent_since: float | None = None  # the first health check unanswered since then
 

@@ -14,7 +14,7 @@ from corral.process import physical_memory_available, physical_memory_total
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import fitestimate
-from corral.server.resident import Resident
+from corral.server.residency.resident import Resident
 
 
 class MemoryFit:

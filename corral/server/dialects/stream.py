@@ -20,7 +20,7 @@ from corral.server.pipeline.request import ChatTask, CompletionTask, Event
 from corral.server.pipeline.run import run
 
 if TYPE_CHECKING:
-    from corral.server.services import Services
+    from corral.server.pipeline.services import Services
 
 log = logging.getLogger("corral.stream")
 

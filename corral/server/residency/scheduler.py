@@ -25,10 +25,10 @@ from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import fitestimate
 from corral.runner.loadconfig import LoadConfig
-from corral.server.courier import Courier, in_parallel
-from corral.server.fit import MemoryFit, cache_bytes
-from corral.server.resident import Resident, ModelState, Runner, Ticket
-from corral.server.threads import shares
+from corral.server.residency.courier import Courier, in_parallel
+from corral.server.residency.fit import MemoryFit, cache_bytes
+from corral.server.residency.resident import Resident, ModelState, Runner, Ticket
+from corral.server.residency.threads import shares
 
 __all__ = ["Resident", "ModelState", "Runner", "Scheduler", "Ticket"]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 from corral.registry.models import FALLBACK_TEMPLATE
 from corral.runner.wire import MARKER as MEDIA_MARKER
-from corral.server.chat import Message, Tool
-from corral.server.templates.gotemplate import GoTemplate
-from corral.server.templates.jinja import JinjaTemplate
+from corral.server.chat.messages import Message, Tool
+from corral.server.chat.templates.gotemplate import GoTemplate
+from corral.server.chat.templates.jinja import JinjaTemplate
 
 _SENTINEL = "\x00corral-response\x00"
 

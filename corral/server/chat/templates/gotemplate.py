@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.server.templates.gofuncs import FUNCS, TemplateError, _show, truthy
+from corral.server.chat.templates.gofuncs import FUNCS, TemplateError, _show, truthy
 
 __all__ = ["GoTemplate", "TemplateError", "truthy"]
 

@@ -20,11 +20,11 @@ from corral.registry.models import ModelRecord, Records
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_problem
 from corral.registry.store import Store
-from corral.server.chat import Message
-from corral.server.reply import template_calls_tools, template_thinks
+from corral.server.chat.messages import Message
+from corral.server.chat.reply import template_calls_tools, template_thinks
 
 if TYPE_CHECKING:
-    from corral.server.prompt import PromptBuilder
+    from corral.server.chat.prompt import PromptBuilder
 
 VIEWS_CACHED = 64
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's GGUF
@@ -123,7 +123,7 @@ def jinja_builder(source: str, bos: str, eos: str) -> PromptBuilder:
 
 @functools.lru_cache(maxsize=32)
 def _builder(go: str | None, jinja: str | None, bos: str, eos: str) -> PromptBuilder:
-    from corral.server.prompt import PromptBuilder  # jinja2 waits for the first chat
+    from corral.server.chat.prompt import PromptBuilder  # jinja2 waits for the first chat
 
     return PromptBuilder(go, jinja, bos, eos)
 

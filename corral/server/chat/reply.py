@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.runner.wire import Logprob
-from corral.server.chat import ToolCall
-from corral.server.harmony import HarmonyParser, uses_harmony
+from corral.server.chat.messages import ToolCall
+from corral.server.chat.harmony import HarmonyParser, uses_harmony
 
 
 class Kind(enum.Enum):
