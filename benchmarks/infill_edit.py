@@ -5,13 +5,17 @@ moves through a new function a word or a few characters at a time, each streamed
 request shapes (`--shape`):
 
 - `editor` (the default), as llama.vim and llama.vscode send it: `input_prefix` is the
-  lines above the cursor's line, `prompt` that line up to the cursor (llama.cpp puts it
-  after the FIM middle token, so typing on one line only appends), `input_suffix` the
-  rest of the line and the lines below;
+  lines above the cursor's line, `prompt` that line up to the cursor (llama.cpp ends the
+  prefix with it, before the FIM suffix token), `input_suffix` the rest of the line and
+  the lines below;
 - `prefix`: the whole file up to the cursor as `input_prefix` and the rest as
   `input_suffix`, so every keystroke lands before the suffix (the shape of the first
   runs in RESULTS.md).
- Both servers run the same GGUF (SmolLM2 with FIM tokens, tests/fim_model.py) on the
+
+In both, a keystroke inserts tokens before the suffix's. llama-server's `--cache-reuse`
+moves cached chunks only over deleted text, so it evaluates the suffix again each time;
+Corral parks the suffix's KV while the typed tokens are decoded (runner.engine.kvops).
+Both servers run the same GGUF (SmolLM2 with FIM tokens, tests/fim_model.py) on the
 same threads: llama-server with one slot and `--cache-reuse 256`, the setting
 llama.vscode recommends, and Corral with one slot. Prints time to first token p50 and
 p90 for each and the ratio Corral / llama-server (target: at most 0.8), and appends

@@ -250,3 +250,77 @@ def test_a_cached_suffix_is_shifted_into_place_for_infill_only(fim_ggufs: dict[s
         assert evaluated("Once upon a time there was a little", 0) == 1
     finally:
         engine.stop()
+
+
+STORY_END = (" and they all lived happily ever after in the old castle by the sea, and nobody"
+             " was ever sad again.")
+
+
+@pytest.mark.parametrize("config", [
+    {"n_slots": 1}, {"n_slots": 2, "kv_pool": 2048}, {"n_slots": 4, "start_slots": 1},
+    {"n_slots": 2}], ids=["one-slot", "pool", "elastic-at-one-stream", "streams"])
+def test_text_typed_before_a_cached_suffix_evaluates_only_itself(
+        fim_ggufs: dict[str, Path], config: dict[str, int]) -> None:
+    """A keystroke inserts before an infill's suffix. Where the slots share one KV stream
+    (one slot, or a pool) the suffix's cells wait on the scratch sequence while the typed
+    tokens are decoded, then join at their new positions: only the typed tokens and the
+    last one are evaluated, and the sequence decodes on from consistent positions (else
+    llama_decode refuses the batch and the job fails). An elastic context that rests at
+    one stream (the default) has it too. Per-slot streams have no scratch sequence: the
+    suffix is evaluated again, as llama-server does."""
+    from corral.runner.engine.engine import Engine
+    from corral.runner.jobs import Done, Job, SamplingParams, Token
+    from corral.runner.llama.context import EngineConfig
+
+    engine = Engine(str(fim_ggufs["fim"]), EngineConfig(num_ctx=1024, **config))
+    engine.start()
+    suffix = engine.tokenize(STORY_END, add_special=False)
+
+    def run(prefix: str) -> tuple[int, int]:
+        body = engine.tokenize(prefix, add_special=False)
+        job = engine.submit(Job(prompt=[7, *body, 8, *suffix, 9], reuse_chunk=16,
+                                params=SamplingParams(temperature=0), num_predict=4))
+        while isinstance(event := job.events.get(timeout=300), Token):
+            pass
+        assert isinstance(event, Done), event
+        return int(event.stats.prompt_eval_count), int(event.stats.eval_count)
+
+    try:
+        assert run("Once upon a time there was a little")[0] > len(suffix)
+        typed, generated = run("Once upon a time there was a little girl who")
+        assert generated == 4
+        if engine.llama.scratch is None:
+            assert typed > len(suffix)
+        else:
+            assert 2 <= typed <= 4  # " girl who", and the last token again
+            assert engine.scratch.slot is None  # joined, and the scratch sequence free
+        # The joined KV holds the whole prompt at its positions: the same request again
+        # evaluates only its last token.
+        assert run("Once upon a time there was a little girl who")[0] == 1
+    finally:
+        engine.stop()
+
+
+def test_a_keystroke_in_the_editor_evaluates_what_it_typed(daemon: Daemon) -> None:
+    """llama.vim's requests as a person types on a line (the line so far in `prompt`,
+    which ends the FIM prefix): after the first, each evaluates the typed tokens and the
+    last one, not the suffix behind them (timings.prompt_n, llama-server's count)."""
+    above = "def area(width: float, height: float) -> float:\n"
+    below = "\n\ndef perimeter(width: float, height: float) -> float:\n" \
+            "    return 2 * (width + height)\n\n\nprint(area(2, 3), perimeter(2, 3))\n"
+    line = "    result = width * height"
+    counts = []
+    for end in (8, 16, 22, len(line)):
+        r = post(daemon, "/infill", {"model": "fim", "input_prefix": above,
+                                     "prompt": line[:end], "input_suffix": below, **GREEDY})
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["timings"]["prompt_n"])
+    suffix = len(daemon_tokens(daemon, below))
+    assert counts[0] > suffix
+    assert all(0 < n < suffix // 2 for n in counts[1:]), counts
+
+
+def daemon_tokens(d: Daemon, text: str) -> list[int]:
+    r = post(d, "/tokenize", {"model": "fim", "content": text})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]

@@ -64,7 +64,10 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
     for slot in prefilling:
         if len(plan.rows) >= n_batch or attended >= ATTEND_BUDGET:
             break
-        take = text_run(slot.pending, n_batch - len(plan.rows))
+        room = n_batch - len(plan.rows)
+        if slot.join_at >= 0:  # a parked run joins there (runner.engine.kvops.join)
+            room = min(room, slot.join_at - slot.n_past)
+        take = text_run(slot.pending, room)
         if take == 0:
             continue  # an image comes next: the engine feeds it through its own batch
         last_chunk = take == len(slot.pending)

@@ -27,23 +27,19 @@ from typing import Callable
 import llama_cpp as L
 
 from corral.errors import BadRequest, EngineFailed, RunnerError
-from corral.runner.engine import imagefeed, kvops
+from corral.runner.engine import admission, imagefeed, kvops, kvpool
 from corral.runner.kv import kvbytes
-from corral.runner.llama import native
-from corral.runner.engine.admission import generation_limit
+from corral.runner.llama import native, sampling
 from corral.runner.engine.batchplan import StepPlan, plan_step
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.cache.caches import PrefixCaches, caches_for
 from corral.runner.cache.diskread import Reader, read_entry, reads_for
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
-from corral.runner.engine.imagefeed import ImageFeed
 from corral.runner.kv.growth import Capacity, Resizer
 from corral.runner.kv.reserve import Reserve
 from corral.runner.wire import DoneLine
-from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, PrefixRead,
-                                Resized, SetThreads, Stop, Submit)
-from corral.runner.llama.sampling import for_job
-from corral.runner.engine.kvpool import KVPool
+from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, PrefixRead, Resized,
+                                SetThreads, Stop, Submit)
 from corral.runner.engine.postprocess import Postprocess
 from corral.runner.prefix import KVBytes
 from corral.runner.engine.placer import Placement, Placer, Refusal, Source
@@ -97,6 +93,7 @@ class Engine(Postprocess):
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self._overwritten = 0  # warm prefixes placements overwrote since the last tick
+        self.scratch = kvops.Scratch(llama.scratch)
         self.slots = [Slot(seq_id=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
         # The cap's context is made ahead, uncommitted, where the KV is host memory (a
         # test's reserve_gate holds its build).
@@ -105,12 +102,12 @@ class Engine(Postprocess):
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
                                self._commands.put, reserve) \
             if llama.streams < config.n_slots else None
-        self.pool = KVPool(self.n_ctx) if config.kv_pool else None
+        self.pool = kvpool.KVPool(self.n_ctx) if config.kv_pool else None
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(self.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
         self.embed_ctx = EmbeddingContext(self.model, self.num_ctx, self.n_threads, llama.adapters)
-        self.feed = ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
+        self.feed = imagefeed.ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -251,6 +248,7 @@ class Engine(Postprocess):
             self.slots = slots
             self.ctx, self.mem, self.n_ctx = self.llama.ctx, self.llama.mem, self.llama.n_ctx
             self.feed.ctx = self.ctx
+            self.scratch.moved(self.llama.scratch)
 
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
@@ -295,30 +293,30 @@ class Engine(Postprocess):
         if not resuming:
             job.prompt = tokens
         eog = self.llama.eog_tokens() if job.ignore_eos else None
-        # A new sequence's sampler first: a grammar that does not parse is its 400.
-        sampler = None if resuming else for_job(job, tokens, self.vocab, self.n_vocab,
-                                                self.num_ctx, eog)
-        streams = 1 if self.pool is not None else len(self.slots)
+        sampler = None if resuming else sampling.for_job(  # a bad grammar: its 400 alone
+            job, tokens, self.vocab, self.n_vocab, self.num_ctx, eog)
         slot, reused = p.slot, p.n_prefix if p.source is Source.REUSE else 0
+        streams = 1 if self.pool is not None else len(self.slots)
         if self.resizer is not None and self.resizer.capacity.warm(
                 len(slot.cached) - reused, slot.last_used, self.clock()):
             self._overwritten += 1  # another conversation's prefix goes: want a stream more
         n_prefix = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
-                                 [s.reusable() for s in self.slots if s is not slot], donors,
-                                 self.can_shift)
-        p.slot.assign(seq, tokens[:n_prefix], shifted=slot.tainted and n_prefix > 0
-                      and p.source in (Source.NONE, Source.REUSE))
+                                     [s.reusable() for s in self.slots if s is not slot],
+                                     donors, self.can_shift, self.scratch)
+        p.slot.assign(seq, tokens[:n_prefix], shifted=slot.tainted and (
+            n_prefix > 0 or slot.join_at >= 0) and p.source in (Source.NONE, Source.REUSE))
         if sampler is None:
             seq.resume(tokens, n_prefix)
         else:
-            seq.start(sampler, generation_limit(job, len(tokens), self.num_ctx), tokens, n_prefix,
-                      self.clock())
+            limit = admission.generation_limit(job, len(tokens), self.num_ctx)
+            seq.start(sampler, limit, tokens, n_prefix, self.clock())
 
     # ---- one step ----------------------------------------------------------------------
 
     def _schedule(self) -> StepPlan | None:
         """Admit what can start, then plan the batch; None when no slot is busy."""
         self._reap_cancelled()
+        self.scratch.release(self.mem)
         self._admit()
         active = sum(s.state is not SlotState.IDLE for s in self.slots)
         if self.resizer is not None:
@@ -354,6 +352,7 @@ class Engine(Postprocess):
             self._decode_failed(rc, plan.slots)
         elif plan.rows:
             self._apply(plan)
+            self.scratch.join(self.mem, [slot for slot, _ in plan.prefill])
         self._feed_image()
 
     def _drop(self, slot: Slot) -> None:
@@ -365,6 +364,7 @@ class Engine(Postprocess):
         assert self.pool is not None
         kvops.drop(self.mem, slot)
         seq = slot.vacate(self.clock())
+        self.scratch.release(self.mem)
         assert seq is not None
         seq.preempt()  # it keeps its sampler, streams and tokens: nothing is copied
         self.placer.requeue(seq)

@@ -32,8 +32,8 @@ class KVPool:
 
     @staticmethod
     def used(slots: Iterable[Slot]) -> int:
-        """Cells holding KV now, idle slots' cached prefixes included."""
-        return sum(s.n_past for s in slots)
+        """Cells holding KV now, idle slots' cached prefixes and parked runs included."""
+        return sum(s.n_past + s.parked for s in slots)
 
     @staticmethod
     def committed(slots: Iterable[Slot]) -> int:

@@ -84,6 +84,19 @@ class LlamaContext:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None
 
+    @property
+    def scratch(self) -> int | None:
+        """The scratch sequence's id in the context in use (see `scratch_for`)."""
+        return self.scratch_for(self.streams)
+
+    def scratch_for(self, streams: int) -> int | None:
+        """A context whose sequences share one KV stream (a pool, or one slot) has a
+        sequence id more than its slots: a scratch sequence, where an infill's cached
+        suffix waits, without a copy, while the text typed before it is evaluated
+        (runner.engine.kvops.reuse_chunks). Per-slot streams cannot lend cells that way."""
+        unified = bool(self.cfg.kv_pool) or streams == 1
+        return streams if unified and streams < 256 else None
+
     def new_context(self, streams: int) -> Any:
         """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
         thread other than the engine's: it touches the model, read-only, and nothing of
@@ -91,15 +104,17 @@ class LlamaContext:
         cfg = self.cfg
         cparams = L.llama_context_default_params()
         cparams.n_ctx = cfg.kv_pool or self.num_ctx * streams
-        cparams.n_seq_max = streams
+        scratch = self.scratch_for(streams)
+        cparams.n_seq_max = streams + (scratch is not None)
         # The batch size never changes with the streams: one llama_batch serves them all.
         cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cfg.n_slots)
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         # One KV stream per slot, unless the slots share a pool. In a shared
         # (unified) stream, a sequence's new cells can land in holes another slot
         # left behind, which changes the order flash attention visits them in, and
-        # so its floating-point sums: outputs then depend on the neighbours.
-        cparams.kv_unified = bool(cfg.kv_pool)
+        # so its floating-point sums: outputs then depend on the neighbours. (One slot
+        # alone has no neighbours: its stream is shared only with the scratch sequence.)
+        cparams.kv_unified = bool(cfg.kv_pool) or scratch is not None
         # Gemma 3's sliding-window cache must be full size, or prefix reuse and
         # context shift would need KV that has already been evicted.
         cparams.swa_full = True
