@@ -138,12 +138,13 @@ TOP = ""  # the modules at the top of corral/runner/: the daemon's contract, sha
 RUNNER_ALLOWED: dict[str, frozenset[str]] = {
     TOP: frozenset(),
     "llama": frozenset({TOP}),
-    "slots": frozenset({TOP, "llama"}),
+    "slots": frozenset({TOP, "llama", "spec"}),
     "kv": frozenset({TOP, "llama", "slots"}),
     "cache": frozenset({TOP, "llama", "slots", "kv"}),
-    "engine": frozenset({TOP, "llama", "slots", "kv", "cache"}),
+    "spec": frozenset({TOP}),
+    "engine": frozenset({TOP, "llama", "slots", "kv", "cache", "spec"}),
     "tools": frozenset({TOP, "llama"}),
-    "process": frozenset({TOP, "llama", "slots", "kv", "cache", "engine", "tools"}),
+    "process": frozenset({TOP, "llama", "slots", "kv", "cache", "spec", "engine", "tools"}),
 }
 # `python -m corral.runner`: the process's entry, the one module at the top that imports
 # what runs in the process (the bindings, then the load, then the rest).

@@ -1,0 +1,1 @@
+"""Speculative decoding's drafts: the n-gram index they come from and how many to ask for."""

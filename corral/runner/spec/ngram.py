@@ -1,0 +1,75 @@
+"""Drafts from what came before: an n-gram index across every sequence the engine saw.
+
+Much of what a local model writes repeats its context: a file again with a change, a
+record filled from a document, a quote. When the last K tokens of a sequence came
+before (in its own prompt or output, in another slot's, or in an earlier request's),
+the tokens that followed them then are a draft: the engine verifies it in one decode,
+and each token the sampler would have picked anyway costs almost nothing
+(runner.engine; the policy of how many to draft is runner.spec.policy).
+
+llama.cpp's `ngram-simple` searches the sequence's own history backwards and its
+`ngram-mod` keeps a hash of long n-grams per server; this index keeps, for each K-gram,
+where it last continued, in whichever sequence: one dictionary lookup per draft, and
+sixteen requests over one document draft from each other.
+"""
+
+from __future__ import annotations
+
+from itertools import takewhile
+
+# Tokens that must match before a draft is made. Short keys draft sooner after an edit
+# (a renamed variable, an inserted type hint) and are wrong more often; the policy
+# stops a slot whose drafts keep failing, so a miss costs little.
+K = 6
+# K-grams kept before the index starts over (llama.cpp's ngram-mod resets its table
+# past a quarter full, for the same reason: old text stops predicting new text). Each
+# costs about a hundred bytes.
+LIMIT = 1 << 18
+
+
+class History:
+    """One sequence's tokens as the index sees them: its prompt, then what it generated.
+    The index points into this list, so a continuation grows as the sequence does."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.indexed = 0  # tokens[:indexed] are in the index as continuations
+
+
+class NgramIndex:
+    """K-gram -> (history, the position that followed it there), the latest wins."""
+
+    def __init__(self, k: int = K, limit: int = LIMIT) -> None:
+        self.k, self.limit = k, limit
+        self._next: dict[int, tuple[History, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, history: History) -> None:
+        """Index the K-grams of `history` whose continuation is known now (each ends before
+        a token that came after it), from where the last call stopped."""
+        tokens, k = history.tokens, self.k
+        for i in range(max(history.indexed, k), len(tokens)):
+            key = tokens[i - k:i]
+            if min(key) >= 0:  # an image's placeholders predict nothing
+                self._next[hash(tuple(key))] = (history, i)
+        history.indexed = len(tokens)
+        if len(self._next) > self.limit:
+            self._next.clear()  # sequences still running index on from here
+
+    def draft(self, history: History, n: int) -> list[int]:
+        """Up to `n` tokens that followed the last K tokens of `history` where they came
+        before; [] when they never came, or `n` is 0."""
+        tokens = history.tokens
+        if n <= 0 or len(tokens) < self.k:
+            return []
+        hit = self._next.get(hash(tuple(tokens[-self.k:])))
+        if hit is None:
+            return []
+        source, at = hit
+        # A hash can collide: the key is checked where it points, so a draft is never
+        # built on a match that is not one.
+        if source.tokens[at - self.k:at] != tokens[-self.k:]:
+            return []
+        return list(takewhile(lambda t: t >= 0, source.tokens[at:at + n]))

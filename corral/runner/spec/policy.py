@@ -1,0 +1,66 @@
+"""How many tokens a slot drafts at each step: what its drafts earned, and what the batch
+can spare.
+
+A verified draft costs a batch row per token whether it is accepted or not. On a CPU a
+row of a batch costs a small share of a decode of one token, so a long draft that is
+accepted is nearly free and one that fails at its first token costs its rows for
+nothing. So:
+
+- A slot starts at START tokens. A draft accepted whole doubles its next one, up to
+  MAX; a draft cut short makes the next one at most the accepted run and two more (the
+  text has turned: the next draft is likely cut there again), and at least MIN.
+- A draft of which nothing is accepted is a miss. After each miss in a row the slot
+  waits twice as many steps before it drafts again (1, 2, 4, ... up to MAX_WAIT): free
+  text, where the index keeps offering phrases that do not come again, soon stops
+  paying for rows at all, and a stretch of copying later is still found.
+- A busy batch drafts less: the decoding slots share ROWS draft rows per step, at most
+  ROWS // decoding each (at one stream a slot may draft 32; at sixteen, 2). Rows that
+  verify one slot's guesses would otherwise crowd out the tokens other streams are
+  sure to keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START = 8
+MAX = 32
+MIN = 2
+MAX_WAIT = 64
+ROWS = 32
+
+
+@dataclass
+class DraftPolicy:
+    """One sequence's drafting state (it moves with the sequence between slots)."""
+
+    length: int = START
+    misses: int = 0  # drafts in a row of which nothing was accepted
+    wait: int = 0  # steps to go before the next draft
+    drafted: int = 0  # tokens drafted and verified, over the sequence's life
+    accepted: int = 0
+
+    def want(self, decoding: int, room: int) -> int:
+        """Tokens to draft this step: 0 while waiting after misses; else the policy's
+        length within the batch's share (`decoding` slots decode this step) and `room`
+        (what the sequence may still generate, less the token it decodes anyway)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return max(0, min(self.length, ROWS // max(decoding, 1), room))
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A draft of `drafted` tokens was verified and `accepted` of them kept."""
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted == drafted:
+            self.length = min(self.length * 2, MAX)
+        else:
+            self.length = max(MIN, min(self.length, accepted + 2))
+        if accepted == 0:
+            self.misses += 1
+            self.wait = min(1 << (self.misses - 1), MAX_WAIT)
+        else:
+            self.misses = 0

@@ -1,0 +1,125 @@
+"""The n-gram index speculation drafts from, and the draft policy: pure, no llama.cpp."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from corral.runner.spec import policy
+from corral.runner.spec.ngram import History, NgramIndex
+from corral.runner.spec.policy import DraftPolicy
+
+
+def test_a_sequence_drafts_what_followed_its_last_tokens_before() -> None:
+    index = NgramIndex(k=3)
+    h = History([1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3])
+    index.add(h)
+    assert index.draft(h, 4) == [4, 5, 6, 7]
+    assert index.draft(h, 2) == [4, 5]
+    assert index.draft(h, 0) == []
+    # The key at the very end has no continuation yet: it is not its own match.
+    h2 = History([8, 8, 8, 1, 2])
+    index.add(h2)
+    assert index.draft(h2, 3) == []
+
+
+def test_the_latest_occurrence_wins_and_continuations_grow() -> None:
+    index = NgramIndex(k=2)
+    h = History([1, 2, 3, 1, 2, 4, 1, 2])
+    index.add(h)
+    assert index.draft(h, 1) == [4]  # the later "1 2" went on with 4
+    h.tokens += [4, 5, 6]  # what it generated
+    index.add(h)
+    h.tokens += [1, 2]
+    assert index.draft(h, 3) == [4, 5, 6]  # read from the same list, as it grew
+    assert h.indexed == 11  # the next add starts where this one stopped
+
+
+def test_drafts_cross_sequences() -> None:
+    """A request drafts from another's tokens: sixteen over one document, or a turn that
+    quotes an earlier request's answer."""
+    index = NgramIndex(k=3)
+    first = History([10, 11, 12, 13, 14, 15, 16])
+    index.add(first)
+    second = History([99, 11, 12, 13])
+    index.add(second)
+    assert index.draft(second, 3) == [14, 15, 16]
+
+
+def test_image_placeholders_are_neither_keys_nor_drafts() -> None:
+    index = NgramIndex(k=2)
+    h = History([1, 2, -5, -5, 3, 1, 2])
+    index.add(h)
+    assert index.draft(h, 4) == []  # "1 2" went on with an image: no draft through it
+    assert len(index) == 2  # (1, 2) and (3, 1): keys holding a placeholder are not kept
+    h2 = History([-5, 3, 7, 8, -5, -5, 3, 7])
+    index.add(h2)
+    assert index.draft(h2, 5) == [8]  # stops at the placeholder
+
+
+def test_a_full_index_starts_over() -> None:
+    index = NgramIndex(k=2, limit=5)
+    h = History(list(range(100)))
+    index.add(h)
+    assert len(index) == 0
+    h.tokens += [0, 1]
+    index.add(h)
+    assert 0 < len(index) <= 5
+
+
+def test_a_hash_collision_never_makes_a_draft() -> None:
+    """The key is compared where the index points: a colliding entry drafts nothing."""
+    index = NgramIndex(k=2)
+    a = History([1, 2, 3])
+    index.add(a)
+    b = History([5, 6])
+    # Force b's key to point at a's entry, as a colliding hash would.
+    index._next[hash((5, 6))] = (a, 2)
+    assert index.draft(b, 2) == []
+
+
+def test_the_policy_grows_on_success_and_shrinks_on_a_cut() -> None:
+    p = DraftPolicy()
+    assert p.want(decoding=1, room=1000) == policy.START
+    p.verified(policy.START, policy.START)
+    assert p.want(1, 1000) == policy.START * 2
+    for _ in range(5):
+        p.verified(p.length, p.length)
+    assert p.want(1, 1000) == policy.MAX
+    p.verified(policy.MAX, 3)  # the text turned after three
+    assert p.want(1, 1000) == 5
+    assert p.misses == 0 and p.wait == 0
+    assert p.drafted == policy.START + 16 + 32 * 5 and p.accepted == p.drafted - 29
+
+
+def test_misses_back_off_and_a_hit_resumes() -> None:
+    p = DraftPolicy()
+    waits = []
+    for _ in range(9):
+        drafted = p.want(1, 1000)
+        assert drafted > 0
+        p.verified(drafted, 0)
+        skipped = 0
+        while p.want(1, 1000) == 0:  # the steps it waits, then one it would draft at
+            skipped += 1
+        waits.append(skipped)
+    assert waits == [1, 2, 4, 8, 16, 32, 64, 64, 64]
+    assert p.length == policy.MIN
+    p.verified(2, 1)
+    assert p.misses == 0 and p.wait == 0 and p.length == policy.MIN
+
+
+def test_a_busy_batch_drafts_less_and_room_caps() -> None:
+    p = DraftPolicy(length=policy.MAX)
+    assert p.want(decoding=1, room=1000) == 32
+    assert p.want(decoding=4, room=1000) == 8
+    assert p.want(decoding=16, room=1000) == 2
+    assert p.want(decoding=64, room=1000) == 0
+    assert p.want(decoding=1, room=3) == 3
+    assert p.want(decoding=1, room=0) == 0
+
+
+def test_the_drafting_modules_load_without_llama_cpp() -> None:
+    code = ("import sys, corral.runner.spec.ngram, corral.runner.spec.policy; "
+            "assert 'llama_cpp' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
