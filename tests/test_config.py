@@ -11,8 +11,8 @@ from corral.config import (
     describe_settings,
     load_settings,
     parse_duration,
-    parse_host,
 )
+from corral.host import parse_host
 
 
 def test_defaults() -> None:
