@@ -81,6 +81,15 @@ def parse_bool(value: str) -> bool:
     return value in _TRUE or bool(value)
 
 
+def parse_switch(value: str) -> bool:
+    """on/off, yes/no or one of Go's boolean spellings; anything else is invalid (and so
+    warns), unlike parse_bool's Ollama rule, which would read "off" as true."""
+    word = value.lower()
+    if word not in ("on", "yes", "off", "no") and value not in _TRUE | _FALSE:
+        raise ValueError("must be on or off")
+    return word in ("on", "yes") or value in _TRUE
+
+
 def _parse_count(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -179,6 +188,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("DETERMINISTIC", "deterministic", False, "false",
          "batch-invariant kernels: greedy output never depends on what shares the batch",
          parse_bool),
+    Spec("SPECULATIVE", "speculative", True, "on", "speculative decoding: draft tokens from "
+         "the context, verify them in the batch (exact; off: one token per step)",
+         parse_switch),
     Spec("MAX_LOADED_MODELS", "max_loaded_models", 0, "auto",
          "most models loaded at once (0: auto)", _parse_count),
     Spec("MAX_QUEUE", "max_queue", 512, "512", "most pending requests before 503", _parse_count),
@@ -241,6 +253,7 @@ class Settings:
     kv_pool: bool
     kv_pool_tokens: int
     deterministic: bool
+    speculative: bool
     max_loaded_models: int
     max_queue: int
     context_length: int
