@@ -48,6 +48,11 @@ NOTES = """
   ([serving](serving.md#memory-follows-use)). With `CORRAL_KV_POOL` the slots share
   one buffer of `CORRAL_KV_POOL_TOKENS` and the newest sequence is preempted when it
   fills ([pool mode](serving.md#one-batch-for-every-slot)).
+- `CORRAL_SPECULATIVE` takes `on` or `off` (`yes`/`no` and `1`/`0`, `true`/`false` as
+  the other switches do; anything else warns and leaves it on). The daemon reads it
+  once at start and passes it to each runner as the model loads, so a change takes a
+  restart; there is no per-request option. Each final response says what was drafted
+  and accepted ([the API](api.md#speculative-decoding)), and `/metrics` counts both.
 - `CORRAL_FLASH_ATTENTION=1` forces flash attention on and `0` off; unset, it is auto.
 - `CORRAL_RUNNER_TIMEOUT`: why a minute is in [serving](serving.md#runners).
 - `CORRAL_API_KEY`: `x-api-key: <key>` is accepted as well as the bearer token, as

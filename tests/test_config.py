@@ -11,8 +11,8 @@ from corral.config import (
     describe_settings,
     load_settings,
     parse_duration,
-    parse_host,
 )
+from corral.host import parse_host
 
 
 def test_defaults() -> None:
@@ -44,6 +44,24 @@ def test_values_are_trimmed_of_quotes_and_spaces() -> None:
                        "CORRAL_NOHISTORY": "false", "CORRAL_ORIGINS": "a, b ,"})
     assert s.num_parallel == 3 and s.noprune is True and s.nohistory is False
     assert s.origins == ("a", "b")
+
+
+@pytest.mark.parametrize("value,on", [
+    ("on", True), ("off", False), ("OFF", False), ("On", True), ("yes", True), ("no", False),
+    ("1", True), ("0", False), ("true", True), ("False", False), ("t", True), ("F", False),
+    (' "off" ', False),
+])
+def test_speculative_decoding_is_a_switch(value: str, on: bool) -> None:
+    assert load_settings({}).speculative is True  # on by default
+    assert load_settings({"CORRAL_SPECULATIVE": value}).speculative is on
+    assert load_settings({"OLLAMA_SPECULATIVE": value}).speculative is on
+    assert load_settings({"OLLAMA_SPECULATIVE": "off",
+                          "CORRAL_SPECULATIVE": "on"}).speculative is True
+
+
+def test_a_speculative_value_that_is_no_switch_warns_and_stays_on() -> None:
+    s = load_settings({"CORRAL_SPECULATIVE": "disabled"}, warn=False)
+    assert s.speculative is True and "CORRAL_SPECULATIVE" in s.warnings[0]
 
 
 @pytest.mark.parametrize("text,url,loopback", [
@@ -81,7 +99,7 @@ def test_help_lists_every_variable() -> None:
     text = describe_settings()
     for name in ("HOST", "MODELS", "KEEP_ALIVE", "NUM_PARALLEL", "MAX_LOADED_MODELS",
                  "MAX_QUEUE", "CONTEXT_LENGTH", "ORIGINS", "FLASH_ATTENTION", "KV_CACHE_TYPE",
-                 "NOPRUNE", "NOHISTORY", "DEBUG", "LOAD_TIMEOUT", "API_KEY"):
+                 "NOPRUNE", "NOHISTORY", "DEBUG", "LOAD_TIMEOUT", "API_KEY", "SPECULATIVE"):
         assert f"CORRAL_{name} " in text
 
 

@@ -20,6 +20,12 @@ def test_from_options_maps_ollama_names() -> None:
     assert LoadConfig.from_json(cfg.to_json()) == cfg
 
 
+def test_the_speculative_switch_travels_to_the_runner() -> None:
+    assert LoadConfig.from_options("/m.gguf", Options()).speculative  # on unless told
+    off = LoadConfig.from_options("/m.gguf", Options(), speculative=False)
+    assert LoadConfig.from_json(off.to_json()).speculative is False
+
+
 def test_defaults_and_the_load_option_table_agree() -> None:
     cfg = LoadConfig.from_options("/m.gguf", Options())
     assert cfg.n_batch == DEFAULT_BATCH and cfg.num_gpu == -1 and cfg.use_mmap

@@ -110,6 +110,15 @@ def test_loads_once_and_counts_references(tmp_path: Path, clock: Clock) -> None:
     s.stop()
 
 
+@pytest.mark.parametrize("setting,on", [({}, True), ({"SPECULATIVE": "off"}, False)])
+def test_the_speculative_setting_reaches_the_load_configuration(
+        tmp_path: Path, clock: Clock, setting: dict[str, str], on: bool) -> None:
+    s = make(clock, **setting)
+    s.release(acquire(s, record(tmp_path, "a")))
+    assert FakeRunner.started[0].config.speculative is on
+    s.stop()
+
+
 def test_keep_alive_never_fires_while_busy(tmp_path: Path, clock: Clock) -> None:
     s = make(clock)
     rec = record(tmp_path, "a")

@@ -98,10 +98,13 @@ def send(http: httpx.Client, cfg: BenchConfig, prompt: str | None,
                 if piece:
                     result.chunk_times.append(time.perf_counter())
                     text.append(piece)
-                usage = obj.get("usage")
+                usage, timings = obj.get("usage"), obj.get("timings")
                 if usage:
                     result.output_tokens = int(usage.get("completion_tokens", 0))
                     result.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                if timings:  # llama-server's (and Corral's) speculative decoding counts
+                    result.drafted = int(timings.get("draft_n", 0))
+                    result.draft_accepted = int(timings.get("draft_n_accepted", 0))
                 if obj.get("done"):
                     result.output_tokens = int(obj.get("eval_count", 0))
                     result.prompt_tokens = int(obj.get("prompt_eval_count", 0))
@@ -109,6 +112,8 @@ def send(http: httpx.Client, cfg: BenchConfig, prompt: str | None,
                     result.server_eval_ns = int(obj.get("eval_duration", 0))
                     result.server_prompt_count = result.prompt_tokens
                     result.server_prompt_ns = int(obj.get("prompt_eval_duration", 0))
+                    result.drafted = int(obj.get("draft_count", 0))
+                    result.draft_accepted = int(obj.get("draft_accepted_count", 0))
         result.end = time.perf_counter()
         if not result.output_tokens:
             result.output_tokens = len(result.chunk_times)

@@ -26,6 +26,8 @@ class RequestResult:
     server_eval_ns: int = 0
     server_prompt_count: int = 0
     server_prompt_ns: int = 0
+    drafted: int = 0  # speculative decoding's tokens drafted, as the server reports them
+    draft_accepted: int = 0
     turn: int = 0
 
     @property
@@ -92,6 +94,13 @@ class Summary:
     server_decode_rate: float  # eval_count / eval_duration, averaged per request
     server_prompt_rate: float
     ttft_by_turn: dict[int, float] = field(default_factory=dict)
+    drafted: int = 0  # speculative decoding, summed over the requests
+    draft_accepted: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted over drafted tokens; None when nothing was drafted."""
+        return self.draft_accepted / self.drafted if self.drafted else None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,4 +139,5 @@ def calculate(label: str, results: list[RequestResult], duration: float) -> Summ
         server_decode_rate=sum(rates) / len(rates) if rates else math.nan,
         server_prompt_rate=sum(prompt_rates) / len(prompt_rates) if prompt_rates else math.nan,
         ttft_by_turn={t: percentile(v, 50) for t, v in sorted(by_turn.items())},
+        drafted=sum(r.drafted for r in ok), draft_accepted=sum(r.draft_accepted for r in ok),
     )

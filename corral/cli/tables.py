@@ -196,4 +196,10 @@ def verbose_stats(final: dict[str, Any]) -> str:
         if dur:
             add(f"{label} duration", go_duration(dur))
             add(f"{label} rate", f"{count / (dur / 1e9):.2f} tokens/s")
+    drafted = final.get("draft_count", 0)  # speculative decoding; Ollama sends none
+    if drafted:
+        accepted = final.get("draft_accepted_count", 0)
+        add("draft count", f"{drafted} token(s)")
+        add("draft accepted", f"{accepted} token(s)")
+        add("acceptance rate", f"{100 * accepted / drafted:.2f}%")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ class LoadConfig:
     kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
     start_slots: int = 0  # elastic KV: slots held while idle, growing to n_slots; 0: fixed
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
+    speculative: bool = True  # n-gram speculative decoding (CORRAL_SPECULATIVE; EngineConfig)
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
     rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port
     projector: str | None = None  # a vision projector GGUF (mmproj) loaded beside the model

@@ -133,6 +133,10 @@ class DoneLine:
     eval_duration: int = 0
     queue_duration: int = 0
     context: tuple[int, ...] = ()  # prompt and output tokens (native /api/generate)
+    # Speculative decoding: tokens drafted for this sequence and verified, and of those
+    # the ones the sampler accepted (each accepted one is also in eval_count).
+    draft_count: int = 0
+    draft_accepted_count: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"done": True, **asdict(self), "context": list(self.context)}
@@ -148,7 +152,9 @@ class DoneLine:
                    prompt_eval_duration=count("prompt_eval_duration"),
                    eval_count=count("eval_count"), eval_duration=count("eval_duration"),
                    queue_duration=count("queue_duration"),
-                   context=tuple(int(t) for t in line.get("context") or ()))
+                   context=tuple(int(t) for t in line.get("context") or ()),
+                   draft_count=count("draft_count"),
+                   draft_accepted_count=count("draft_accepted_count"))
 
 
 def read_line(line: dict[str, Any]) -> TokenLine | DoneLine:

@@ -1,7 +1,7 @@
 """/metrics in Prometheus' text format, through prometheus-client: per model, requests
-by status, tokens, and TTFT and TPOT histograms, counted as requests end; and what
-each loaded runner reports (slots, queue, KV cells, the prompt cache), read when the
-page is scraped.
+by status, tokens (speculative decoding's drafted and accepted ones too), and TTFT and
+TPOT histograms, counted as requests end; and what each loaded runner reports (slots,
+queue, KV cells, the prompt cache), read when the page is scraped.
 
 prometheus-client takes a tenth of a second to import (its exposition module brings
 http.server), so the daemon makes its Metrics after a preloaded model has started
@@ -78,6 +78,11 @@ class Metrics:
                                registry=self.registry)
         self._generated = Counter("corral_generated_tokens", "Tokens generated.", ["model"],
                                   registry=self.registry)
+        self._drafted = Counter("corral_draft_tokens", "Tokens drafted by speculative "
+                                "decoding and verified.", ["model"], registry=self.registry)
+        self._accepted = Counter("corral_draft_accepted_tokens", "Drafted tokens accepted "
+                                 "(each is also a generated token).", ["model"],
+                                 registry=self.registry)
         self._ttft = Histogram("corral_time_to_first_token_seconds", "Time to first token.",
                                ["model"], buckets=TTFT_BUCKETS, registry=self.registry)
         self._tpot = Histogram("corral_time_per_output_token_seconds",
@@ -93,6 +98,10 @@ class Metrics:
         self._generated.labels(model).inc(generated)
         if generated > 1:
             self._tpot.labels(model).observe(eval_ns / 1e9 / (generated - 1))
+
+    def drafts(self, model: str, drafted: int, accepted: int) -> None:
+        self._drafted.labels(model).inc(drafted)
+        self._accepted.labels(model).inc(accepted)
 
     def ttft(self, model: str, seconds: float) -> None:
         self._ttft.labels(model).observe(seconds)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypedDict, Union
 
 from pydantic import BeforeValidator, Field
 
@@ -62,3 +62,22 @@ class FunctionChoice(Wire):
 
 
 ChatToolChoice = Union[Literal["auto", "none", "required"], FunctionChoice, None]
+
+
+class Timings(TypedDict):
+    """llama-server's `timings` (server-common.cpp, server_slot_stats::to_json): the
+    prompt's and the output's counts and milliseconds, and speculative decoding's drafted
+    and accepted tokens, which llama-server writes only when it drafted and Corral always
+    (0 when nothing was drafted)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    draft_n: int
+    draft_n_accepted: int

@@ -99,4 +99,6 @@ class Final(TypedDict, total=False):
     prompt_eval_duration: int
     eval_count: int
     eval_duration: int
+    draft_count: int  # Corral's: tokens speculative decoding drafted (and verified)
+    draft_accepted_count: int  # of which accepted
     context: list[int]  # generate, unless raw

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 from pydantic import Field
 
 from corral.api.wire import Wire
-from corral.api.wire.common import ChatToolChoice, Choices, FunctionTool, TopLogprobs
+from corral.api.wire.common import ChatToolChoice, Choices, FunctionTool, Timings, TopLogprobs
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -145,6 +145,7 @@ class ChatCompletion(TypedDict):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings  # llama-server's, beside usage (api.wire.common)
 
 
 class TextChoice(TypedDict):
@@ -162,3 +163,4 @@ class TextCompletion(TypedDict):
     system_fingerprint: str
     choices: list[TextChoice]
     usage: Usage
+    timings: Timings  # llama-server's, beside usage (api.wire.common)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 from pydantic import Discriminator, Field, Tag
 
 from corral.api.wire import Wire
+from corral.api.wire.common import Timings
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -150,3 +151,10 @@ class Response(TypedDict):
     tool_choice: Any
     tools: list[dict[str, Any]]
     usage: Optional[Usage]
+
+
+class TimedResponse(Response):
+    """A whole (unstreamed) response, with llama-server's `timings` beside usage (a
+    streamed one puts them on its response.completed event, as llama-server does)."""
+
+    timings: Timings

@@ -40,6 +40,10 @@ class EngineConfig:
     # row's logits depend on how many rows share the batch. Off, greedy output
     # can change in the last bits with load; on, decoding is 4-13% slower here.
     deterministic: bool = False
+    # Speculative decoding (CORRAL_SPECULATIVE): a slot drafts tokens from the context and
+    # the batch verifies them with the other slots' tokens; exact, so greedy and seeded
+    # output are what plain decoding gives. Off, every step decodes one token a slot.
+    speculative: bool = True
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUFs and their scales
     # The prompt cache (runner.cache.promptcache): bytes of host RAM for the KV of sequences
     # that left the context, and of disk under cache_dir for those that outlive it.

@@ -69,7 +69,8 @@ def load(config: LoadConfig) -> LoadedModel:
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
         kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
-        deterministic=config.deterministic, adapters=config.adapters,
+        deterministic=config.deterministic, speculative=config.speculative,
+        adapters=config.adapters,
         start_slots=config.start_slots, cache_ram=config.cache_ram,
         cache_disk=config.cache_disk, cache_dir=config.cache_dir)
     native.init_backend(deterministic=cfg.deterministic)

@@ -25,6 +25,7 @@ from corral.server.pipeline.count import only_loaded
 from corral.server.pipeline.request import CompletionTask, Event, Finished
 from corral.server.pipeline.run import run
 from corral.server.dialects.stream import SSE, respond
+from corral.server.dialects.timings import timings
 from corral.server.chat.reply import Kind, Piece
 from corral.server.pipeline.services import Services, keep_alive_of
 
@@ -162,18 +163,7 @@ class Answer:
                 "has_new_line": self.limits.new_line or "\n" in content,
                 "truncated": False, "stop_type": stop_type, "stopping_word": "",
                 "tokens_cached": final.prompt_tokens + final.eval_count,
-                "timings": _timings(final)}
-
-
-def _timings(final: Finished) -> dict[str, Any]:
-    prompt_ms, predicted_ms = final.prompt_eval_duration / 1e6, final.eval_duration / 1e6
-    prompt_n, predicted_n = final.prompt_eval_count, final.eval_count
-    return {"cache_n": final.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
-            "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-            "predicted_per_second": 1e3 * predicted_n / predicted_ms if predicted_ms else 0.0}
+                "timings": timings([final])}
 
 
 def _sse(obj: Any) -> bytes:

@@ -109,7 +109,11 @@ class Lines:
             "load_duration": nanoseconds(final.load_duration),
             "prompt_eval_count": final.prompt_eval_count,
             "prompt_eval_duration": final.prompt_eval_duration,
-            "eval_count": final.eval_count, "eval_duration": final.eval_duration}
+            "eval_count": final.eval_count, "eval_duration": final.eval_duration,
+            # Corral's: speculative decoding's drafted tokens and the accepted ones (0 and
+            # 0 when nothing was drafted); Ollama's clients ignore fields they do not know.
+            "draft_count": final.draft_count,
+            "draft_accepted_count": final.draft_accepted_count}
         if self.chat:
             out["message"] = {"role": "assistant", "content": ""}
         else:

@@ -2,7 +2,9 @@
 
 Parse: the wire record (api.wire.openai) into a pipeline request. Render: events
 into `chat.completion(.chunk)` / `text_completion` objects, streamed as server-sent
-events ending in `[DONE]`, with one choice per `n`.
+events ending in `[DONE]`, with one choice per `n`. Beside `usage`, llama-server's
+`timings` (dialects.timings): on the whole object, or on the stream's last chunk (the
+usage chunk when asked for, else each choice's last), with speculative decoding's counts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import random
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from corral.api.wire.common import ChatToolChoice, FunctionChoice
+from corral.api.wire.common import ChatToolChoice, FunctionChoice, Timings
 from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRequest,
                                     CompletionRequest, Message, Sampling,
                                     TextChoice, TextCompletion, Usage)
@@ -26,6 +28,7 @@ from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
                                             Finished, ToolChoice)
 from corral.server.dialects.stream import SSE, generation
+from corral.server.dialects.timings import timings
 from corral.server.chat.reply import Kind, Piece
 
 FINGERPRINT = "fp_ollama"  # what Ollama sends; some clients read it
@@ -184,9 +187,19 @@ class Stream:
     def error_frame(self, exc: CorralError) -> bytes:
         return self.sse(format_error(exc, Shape.OPENAI)[1])
 
+    def timings(self) -> Timings:
+        """llama-server's timings of every choice, beside usage (dialects.timings)."""
+        return timings(final for _, final in sorted(self.finals.items()))
+
+    def timed(self, final: Finished) -> dict[str, Any]:
+        """What a choice's last chunk adds: its timings, unless a usage chunk follows and
+        carries them, as llama-server puts them on the stream's last chunk."""
+        return {} if self.include_usage else {"timings": timings([final])}
+
     def closing(self) -> Iterator[bytes]:
         if self.include_usage:
-            yield self.sse({**self.head, "choices": [], "usage": usage(self.finals)})
+            yield self.sse({**self.head, "choices": [], "usage": usage(self.finals),
+                            "timings": self.timings()})
         yield b"data: [DONE]\n\n"
 
 
@@ -202,17 +215,18 @@ class ChatChunks(Stream):
                 yield self._chunk(event.index, {"role": "assistant", "content": ""})
             if isinstance(event, Finished):
                 self.finals[event.index] = event
-                yield self._chunk(event.index, {}, finish_reason(event))
+                yield self._chunk(event.index, {}, finish_reason(event), final=event)
             else:
                 yield self._chunk(event.index, _delta(event), None, event.logprobs)
         yield from self.closing()
 
     def _chunk(self, index: int, delta: dict[str, Any], reason: str | None = None,
-               logprobs: tuple[Logprob, ...] = ()) -> bytes:
+               logprobs: tuple[Logprob, ...] = (), final: Finished | None = None) -> bytes:
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
         if logprobs:
             choice["logprobs"] = {"content": [e.to_json() for e in logprobs]}
-        return self.sse({**self.head, "choices": [choice]})
+        return self.sse({**self.head, "choices": [choice],
+                         **(self.timed(final) if final is not None else {})})
 
     def whole(self, events: Iterator[Event]) -> ChatCompletion:
         parts: dict[int, dict[str, list[Any]]] = {}
@@ -231,7 +245,7 @@ class ChatChunks(Stream):
         choices = [_choice(i, parts.get(i), final) for i, final in sorted(self.finals.items())]
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
-                "usage": usage(self.finals)}
+                "usage": usage(self.finals), "timings": self.timings()}
 
 
 def _choice(index: int, got: dict[str, list[Any]] | None, final: Finished) -> ChatChoice:
@@ -265,7 +279,7 @@ class TextChunks(Stream):
                 self.finals[event.index] = event
                 yield self.sse({**self.head, "choices": [{
                     "text": "", "index": event.index, "finish_reason": finish_reason(event),
-                    "logprobs": None}]})
+                    "logprobs": None}], **self.timed(event)})
             else:
                 yield self.sse({**self.head, "choices": [{
                     "text": event.text, "index": event.index, "finish_reason": None,
@@ -288,7 +302,7 @@ class TextChunks(Stream):
             for i, final in sorted(self.finals.items())]
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
-                "usage": usage(self.finals)}
+                "usage": usage(self.finals), "timings": self.timings()}
 
 
 def legacy_logprobs(entries: Sequence[Logprob], offset: int = 0) -> dict[str, Any]:

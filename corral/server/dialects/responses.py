@@ -5,7 +5,9 @@ items) becomes chat messages; `instructions` a system message. The reply is a li
 of output items in the order the model wrote them: reasoning (its summary holds the
 thinking), message (output_text), function_call. Streamed, each item is added, takes
 deltas and is done, between response.created and response.completed; every event
-carries a sequence_number. `previous_response_id` needs stored responses, which a
+carries a sequence_number. llama-server's `timings`, with speculative decoding's counts,
+are a field of the whole response, or, streamed, sit beside it on response.completed
+(where llama-server puts them). `previous_response_id` needs stored responses, which a
 stateless server does not keep: it is a 400.
 """
 
@@ -20,7 +22,7 @@ from typing import Any, Callable, Iterator
 from corral.api.wire import parse
 from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
                                        ReasoningItem, Response, ResponsesRequest, TextPart,
-                                       Usage)
+                                       TimedResponse, Usage)
 from corral.errors import BadRequest, CorralError
 from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
@@ -31,6 +33,7 @@ from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import ChatTask, ChoiceMode, Event, Finished, ToolChoice
 from corral.server.pipeline.count import count
 from corral.server.dialects.stream import SSE, generation
+from corral.server.dialects.timings import timings
 from corral.server.chat.reply import Kind, Piece
 
 def _text(content: Content, images: list[str] | None = None) -> str:
@@ -240,7 +243,8 @@ class Items:
                 yield from self.add(event)
         if self.open is not None:
             yield from self._close()
-        yield "response.completed", {"response": self.response("completed")}
+        yield "response.completed", {"response": self.response("completed"),
+                                     "timings": timings([self.final])}  # llama-server's
 
     def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
         for name, data in self.events(events):
@@ -254,13 +258,13 @@ class Items:
                  "message": exc.message, "param": None}
         return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
 
-    def whole(self, events: Iterator[Event]) -> Response:
+    def whole(self, events: Iterator[Event]) -> TimedResponse:
         for event in events:
             if isinstance(event, Finished):
                 self.final = event
             else:
                 self.add(event)
-        return self.response("completed")
+        return {**self.response("completed"), "timings": timings([self.final])}
 
 
 def _items(wire: ResponsesRequest, request: ChatTask) -> Items:

@@ -87,6 +87,8 @@ class Finished:
     load_duration: float = 0.0  # seconds spent getting the model ready
     total_duration: float = 0.0  # seconds, from the request's start
     context: tuple[int, ...] = ()  # prompt and reply tokens (native /api/generate)
+    draft_count: int = 0  # tokens drafted by speculative decoding and verified
+    draft_accepted_count: int = 0  # of which accepted
 
     @property
     def prompt_eval_count(self) -> int:

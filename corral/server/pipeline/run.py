@@ -145,6 +145,7 @@ def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Ite
         stats = ended[-1] if ended else DoneLine()
         services.metrics.tokens(model, stats.prompt_eval_count, stats.eval_count,
                            stats.eval_duration)
+        services.metrics.drafts(model, stats.draft_count, stats.draft_accepted_count)
         services.metrics.request(model, "cancelled" if cancels.fired else "ok")
         yield _final(stats, index, parser.calls > 0, load, started)
 
@@ -279,4 +280,5 @@ def _final(stats: DoneLine, index: int, called: bool, load: float, started: floa
                  eval_count=stats.eval_count,
                  prompt_eval_duration=stats.prompt_eval_duration,
                  eval_duration=stats.eval_duration, load_duration=load,
-                 total_duration=time.perf_counter() - started, context=stats.context)
+                 total_duration=time.perf_counter() - started, context=stats.context,
+                 draft_count=stats.draft_count, draft_accepted_count=stats.draft_accepted_count)

@@ -299,6 +299,7 @@ class Scheduler:
                 start_slots=1 if self.settings.num_parallel <= 0 and not self.settings.kv_pool
                 else 0,
                 deterministic=self.settings.deterministic,
+                speculative=self.settings.speculative,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
                 projector=str(entry.record.projector) if entry.record.projector else None,
                 cache_ram=self.fit.cache_ram(), cache_disk=self.settings.cache_disk,
