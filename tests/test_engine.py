@@ -12,7 +12,7 @@ import pytest
 from corral.runner.llama.context import EngineConfig
 from corral.errors import ContextOverflow
 from corral.runner.engine.engine import Engine
-from corral.runner.engine.batchplan import StepPlan
+from corral.runner.engine.plan import StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 
