@@ -12,9 +12,11 @@ Each step reads schedule -> run -> postprocess, and its plan is data (engine/pla
                engine/batchplan.py chooses the batch, a KV pool that would overflow drops
                caches or preempts (engine/kvpool.py), one slice of a waiting image is chosen
   run          makes every native call (engine/run.py): the ops in order (engine/kvops.py),
-               new sequences' samplers, one llama_decode of the batch, the image slice
+               new sequences' samplers, one llama_decode of the batch
   postprocess  ends what schedule ended; prompt chunks become cached, slots with logits
                sample and stream (engine/postprocess.py)
+then the image slice, if any, is a second run and postprocess of the same plan: a decode
+overwrites the logits of the one before, so the batch is sampled first.
 After it, elastic KV's policy hears the step's demand (runner.kv.growth). Every batch and
 index is checked before native code, which aborts the whole process on misuse.
 """
@@ -220,8 +222,12 @@ class Engine:
             t0 = self.clock()
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
-            self.step_time += self.clock() - t0
             self.native_time += out.native
+            if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
+                out = self.run.image(plan.image, self.slots)
+                self.post.image(plan.image, out)
+                self.native_time += out.native
+            self.step_time += self.clock() - t0
             self.steps += 1
         changes = self.post.take()
         self.native_time += changes.native

@@ -5,7 +5,7 @@ and hands to run and postprocess (the loop is runner.engine.engine's).
              drops, trims, chunk moves, restores, branches, shifts), in the order schedule
              decided them: its bookkeeping after each is the state that op leaves
     batch    the rows of the next llama_batch (runner.engine.batchplan)
-    image    one slice of one image, decoded through its own batch after the rows
+    image    one slice of one image, decoded through its own batch once the rows are sampled
     ends     sequences that end this step without sampling (cancelled, refused, out
              of context), delivered by postprocess, which frees their samplers
 

@@ -9,8 +9,9 @@ cache counted the refusal already), a sequence whose sampler could not be made f
 alone. Slots a failed decode lost fail. Then, when the batch ran, prompt chunks become
 cached KV; a slot whose prompt is done moves to DECODE; a slot with logits samples its
 next token, which is streamed through the UTF-8 and stop-string filters to its job, or
-ends it (an end token, a stop string, the limit); and the image slice, when it ran,
-becomes cached, sampling its last row when it ended the prompt.
+ends it (an end token, a stop string, the limit). The image slice, decoded after that
+(its decode overwrites the batch's logits), becomes cached the same way, sampling its
+last row when it ended the prompt.
 """
 
 from __future__ import annotations
@@ -61,12 +62,16 @@ class Postprocess:
             self._deliver(end)
 
     def step(self, plan: StepPlan, out: Outcome) -> None:
-        """The rest of a step that ran."""
+        """The rest of a step that ran: its token batch."""
         self._put_right(out)
-        if out.decoded and out.rc == 0 and plan.batch.rows:
+        if out.ok and plan.batch.rows:
             self._apply(plan.batch)
-        if out.decoded and out.rc == 0 and out.image_rc == 0 and plan.image is not None:
-            self._image(plan.image)
+
+    def image(self, image: ImageSlice, out: Outcome) -> None:
+        """The image slice decoded after the batch (runner.engine.run Run.image)."""
+        self._put_right(out)
+        if out.ok:
+            self._image(image)
 
     def take(self) -> Changes:
         """What changed since the last call."""
@@ -82,9 +87,8 @@ class Postprocess:
             else:  # preempted in the step that placed it: queued again
                 self.placer.waiting.remove(p.seq)
             p.seq.end(Failed(error))
-        rc = out.rc or out.image_rc
         for slot in out.lost:
-            self.fail(slot, RunnerError(f"llama_decode failed ({rc})"))
+            self.fail(slot, RunnerError(f"llama_decode failed ({out.rc})"))
 
     @staticmethod
     def _reset(p: Placed) -> None:

@@ -2,13 +2,15 @@
 run -> postprocess; runner.engine.engine has the loop).
 
 In order: the plan's KV ops (runner.engine.kvops), the samplers of sequences placed for
-the first time, one llama_decode of the token batch, then the image slice through the
-embeddings batch. A placement whose Trim, Restore or Branch fails (a state llama.cpp
-refuses, a partial removal a recurrent memory cannot make, a branch from a donor that
-failed) leaves its slot's planned rows wrong, and so does a sampler that cannot be
-made: then the remaining ops still run, both decodes are skipped, and postprocess puts
-those slots right; the next step plans again. A failed decode is recovered here
-(kvops.recover); what recovery cannot save, postprocess fails.
+the first time, one llama_decode of the token batch; then, once postprocess has sampled
+that batch (a decode overwrites the logits of the one before), the image slice through
+the embeddings batch, which postprocess finishes in turn. A placement whose Trim,
+Restore or Branch fails (a state llama.cpp refuses, a partial removal a recurrent memory
+cannot make, a branch from a donor that failed) leaves its slot's planned rows wrong,
+and so does a sampler that cannot be made: then the remaining ops still run, the
+decodes are skipped, and postprocess puts those slots right; the next step plans again.
+A failed decode is recovered here (kvops.recover); what recovery cannot save,
+postprocess fails.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine import kvops
 from corral.runner.engine.kvops import KVOps
 from corral.runner.engine.kvplan import save_op
-from corral.runner.engine.plan import Placed, StepPlan
+from corral.runner.engine.plan import ImageSlice, Placed, StepPlan
 from corral.runner.llama import native
 from corral.runner.llama.sampling import for_job
 from corral.runner.slots.slot import Slot
@@ -39,15 +41,19 @@ log = logging.getLogger("corral.engine")
 
 @dataclass
 class Outcome:
-    """What running a plan gave, for postprocess."""
+    """What running a plan (or its image slice) gave, for postprocess."""
 
     failed: list[Placed] = field(default_factory=list)  # their prefix did not go in place
     refused: list[tuple[Placed, BadRequest]] = field(default_factory=list)  # no sampler
-    decoded: bool = False  # the token batch and the image slice ran (rc, image_rc say how)
+    decoded: bool = False  # the decode ran (rc says how)
     rc: int = 0
-    image_rc: int = 0
     lost: list[Slot] = field(default_factory=list)  # a failed decode recovery could not save
     native: float = 0.0  # seconds in llama_decode
+
+    @property
+    def ok(self) -> bool:
+        """The decode ran and succeeded: its logits are there to sample."""
+        return self.decoded and self.rc == 0
 
 
 class Run:
@@ -60,6 +66,7 @@ class Run:
         self.feed = ImageFeed(llama)
 
     def step(self, plan: StepPlan, slots: list[Slot]) -> Outcome:
+        """The plan's ops, new samplers, and the token batch."""
         out = Outcome()
         ops = self._ops()
         for op in plan.ops:
@@ -79,15 +86,18 @@ class Run:
             out.native += self.clock() - t0
             if out.rc != 0:
                 out.lost = self._recover(out.rc, plan.slots, slots)
-                return out  # the slots retry, or fail; the image waits a step
-        if plan.image is not None:
-            image = plan.image
-            t0 = self.clock()
-            out.image_rc = self.feed.decode(image.slot, image.span, image.offset, image.count,
-                                            logits_last=image.last)
-            out.native += self.clock() - t0
-            if out.image_rc != 0:
-                out.lost = self._recover(out.image_rc, [image.slot], slots)
+        return out
+
+    def image(self, image: ImageSlice, slots: list[Slot]) -> Outcome:
+        """The plan's image slice, through the embeddings batch. Its decode overwrites the
+        logits of the token batch, so the engine calls it once postprocess sampled those."""
+        out = Outcome(decoded=True)
+        t0 = self.clock()
+        out.rc = self.feed.decode(image.slot, image.span, image.offset, image.count,
+                                  logits_last=image.last)
+        out.native += self.clock() - t0
+        if out.rc != 0:
+            out.lost = self._recover(out.rc, [image.slot], slots)
         return out
 
     def _ops(self) -> KVOps:
