@@ -11,11 +11,6 @@ from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 
 
-class NoSampler:
-    def free(self) -> None:
-        pass
-
-
 def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
          started: float = 0.0) -> Slot:
     s = Slot(seq_id=seq, num_ctx=4096)
@@ -26,7 +21,7 @@ def slot(seq: int, state: SlotState, *, cached: int = 0, pending: int = 0,
     s.cached = prompt[:cached]
     seq_ = Sequence(Job(prompt=prompt))
     s.assign(seq_, prompt[:cached])
-    seq_.start(NoSampler(), 10, prompt, cached, now=started)  # type: ignore[arg-type]
+    seq_.start(10, prompt, cached, now=started)
     if state is SlotState.DECODE:
         s.cached, seq_.pending = prompt, []
         s.transition(SlotState.DECODE)

@@ -12,7 +12,7 @@ import pytest
 from corral.runner.llama.context import EngineConfig
 from corral.errors import ContextOverflow
 from corral.runner.engine.engine import Engine
-from corral.runner.engine.batchplan import StepPlan
+from corral.runner.engine.plan import StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from tests.support import embed
 
@@ -265,3 +265,16 @@ def test_embedding_context_is_sized_to_its_inputs(starter_gguf: Path) -> None:
         assert again == first  # the context's size does not change the vector
     finally:
         eng.stop()
+
+
+def test_a_grammar_that_does_not_parse_fails_its_request_alone(engine: Engine) -> None:
+    from corral.errors import InvalidOption
+
+    prompt = engine.tokenize(PROMPTS[0])
+    other = engine.submit(Job(prompt=list(prompt), params=GREEDY, num_predict=8))
+    bad = engine.submit(Job(prompt=engine.tokenize(PROMPTS[1]), params=GREEDY, num_predict=8,
+                            grammar="root ::= [a-z"))
+    _, kind, error = collect(bad)
+    assert kind == "error" and isinstance(error, InvalidOption)
+    pieces, kind, _ = collect(other)
+    assert kind == "done" and "".join(pieces) == run(engine, PROMPTS[0], 8)[0]

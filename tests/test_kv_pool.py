@@ -137,7 +137,7 @@ def assert_greedy_alone(engine: Any, prompt: list[int], generated: list[int]) ->
     flips = []
     for i in range(same, len(generated)):  # from the first difference, token by token
         _, [pick] = _greedy(engine, prompt + generated[:i], 1, logprobs=5)
-        mine = tuple(token_bytes(engine.vocab, generated[i]))
+        mine = tuple(token_bytes(engine.llama.vocab, generated[i]))
         if pick.bytes != mine:
             rivals = [t.logprob for t in pick.top if t.bytes == mine]
             assert rivals and pick.logprob - rivals[0] < MARGIN, (i, pick, mine)

@@ -184,7 +184,7 @@ def busy(seq_id: int, cached: list[int], pending: list[int]) -> Slot:
     slot = Slot(seq_id=seq_id, num_ctx=4096)
     seq = Sequence(Job(prompt=cached + pending))
     slot.assign(seq, cached)
-    seq.start(object(), 10, cached + pending, len(cached), now=1.0)  # type: ignore[arg-type]
+    seq.start(10, cached + pending, len(cached), now=1.0)
     return slot
 
 

@@ -323,3 +323,26 @@ def test_a_held_disk_write_does_not_hold_the_engine(starter_gguf: Path, tmp_path
         engine.stop()  # (b1's state is written too, and the writer waited for)
     assert [e.tokens[:len(prompts["a1"])] for e in disk.entries
             if e.tokens[:len(prompts["a1"])] == tuple(prompts["a1"])] == [tuple(prompts["a1"])]
+
+
+def test_a_state_llama_cpp_refuses_is_prefilled_whole_at_the_next_step(
+        starter_gguf: Path) -> None:
+    # The plan's rows assumed the restored prefix: run skips that step's decode, the slot
+    # goes back to prefill its whole prompt, and the entry is dropped as refused.
+    ram = PromptCache(budget=1 << 20)
+    engine = Engine(str(starter_gguf), config(), caches=PrefixCaches(ram))
+    engine.start()
+    try:
+        prompts = turns(engine)
+        ram.add(prompts["a1"], b"not a state at all")
+        text, stats = ask(engine, prompts["a2"])
+        assert ram.entries == [] and engine.status()["cache_hits"] == 0
+    finally:
+        engine.stop()
+    cold = Engine(str(starter_gguf), config())
+    cold.start()
+    try:
+        cold_text, _ = ask(cold, prompts["a2"])
+    finally:
+        cold.stop()
+    assert text == cold_text and stats.prompt_eval_count == len(prompts["a2"])

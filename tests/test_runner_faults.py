@@ -19,7 +19,7 @@ import pytest
 
 from corral.errors import EngineFailed
 from corral.registry.store import Store
-from corral.runner.engine.batchplan import StepPlan
+from corral.runner.engine.plan import StepPlan
 from corral.runner.client import RunnerProcess
 from corral.runner.llama.context import EngineConfig
 from corral.runner.engine.engine import Engine

@@ -20,7 +20,8 @@ def running(prompt: list[int], n_prefix: int = 0) -> tuple[Slot, Sequence, Count
     slot, seq = Slot(seq_id=3, num_ctx=64, cached=prompt[:n_prefix]), Sequence(Job(prompt))
     sampler = CountingSampler()
     slot.assign(seq, prompt[:n_prefix])
-    seq.start(sampler, 10, prompt, n_prefix, now=1.0)  # type: ignore[arg-type]
+    seq.sampler = sampler  # type: ignore[assignment]
+    seq.start(10, prompt, n_prefix, now=1.0)
     return slot, seq, sampler
 
 

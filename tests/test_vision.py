@@ -144,7 +144,7 @@ def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
     del slot.cached[span.start + 5:]
     import llama_cpp as L
 
-    L.llama_memory_seq_rm(gemma.engine.mem, slot.seq_id, span.start + 5, -1)
+    L.llama_memory_seq_rm(gemma.engine.llama.mem, slot.seq_id, span.start + 5, -1)
     again, stats2 = run(gemma, raw([IMG1]))
     assert again == text
     assert stats2.prompt_eval_count >= len(tokens) - span.start
@@ -158,7 +158,7 @@ def test_image_beside_three_text_streams_changes_none(llava: RunnerService) -> N
         slot.cached = []
         import llama_cpp as L
 
-        L.llama_memory_seq_rm(llava.engine.mem, slot.seq_id, -1, -1)
+        L.llama_memory_seq_rm(llava.engine.llama.mem, slot.seq_id, -1, -1)
     jobs = [submit(llava, chat([], p), num_predict=16) for p in prompts]
     image_job = submit(llava, chat([IMG2], "Say what you see."))
     assert [collect(j)[0] for j in jobs] == alone

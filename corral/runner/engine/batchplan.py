@@ -1,6 +1,6 @@
 """Planning one engine step: which tokens of which slots go into the next batch.
 
-Pure: it reads slot state and returns a plan, so it is tested without llama.cpp.
+Pure: it reads slot state and returns the batch, so it is tested without llama.cpp.
 Every decoding slot's next token goes first (a running stream never waits),
 then prompt chunks of prefilling slots, oldest request first, within the
 batch budget. A long prompt therefore takes several steps, and the streams
@@ -41,7 +41,9 @@ class BatchRow(NamedTuple):
 
 
 @dataclass
-class StepPlan:
+class Batch:
+    """The step's batch (runner.engine.plan.StepPlan holds it beside the step's other parts)."""
+
     rows: list[BatchRow] = field(default_factory=list)
     decoding: list[Slot] = field(default_factory=list)  # slots whose next token is in the batch
     prefill: list[tuple[Slot, int]] = field(default_factory=list)  # (slot, prompt tokens taken)
@@ -52,8 +54,8 @@ class StepPlan:
         return self.decoding + [slot for slot, _ in self.prefill]
 
 
-def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
-    plan = StepPlan()
+def plan_step(slots: list[Slot], n_batch: int) -> Batch:
+    plan = Batch()
     for slot in slots:
         if slot.state is SlotState.DECODE and len(plan.rows) < n_batch:
             plan.sample_at[slot.seq_id] = len(plan.rows)
@@ -69,7 +71,7 @@ def plan_step(slots: list[Slot], n_batch: int) -> StepPlan:
             room = min(room, slot.join_at - slot.n_past)
         take = text_run(slot.pending, room)
         if take == 0:
-            continue  # an image comes next: the engine feeds it through its own batch
+            continue  # an image comes next: it goes through its own batch (plan.ImageSlice)
         last_chunk = take == len(slot.pending)
         for k in range(take):
             plan.rows.append(BatchRow(slot.pending[k], slot.n_past + k, slot.seq_id,

@@ -5,15 +5,20 @@ Exactly one thread (the engine thread) touches the model's context. Commands
 arrive on one queue (runner.jobs: Submit, Embed, Stop, Resized, SetThreads); each
 job's results leave on its own queue as Token events, then Done or Failed.
 
-Each step reads schedule -> run (one llama_decode of the batch) -> postprocess:
-  schedule     the placer (engine/placer.py) admits waiting sequences onto idle
-               slots, each with its prefix from the slot's own cache, another slot or
-               the prompt cache; context shifts; engine/batchplan.py chooses the next token
-               of every decoding slot and prompt chunks of prefilling ones within n_batch;
-               a KV pool that would overflow drops caches or preempts (engine/kvpool.py)
-  postprocess  prompt chunks become cached, slots with logits sample and stream; then
-               one slice of a waiting image goes through its own batch (engine/imagefeed.py)
-Every batch and index is checked before native code, which aborts the whole process on misuse.
+Each step reads schedule -> run -> postprocess, and its plan is data (engine/plan.py):
+  schedule     decides, without llama.cpp (engine/schedule.py): cancelled requests end,
+               the placer (engine/placer.py) admits waiting sequences onto idle slots with
+               the KV ops that bring their prefix (engine/kvplan.py), context shifts,
+               engine/batchplan.py chooses the batch, a KV pool that would overflow drops
+               caches or preempts (engine/kvpool.py), one slice of a waiting image is chosen
+  run          makes every native call (engine/run.py): the ops in order (engine/kvops.py),
+               new sequences' samplers, one llama_decode of the batch
+  postprocess  ends what schedule ended; prompt chunks become cached, slots with logits
+               sample and stream (engine/postprocess.py)
+then the image slice, if any, is a second run and postprocess of the same plan: a decode
+overwrites the logits of the one before, so the batch is sampled first.
+After it, elastic KV's policy hears the step's demand (runner.kv.growth). Every batch and
+index is checked before native code, which aborts the whole process on misuse.
 """
 
 from __future__ import annotations
@@ -24,26 +29,25 @@ import threading
 import time
 from typing import Callable
 
-import llama_cpp as L
-
 from corral.errors import BadRequest, EngineFailed, RunnerError
-from corral.runner.engine import admission, imagefeed, kvops, kvpool
-from corral.runner.kv import kvbytes
-from corral.runner.llama import native, sampling
-from corral.runner.engine.batchplan import StepPlan, plan_step
-from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.cache.caches import PrefixCaches, caches_for
 from corral.runner.cache.diskread import Reader, read_entry, reads_for
-from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
+from corral.runner.engine import imagefeed
+from corral.runner.engine.kvpool import KVPool
+from corral.runner.engine.placer import Placer
+from corral.runner.engine.plan import StepPlan
+from corral.runner.engine.postprocess import Postprocess
+from corral.runner.engine.run import Run
+from corral.runner.engine.schedule import Schedule
+from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRead, Resized,
+                                SetThreads, Stop, Submit)
+from corral.runner.kv import kvbytes
 from corral.runner.kv.growth import Capacity, Resizer
 from corral.runner.kv.reserve import Reserve
-from corral.runner.wire import DoneLine
-from corral.runner.jobs import (ClearCache, Done, Embed, Failed, Inbox, Job, PrefixRead, Resized,
-                                SetThreads, Stop, Submit)
-from corral.runner.engine.postprocess import Postprocess
-from corral.runner.prefix import KVBytes
-from corral.runner.engine.placer import Placement, Placer, Refusal, Source
-from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
+from corral.runner.llama import native
+from corral.runner.llama.context import EngineConfig, LlamaContext
+from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
+from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 
 log = logging.getLogger("corral.engine")
@@ -54,7 +58,7 @@ EMBED_KEEP = 10.0
 TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a millisecond)
 
 
-class Engine(Postprocess):
+class Engine:
     def __init__(self, model_path: str, config: EngineConfig,
                  clock: Callable[[], float] = time.perf_counter,
                  llama: LlamaContext | None = None, load_seconds: float = 0.0,
@@ -81,20 +85,12 @@ class Engine(Postprocess):
             t0 = clock()
             llama = LlamaContext(model_path, config)
             load_seconds = clock() - t0
+        # The context's fields have one owner: `llama`, which a resize updates.
         self.llama, self.load_seconds = llama, load_seconds
-        self.model, self.vocab, self.ctx, self.mem = llama.model, llama.vocab, llama.ctx, llama.mem
-        self.batch, self.n_batch, self.n_ctx, self.num_ctx = (llama.batch, llama.n_batch,
-                                                              llama.n_ctx, llama.num_ctx)
-        self.n_vocab, self.n_ctx_train, self.n_threads = (llama.n_vocab, llama.n_ctx_train,
-                                                          llama.n_threads)
-        self.can_shift, self.add_bos = llama.can_shift, llama.add_bos
-        self.tokenize, self.detokenize = llama.tokenize, llama.detokenize  # any thread
         self._embedded_at = self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
-        self._overwritten = 0  # warm prefixes placements overwrote since the last tick
-        self.scratch = kvops.Scratch(llama.scratch)
-        self.slots = [Slot(seq_id=i, num_ctx=self.num_ctx) for i in range(llama.streams)]
+        self.slots = [Slot(seq_id=i, num_ctx=llama.num_ctx) for i in range(llama.streams)]
         # The cap's context is made ahead, uncommitted, where the KV is host memory (a
         # test's reserve_gate holds its build).
         reserve = Reserve(llama, config.n_slots, reserve_gate) \
@@ -102,27 +98,39 @@ class Engine(Postprocess):
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
                                self._commands.put, reserve) \
             if llama.streams < config.n_slots else None
-        self.pool = kvpool.KVPool(self.n_ctx) if config.kv_pool else None
+        self.pool = KVPool(llama.n_ctx) if config.kv_pool else None
         self.caches = caches or caches_for(model_path, config)  # or a test's
-        self.placer = Placer(self.num_ctx, self.caches, self.pool, reads_for(
+        self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        self.embed_ctx = EmbeddingContext(self.model, self.num_ctx, self.n_threads, llama.adapters)
-        self.feed = imagefeed.ImageFeed(self.ctx, self.n_batch, L.llama_model_n_embd_inp(self.model))
+        self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
+                                 llama.n_batch, llama.can_shift, clock,
+                                 self.resizer.capacity if self.resizer is not None else None,
+                                 llama.scratch)
+        self.run = Run(llama, self.caches, self.pool is not None, clock)
+        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock)
+        self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
+                                          llama.adapters)
 
     # ---- public API, safe from any thread ---------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> Job:
         self._refuse_if_stopped()
         if not job.prompt:
             raise BadRequest("empty prompt")
-        imagefeed.check_images(job, self.n_vocab, self.n_batch)
+        imagefeed.check_images(job, self.llama.n_vocab, self.llama.n_batch)
         job.submitted = self.clock()
         self._commands.put(Submit(job))
         return job
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.llama.tokenize(text, add_special)  # the vocabulary alone: any thread
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.llama.detokenize(tokens)
 
     def _refuse_if_stopped(self) -> None:
         if self.failure is not None:
@@ -148,11 +156,12 @@ class Engine(Postprocess):
     def status(self) -> dict[str, int]:
         slots = self.slots
         return {
-            "slots": len(slots), "slots_cap": self.config.n_slots, "threads": self.n_threads,
+            "slots": len(slots), "slots_cap": self.config.n_slots,
+            "threads": self.llama.n_threads,
             "busy_slots": sum(s.state is not SlotState.IDLE for s in slots),
             "waiting": self.placer.queued() + len(self._embeds.pending)
             + self._commands.qsize(),
-            "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.n_ctx,
+            "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.llama.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
             "sampled": self.sampled, **self.caches.describe(),
             "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0}
@@ -161,7 +170,7 @@ class Engine(Postprocess):
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
         the serving context's share of that, by cells, less what the reserve left
         uncommitted (runner.kv.growth)."""
-        cells = self.config.kv_pool or self.num_ctx * self.config.n_slots
+        cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
         current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
         return self.resizer.kv_held(current) if self.resizer is not None else current
 
@@ -178,7 +187,7 @@ class Engine(Postprocess):
 
     # ---- the engine thread ---------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         try:
             while not self._stopping:
                 # Housekeeping before waiting for work: the first moment at rest is used,
@@ -192,14 +201,7 @@ class Engine(Postprocess):
                 if self._embeds:
                     self._embeds.step(self.embed_ctx)
                     self._embedded_at, self._transient = self.clock(), True
-                plan = self._schedule()
-                if plan is not None:
-                    if self._step_hook is not None:
-                        self._step_hook(plan)
-                    t0 = self.clock()
-                    self._postprocess(plan, self._run_batch(plan))
-                    self.step_time += self.clock() - t0
-                    self.steps += 1
+                self._step()
         except Exception as exc:  # a bug here must not leave any client hanging
             log.exception("engine thread failed")
             self.failure = EngineFailed(f"the model's engine failed: {exc}")
@@ -210,6 +212,31 @@ class Engine(Postprocess):
             self._commands.close(error)
             if self.failure is not None:
                 self.failed.set()  # the runner process exits; the daemon loads afresh
+
+    def _step(self) -> None:
+        """schedule -> run -> postprocess; then elastic KV hears the demand."""
+        plan = self.schedule.plan(self.slots)
+        self.post.ends(plan)
+        if plan.busy:
+            if self._step_hook is not None:
+                self._step_hook(plan)
+            t0 = self.clock()
+            out = self.run.step(plan, self.slots)
+            self.post.step(plan, out)
+            self.native_time += out.native
+            if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
+                out = self.run.image(plan.image, self.slots)
+                self.post.image(plan.image, out)
+                self.native_time += out.native
+            self.step_time += self.clock() - t0
+            self.steps += 1
+        changes = self.post.take()
+        self.native_time += changes.native
+        self.sampled += changes.sampled
+        self._transient = self._transient or changes.freed
+        if self.resizer is not None and plan.demand is not None:  # may start a builder thread
+            demand = plan.demand
+            self.resizer.tick(demand.busy, demand.waiting, demand.now, demand.warm)
 
     def _idle(self) -> bool:
         return not self.placer.waiting and not self._embeds and all(
@@ -230,7 +257,7 @@ class Engine(Postprocess):
             elif isinstance(item, Resized):
                 self._resized(item)
             elif isinstance(item, SetThreads):  # the daemon's share of the cores
-                self.n_threads = self.llama.set_threads(item.n)
+                self.llama.set_threads(item.n)
                 self.embed_ctx.set_threads(item.n)
             elif isinstance(item, ClearCache):
                 self._transient = self._transient or self.caches.ram.clear() > 0
@@ -240,15 +267,14 @@ class Engine(Postprocess):
                 return
 
     def _resized(self, resized: Resized) -> None:
-        """A bigger or smaller context arrived: move every sequence onto it."""
+        """A bigger or smaller context arrived: move every sequence onto it (the context's
+        fields follow in `llama`; the slots are the engine's)."""
         assert self.resizer is not None
-        slots = self.resizer.apply(resized, self.slots, self.num_ctx, self.clock(),
-                                   lambda s: kvops.save(self.ctx, s, self.caches))
+        slots = self.resizer.apply(resized, self.slots, self.llama.num_ctx, self.clock(),
+                                   self.run.save)
         if slots is not None:
             self.slots = slots
-            self.ctx, self.mem, self.n_ctx = self.llama.ctx, self.llama.mem, self.llama.n_ctx
-            self.feed.ctx = self.ctx
-            self.scratch.moved(self.llama.scratch)
+            self.schedule.moved(self.llama.scratch)
 
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
@@ -265,123 +291,10 @@ class Engine(Postprocess):
             native.release_free_memory()
             self._transient, self._trimmed_at = False, now
 
-    def _reap_cancelled(self) -> None:
-        # A queued request whose client has gone is dropped without running.
-        waiting = self.placer.waiting
-        for seq in [s for s in waiting if s.job.cancelled.is_set()]:
-            waiting.remove(seq)
-            seq.end(Done(DoneLine(done_reason=DoneReason.CANCEL.value)))
-        for slot in self.slots:
-            if slot.job is not None and slot.job.cancelled.is_set():
-                self._finish(slot, DoneReason.CANCEL)
-
-    def _admit(self) -> None:
-        donors: dict[tuple[int, int], KVBytes] = {}  # states read from donor slots this round
-        while (decision := self.placer.next(self.slots)) is not None:
-            if isinstance(decision, Refusal):
-                decision.seq.end(Failed(decision.error))
-                continue
-            try:
-                self._place(decision, donors)
-            except BadRequest as exc:
-                decision.seq.end(Failed(exc))
-
-    def _place(self, p: Placement, donors: dict[tuple[int, int], KVBytes]) -> None:
-        """Start (or resume) a sequence on its slot, with the prefix the placer chose."""
-        seq, job, tokens = p.seq, p.seq.job, p.tokens
-        resuming = seq.state is SeqState.PREEMPTED
-        if not resuming:
-            job.prompt = tokens
-        eog = self.llama.eog_tokens() if job.ignore_eos else None
-        sampler = None if resuming else sampling.for_job(  # a bad grammar: its 400 alone
-            job, tokens, self.vocab, self.n_vocab, self.num_ctx, eog)
-        slot, reused = p.slot, p.n_prefix if p.source is Source.REUSE else 0
-        streams = 1 if self.pool is not None else len(self.slots)
-        if self.resizer is not None and self.resizer.capacity.warm(
-                len(slot.cached) - reused, slot.last_used, self.clock()):
-            self._overwritten += 1  # another conversation's prefix goes: want a stream more
-        n_prefix = kvops.load_prefix(self.ctx, self.mem, p, self.caches, streams,
-                                     [s.reusable() for s in self.slots if s is not slot],
-                                     donors, self.can_shift, self.scratch)
-        p.slot.assign(seq, tokens[:n_prefix], shifted=slot.tainted and (
-            n_prefix > 0 or slot.join_at >= 0) and p.source in (Source.NONE, Source.REUSE))
-        if sampler is None:
-            seq.resume(tokens, n_prefix)
-        else:
-            limit = admission.generation_limit(job, len(tokens), self.num_ctx)
-            seq.start(sampler, limit, tokens, n_prefix, self.clock())
-
-    # ---- one step ----------------------------------------------------------------------
-
-    def _schedule(self) -> StepPlan | None:
-        """Admit what can start, then plan the batch; None when no slot is busy."""
-        self._reap_cancelled()
-        self.scratch.release(self.mem)
-        self._admit()
-        active = sum(s.state is not SlotState.IDLE for s in self.slots)
-        if self.resizer is not None:
-            now, capacity = self.clock(), self.resizer.capacity
-            warm = active + self._overwritten + sum(
-                capacity.warm(len(s.cached), s.last_used, now)
-                for s in self.slots if s.state is SlotState.IDLE)
-            self._overwritten = 0
-            self.resizer.tick(active, len(self.placer.waiting), now, warm)
-        if not active:
-            return None
-        for slot in self.slots:
-            if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
-                if not kvops.shift_context(self.mem, slot, self.can_shift):
-                    self._finish(slot, DoneReason.LENGTH)
-        plan = plan_step(self.slots, self.n_batch)
-        if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
-            plan = self.pool.fit(plan, self.slots, self._drop, self._preempt,
-                                 lambda: plan_step(self.slots, self.n_batch))
-        return plan
-
-    def _run_batch(self, plan: StepPlan) -> int:
-        if not plan.rows:
-            return 0
-        native.fill_batch(self.batch, plan.rows, self.n_batch)
-        t0 = self.clock()
-        rc = int(L.llama_decode(self.ctx, self.batch))
-        self.native_time += self.clock() - t0
-        return rc
-
-    def _postprocess(self, plan: StepPlan, rc: int) -> None:
-        if rc != 0:
-            self._decode_failed(rc, plan.slots)
-        elif plan.rows:
-            self._apply(plan)
-            self.scratch.join(self.mem, [slot for slot, _ in plan.prefill])
-        self._feed_image()
-
-    def _drop(self, slot: Slot) -> None:
-        """An idle slot's cache goes for room in the pool: to the prompt cache first."""
-        kvops.save(self.ctx, slot, self.caches)
-        kvops.drop(self.mem, slot)
-
-    def _preempt(self, slot: Slot) -> None:
-        assert self.pool is not None
-        kvops.drop(self.mem, slot)
-        seq = slot.vacate(self.clock())
-        self.scratch.release(self.mem)
-        assert seq is not None
-        seq.preempt()  # it keeps its sampler, streams and tokens: nothing is copied
-        self.placer.requeue(seq)
-        self.pool.preemptions += 1
-        self.pool.pressure = True
-        log.debug("preempted a sequence after %d tokens", seq.n_generated)
-
-    def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
-        log.error("llama_decode returned %d", rc)
-        if not kvops.recover(self.mem, rc, slots, self.slots):
-            for slot in slots:
-                self._fail(slot, RunnerError(f"llama_decode failed ({rc})"))
-
     def _fail_everyone(self, error: RunnerError) -> None:
         for slot in self.slots:
             if slot.sequence is not None:
-                self._fail(slot, error)
+                self.post.fail(slot, error)
         for seq in self.placer.take_all():  # waiting, or waiting for a disk read
             seq.end(Failed(error))
         self._embeds.fail_all(error)
@@ -390,11 +303,11 @@ class Engine(Postprocess):
         if self._thread is not None and self._thread.is_alive():
             return  # still inside native code; the process exit will reclaim it
         if self.caches.disk is not None:  # what the idle slots and RAM hold outlives us
-            states = [(s.reusable(), kvbytes.get(self.ctx, s.seq_id)) for s in self.slots
+            states = [(s.reusable(), kvbytes.get(self.llama.ctx, s.seq_id)) for s in self.slots
                       if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
             self.caches.flush([(t, d) for t, d in states if d is not None])
         self.embed_ctx.free()
-        self.feed.free()
+        self.run.feed.free()
         if self.resizer is not None:
             self.resizer.free()
         self.llama.free()

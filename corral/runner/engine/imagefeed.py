@@ -1,21 +1,20 @@
-"""Image tokens into a slot's sequence: checks, prefix alignment and the embeddings batch.
+"""Image tokens into a slot's sequence: checks, and which slice of which image a step takes.
 
 A prompt holds an image as a run of one negative placeholder id (runner.llama.vision).
-Text prefill stops at a placeholder (runner.engine.batchplan); the engine then feeds the
-image's embeddings through a batch of its own, a slice per step, between the
-token batches, so the streams beside it advance at every step. An image whose
-tokens attend to each other both ways (Gemma 3) cannot be split: it goes in one
-batch, with causal attention off for that decode only.
+Text prefill stops at a placeholder (runner.engine.batchplan); schedule then plans one
+slice of the image, which run feeds through an embeddings batch of its own after the
+token batch (runner.engine.run ImageFeed), a slice per step, so the streams beside it
+advance at every step. An image whose tokens attend to each other both ways (Gemma 3)
+cannot be split: it goes in one batch, with causal attention off for that decode only.
+Pure: no llama.cpp here.
 """
 
 from __future__ import annotations
 
-import ctypes
-from typing import TYPE_CHECKING, Any
-
-import llama_cpp as L
+from typing import TYPE_CHECKING
 
 from corral.errors import BadRequest
+from corral.runner.engine.plan import ImageSlice
 from corral.runner.slots.slot import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -57,44 +56,12 @@ def span_at(job: "Job", index: int) -> "ImageSpan":
     raise BadRequest("image placeholders do not match the prompt")
 
 
-class ImageFeed:
-    """The embeddings batch, used only by the engine thread."""
-
-    def __init__(self, ctx: Any, n_batch: int, n_embd: int) -> None:
-        self.ctx, self.n_batch, self.n_embd = ctx, n_batch, n_embd
-        self.batch: Any = None  # allocated at the first image
-
-    def slice(self, slot: Slot) -> tuple["ImageSpan", int, int]:
-        """The slot's image, the offset into it, and how many rows this step decodes."""
-        assert slot.job is not None
-        span = span_at(slot.job, slot.n_past)
-        offset = slot.n_past - span.start
-        left = span.n_tokens - offset
-        return span, offset, left if span.non_causal else min(left, SLICE, self.n_batch)
-
-    def decode(self, slot: Slot, span: "ImageSpan", offset: int, count: int,
-               logits_last: bool) -> int:
-        if self.batch is None:
-            self.batch = L.llama_batch_init(self.n_batch, self.n_embd, 1)
-        rows = span.embd[offset:offset + count]
-        assert rows.shape == (count, self.n_embd) and 0 < count <= self.n_batch
-        batch = self.batch
-        ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
-        for i in range(count):
-            batch.pos[i] = slot.n_past + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = slot.seq_id
-            batch.logits[i] = logits_last and i == count - 1
-        batch.n_tokens = count
-        if span.non_causal:
-            L.llama_set_causal_attn(self.ctx, False)
-        try:
-            return int(L.llama_decode(self.ctx, batch))
-        finally:
-            if span.non_causal:
-                L.llama_set_causal_attn(self.ctx, True)
-
-    def free(self) -> None:
-        if self.batch is not None:
-            L.llama_batch_free(self.batch)
-            self.batch = None
+def next_slice(slot: Slot, n_batch: int) -> ImageSlice:
+    """The slice of the slot's image the next step decodes: the image, the offset into it,
+    and how many rows (a non-causal image goes whole)."""
+    assert slot.job is not None
+    span = span_at(slot.job, slot.n_past)
+    offset = slot.n_past - span.start
+    left = span.n_tokens - offset
+    count = left if span.non_causal else min(left, SLICE, n_batch)
+    return ImageSlice(slot, span, offset, count, last=count == len(slot.pending))

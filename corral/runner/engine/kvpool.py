@@ -5,19 +5,25 @@ slots share one unified KV buffer, num_ctx only caps a sequence, and so more
 sequences run than reservations would allow. The price is that the pool can
 fill while they generate: then the newest sequence is preempted (its cells
 freed, its job back at the front of the queue with its progress) and
-recomputed once there is room. Pure: it reads slot state and decides; the
-engine does the native calls.
+recomputed once there is room. Pure: it reads slot state and decides; schedule
+(runner.engine.schedule) turns its decisions into the step's ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable, NamedTuple
 
-from corral.runner.engine.batchplan import StepPlan
 from corral.runner.slots.slot import Slot, SlotState
 
 RESERVE = 32  # cells a new request must find beyond its prompt, so it can start generating
+
+
+class Relief(NamedTuple):
+    """A slot whose cells go for room: an idle one's cache, or a running sequence (preempt)."""
+
+    slot: Slot
+    preempt: bool
 
 
 @dataclass
@@ -67,17 +73,14 @@ class KVPool:
             return None  # one sequence alone always fits: num_ctx <= the pool
         return max(busy, key=lambda s: (s.t_start, s.seq_id))
 
-    def fit(self, plan: StepPlan, slots: list[Slot], drop: Callable[[Slot], None],
-            preempt: Callable[[Slot], None], replan: Callable[[], StepPlan]) -> StepPlan:
-        """Make the pool hold this step's plan: drop idle caches first, then preempt the
-        newest running sequence, until it fits or nothing more can go."""
-        while plan.rows and self.shortfall(slots, len(plan.rows)) > 0:
-            idle, victim = KVPool.evictable(slots), KVPool.victim(slots)
-            if idle:
-                drop(idle[0])
-            elif victim is not None:
-                preempt(victim)
-                plan = replan()
-            else:
-                break
-        return plan
+    def relief(self, slots: list[Slot], growth: int) -> Relief | None:
+        """What goes next so that a step adding `growth` cells fits: an idle cache first
+        (least recently used), then the newest running sequence; None when it fits, or
+        nothing more can go. The caller frees it, then asks again."""
+        if self.shortfall(slots, growth) <= 0:
+            return None
+        idle = KVPool.evictable(slots)
+        if idle:
+            return Relief(idle[0], preempt=False)
+        victim = KVPool.victim(slots)
+        return Relief(victim, preempt=True) if victim is not None else None

@@ -22,7 +22,8 @@ A copy costs something, so BRANCH and RESTORE must beat REUSE by MIN_GAIN tokens
 sequence whose prefix a prefilling slot is about to compute is HELD until it has, then
 branches from it: sixteen requests sharing an agent's system prompt prefill it once,
 which also covers the first burst at an idle model while its context grows. It reads
-slots and the caches and returns decisions; the engine makes the native calls.
+slots and the caches and returns decisions; schedule (runner.engine.schedule) turns
+them into the step's KV ops, and run (runner.engine.run) makes the native calls.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class Placer:
             if not idle:
                 return None
             if seq.job.cancelled.is_set():
-                continue  # the engine ends it (Engine._reap_cancelled)
+                continue  # schedule ends it (runner.engine.schedule)
             if self.pool is not None and not self.pool.admits(slots, self._need(seq)):
                 return None  # no room in the pool yet: it and everything behind it wait
             resuming = seq.state is SeqState.PREEMPTED

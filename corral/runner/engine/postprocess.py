@@ -1,105 +1,155 @@
-"""The third part of an engine step: after a batch decoded, its results advance each
-sequence (schedule -> run -> postprocess; runner.engine.engine has the loop).
+"""The third part of an engine step: what the batch gave advances each sequence, and
+what schedule ended is told (schedule -> run -> postprocess; runner.engine.engine has
+the loop).
 
-Prompt chunks become cached KV; a slot whose prompt is done moves to DECODE; a slot
-with logits samples its next token, which is streamed through the UTF-8 and stop-string
-filters to its job, or ends it (an end token, a stop string, the limit). Then one slice
-of a waiting image goes through its own embeddings batch (runner.engine.imagefeed).
+Ends the plan holds go out first, before run (Done or Failed; a sequence's end frees
+its native sampler). Placements that failed at run are put right: a slot whose prefix did not go
+in place caches nothing and prefills its whole prompt from the next step (the prompt
+cache counted the refusal already), a sequence whose sampler could not be made fails
+alone. Slots a failed decode lost fail. Then, when the batch ran, prompt chunks become
+cached KV; a slot whose prompt is done moves to DECODE; a slot with logits samples its
+next token, which is streamed through the UTF-8 and stop-string filters to its job, or
+ends it (an end token, a stop string, the limit). The image slice, decoded after that
+(its decode overwrites the batch's logits), becomes cached the same way, sampling its
+last row when it ended the prompt.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import llama_cpp as L
 
-from corral.errors import BadRequest, CorralError
-from corral.runner.engine import imagefeed
-from corral.runner.llama import native
-from corral.runner.engine.batchplan import StepPlan
-from corral.runner.engine.imagefeed import ImageFeed
-from corral.runner.jobs import Done, Failed, Token
+from corral.errors import BadRequest, CorralError, RunnerError
+from corral.runner.engine.batchplan import Batch
 from corral.runner.engine.kvpool import KVPool
-from corral.runner.slots.sequence import DoneReason
+from corral.runner.engine.placer import Placer
+from corral.runner.engine.plan import End, ImageSlice, Placed, StepPlan
+from corral.runner.engine.run import ImageFeed, Outcome
+from corral.runner.jobs import Done, Failed, Token
+from corral.runner.llama import native
+from corral.runner.slots.sequence import DoneReason, Sequence
 from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.wire import DoneLine
+
+if TYPE_CHECKING:
+    from corral.runner.llama.context import LlamaContext
+
+
+@dataclass
+class Changes:
+    """What a step's postprocess changed that the engine keeps count of."""
+
+    sampled: int = 0  # tokens sampled
+    native: float = 0.0  # seconds in the samplers
+    freed: bool = False  # native memory came free (a grammar's): the heap may be trimmed
 
 
 class Postprocess:
-    """The engine's postprocess step, on the engine thread (runner.engine.engine mixes it in)."""
+    """On the engine thread; it reads the context from its LlamaContext at each step."""
 
-    slots: list[Slot]
-    ctx: Any
-    vocab: Any
-    batch: Any
-    feed: ImageFeed
-    pool: KVPool | None
-    clock: Callable[[], float]
-    sampled: int
-    native_time: float
-    _transient: bool
+    def __init__(self, llama: "LlamaContext", feed: ImageFeed, placer: Placer,
+                 pool: KVPool | None, clock: Callable[[], float]) -> None:
+        self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
+                                                                     pool, clock)
+        self._changes = Changes()
 
-    def _decode_failed(self, rc: int, slots: list[Slot]) -> None:
-        raise NotImplementedError  # the engine's: it owns recovery
+    def ends(self, plan: StepPlan) -> None:
+        """Deliver the ends schedule decided: first, before anything of the step runs, so
+        that a step that fails after cannot lose them."""
+        for end in plan.ends:
+            self._deliver(end)
 
-    def _feed_image(self) -> None:
-        """One slice of one waiting image, after the token batch: its own decode."""
-        slot = imagefeed.waiting(self.slots)
-        if slot is None:
-            return
-        span, offset, count = self.feed.slice(slot)
-        if self.pool is not None and self.pool.shortfall(self.slots, count) > 0:
-            return  # the next token batches free cells or preempt; it waits till then
-        last = count == len(slot.pending)
-        t0 = self.clock()
-        rc = self.feed.decode(slot, span, offset, count, logits_last=last)
-        self.native_time += self.clock() - t0
-        if rc != 0:
-            self._decode_failed(rc, [slot])
-            return
-        slot.cached.extend(slot.pending[:count])
-        del slot.pending[:count]
-        if last:
-            self._prefilled(slot)
-            self._sample(slot, count - 1, self.feed.batch)
+    def step(self, plan: StepPlan, out: Outcome) -> None:
+        """The rest of a step that ran: its token batch."""
+        self._put_right(out)
+        if out.ok and plan.batch.rows:
+            self._apply(plan.batch)
 
-    def _apply(self, plan: StepPlan) -> None:
+    def image(self, image: ImageSlice, out: Outcome) -> None:
+        """The image slice decoded after the batch (runner.engine.run Run.image)."""
+        self._put_right(out)
+        if out.ok:
+            self._image(image)
+
+    def take(self) -> Changes:
+        """What changed since the last call."""
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+    def _put_right(self, out: Outcome) -> None:
+        for p in out.failed:
+            self._reset(p)
+        for p, error in out.refused:
+            if p.slot.sequence is p.seq:
+                p.slot.vacate(self.clock())
+            else:  # preempted in the step that placed it: queued again
+                self.placer.waiting.remove(p.seq)
+            p.seq.end(Failed(error))
+        for slot in out.lost:
+            self.fail(slot, RunnerError(f"llama_decode failed ({out.rc})"))
+
+    @staticmethod
+    def _reset(p: Placed) -> None:
+        """A placement whose prefix did not go in place: the slot holds nothing (run
+        dropped its cells), and the sequence prefills all its tokens, as a placement
+        with no prefix would."""
+        slot, seq = p.slot, p.seq
+        if slot.sequence is not seq:
+            return  # preempted in the same step: its cells went, it resumes from scratch
+        slot.cached, slot.tainted = [], False
+        seq.pending = list(p.tokens)
+        if p.new:
+            seq.n_prompt_eval = len(p.tokens)
+
+    def _apply(self, batch: Batch) -> None:
         """The batch decoded: prompt chunks become cached, and slots with logits sample."""
-        for slot, taken in plan.prefill:
+        for slot, taken in batch.prefill:
             slot.cached.extend(slot.pending[:taken])
             del slot.pending[:taken]
             if not slot.pending:
                 self._prefilled(slot)
-                self._sample(slot, plan.sample_at[slot.seq_id])
-        for slot in plan.decoding:
+                self._sample(slot, batch.sample_at[slot.seq_id], self.llama.batch)
+        for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
-                self._sample(slot, plan.sample_at[slot.seq_id])
+                self._sample(slot, batch.sample_at[slot.seq_id], self.llama.batch)
+
+    def _image(self, image: ImageSlice) -> None:
+        slot, count = image.slot, image.count
+        slot.cached.extend(slot.pending[:count])
+        del slot.pending[:count]
+        if image.last:
+            self._prefilled(slot)
+            self._sample(slot, count - 1, self.feed.batch)
 
     def _prefilled(self, slot: Slot) -> None:
         slot.transition(SlotState.DECODE)
         if slot.sequence is not None and not slot.sequence.t_first:  # a resumed one keeps its
             slot.sequence.t_first = self.clock()
 
-    def _sample(self, slot: Slot, row: int, batch: Any = None) -> None:
-        batch = self.batch if batch is None else batch  # the batch just decoded
+    def _sample(self, slot: Slot, row: int, batch: Any) -> None:
+        """The next token from `batch`'s logits at `row` (the batch just decoded)."""
         seq = slot.sequence
         assert seq is not None and seq.sampler is not None
         assert 0 <= row < batch.n_tokens and batch.logits[row]
+        vocab = self.llama.vocab
         t0 = self.clock()
         try:
-            token = seq.sampler.sample(self.ctx, row)
+            token = seq.sampler.sample(self.llama.ctx, row)
         except BadRequest as exc:  # a grammar with no way on: this request's 400 alone
-            return self._fail(slot, exc)
-        self.native_time += self.clock() - t0
+            return self.fail(slot, exc)
+        self._changes.native += self.clock() - t0
         seq.n_generated += 1
-        self.sampled += 1
+        self._changes.sampled += 1
         seq.last_token = token
-        if L.llama_vocab_is_eog(self.vocab, token):
+        if L.llama_vocab_is_eog(vocab, token):
             seq.sampler.take_logprobs()  # the end token is not part of the text
             self._finish(slot, DoneReason.STOP)
             return
         seq.generated.append(token)
-        text = seq.utf8.feed(native.token_bytes(self.vocab, token, seq.job.special))
+        text = seq.utf8.feed(native.token_bytes(vocab, token, seq.job.special))
         result = seq.stops.feed(text)
         if result.text:
             seq.job.events.put(Token(result.text, seq.sampler.take_logprobs()))
@@ -109,22 +159,33 @@ class Postprocess:
             self._finish(slot, DoneReason.LENGTH)
 
     def _finish(self, slot: Slot, reason: DoneReason, flush: bool = True) -> None:
-        seq = slot.sequence
+        now = self.clock()
+        seq = slot.vacate(now)
         assert seq is not None
+        if self.pool is not None:
+            self.pool.pressure = False  # cells came free: waiting jobs may try again
+        self._done(seq, reason, flush, now)
+
+    def _deliver(self, end: End) -> None:
+        """An end schedule decided (its slot, if it had one, is vacated already)."""
+        if end.error is not None:
+            end.seq.end(Failed(end.error))
+        elif not end.stats:
+            end.seq.end(Done(DoneLine(done_reason=end.reason.value)))
+        else:
+            self._done(end.seq, end.reason, True, self.clock())
+
+    def _done(self, seq: Sequence, reason: DoneReason, flush: bool, now: float) -> None:
         job = seq.job
         if flush:
             tail = seq.stops.feed(seq.utf8.flush()).text + seq.stops.flush()
             if tail and reason is not DoneReason.CANCEL:
                 assert seq.sampler is not None
                 job.events.put(Token(tail, seq.sampler.take_logprobs()))
-        now = self.clock()
-        slot.vacate(now)
-        if self.pool is not None:
-            self.pool.pressure = False  # cells came free: waiting jobs may try again
-        self._transient = self._transient or job.grammar is not None
+        self._changes.freed = self._changes.freed or job.grammar is not None
         seq.end(Done(seq.stats(reason, now)))
 
-    def _fail(self, slot: Slot, error: CorralError) -> None:
+    def fail(self, slot: Slot, error: CorralError) -> None:
         seq = slot.vacate(self.clock())
         if seq is not None:
             seq.end(Failed(error))

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from corral.errors import BadRequest, CorralError, NotFound, RunnerError, Shape, format_error
-from corral.runner.engine.batchplan import StepPlan
+from corral.runner.engine.plan import StepPlan
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Failed, Job, JobEvent, Token
 from corral.runner.loadconfig import LoadConfig
@@ -203,20 +203,21 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
 
     from corral.runner.llama import native
 
-    bos = native.token_bytes(engine.vocab, L.llama_vocab_bos(engine.vocab), True).decode(
+    llama = engine.llama
+    bos = native.token_bytes(llama.vocab, L.llama_vocab_bos(llama.vocab), True).decode(
         "utf-8", "replace")
-    eos = native.token_bytes(engine.vocab, L.llama_vocab_eos(engine.vocab), True).decode(
+    eos = native.token_bytes(llama.vocab, L.llama_vocab_eos(llama.vocab), True).decode(
         "utf-8", "replace")
     report = LoadReport(
         weights=est.weights, kv=est.kv, compute=est.compute,
         gpu_layers=est.gpu_layers, layers=est.layers,
         size=est.total, size_vram=est.gpu_bytes - loaded.rpc_bytes,
         size_rpc=loaded.rpc_bytes, rpc_servers=tuple(config.rpc_servers),
-        num_ctx=engine.num_ctx, n_ctx=engine.n_ctx, slots=config.n_slots,
+        num_ctx=llama.num_ctx, n_ctx=llama.n_ctx, slots=config.n_slots,
         # Elastic KV holds start_slots' worth while idle: `size` is what the cap holds.
         start_slots=len(engine.slots), kv_per_slot=est.kv // max(config.n_slots, 1),
-        n_threads=engine.n_threads, load_seconds=engine.load_seconds,
-        bos=bos, eos=eos, can_shift=engine.can_shift, n_ctx_train=engine.n_ctx_train,
+        n_threads=llama.n_threads, load_seconds=engine.load_seconds,
+        bos=bos, eos=eos, can_shift=llama.can_shift, n_ctx_train=llama.n_ctx_train,
         vision=loaded.vision is not None)
     return RunnerService(engine, report, loaded.vision)
 

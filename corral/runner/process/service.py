@@ -64,13 +64,13 @@ class RunnerService:
     def infill_tokens(self, infill: Infill) -> list[int]:
         """llama-server's /infill prompt, from the vocabulary's own FIM tokens, in a
         sequence of this runner's per-slot context (llama-server's slot_n_ctx)."""
-        vocab = self.engine.vocab
+        vocab = self.engine.llama.vocab
         ids = {role: int(getattr(L, f"llama_vocab_fim_{role}")(vocab))
                for role in ("pre", "suf", "mid", "rep", "sep")}
-        fim = FimTokens(**ids, bos=int(L.llama_vocab_bos(vocab)) if self.engine.add_bos
+        fim = FimTokens(**ids, bos=int(L.llama_vocab_bos(vocab)) if self.engine.llama.add_bos
                         else NULL)
         return infill_tokens(infill, fim, lambda text, special: native.tokenize(
-            vocab, text, False, special), self.engine.num_ctx)
+            vocab, text, False, special), self.engine.llama.num_ctx)
 
     def count(self, wire: CompletionJob) -> int:
         """How many tokens /completion would evaluate for `wire` from a cold cache: the
@@ -80,7 +80,7 @@ class RunnerService:
     def tokenize(self, command: Tokenize) -> list[int] | list[TokenPiece]:
         """llama-server's /tokenize: llama_tokenize with its flags as sent (BOS only with
         add_special, as the vocabulary asks), each piece with control tokens' text."""
-        vocab = self.engine.vocab
+        vocab = self.engine.llama.vocab
         tokens = native.tokenize(vocab, command.content, command.add_special,
                                  command.parse_special)
         if not command.with_pieces:
@@ -90,11 +90,11 @@ class RunnerService:
     def detokenize(self, tokens: list[int]) -> str:
         """llama-server's /detokenize: every token's text, control tokens' included, the
         bytes joined before they are decoded (a character may span tokens)."""
-        n_vocab = self.engine.n_vocab
+        n_vocab = self.engine.llama.n_vocab
         for token in tokens:
             if not 0 <= token < n_vocab:
                 raise BadRequest(f"token {token} is not in the vocabulary (0 to {n_vocab - 1})")
-        data = b"".join(native.token_bytes(self.engine.vocab, t, True) for t in tokens)
+        data = b"".join(native.token_bytes(self.engine.llama.vocab, t, True) for t in tokens)
         return data.decode("utf-8", "replace")
 
     def job(self, wire: CompletionJob) -> Job:
@@ -165,15 +165,15 @@ class RunnerService:
         """Each document's score against the query, as llama-server's /rerank computes it:
         the documents are sequences of the engine's embedding batches (runner.llama.embedding)."""
         engine = self.engine
-        if not is_reranker(engine.model):
+        if not is_reranker(engine.llama.model):
             raise BadRequest("this model is not a reranker (its GGUF has no rank pooling)")
-        template = rerank_template(engine.model)
-        prompts = [prompt_tokens(engine.vocab, template, job.query, doc)
+        template = rerank_template(engine.llama.model)
+        prompts = [prompt_tokens(engine.llama.vocab, template, job.query, doc)
                    for doc in job.documents]
         for i, tokens in enumerate(prompts):
-            if len(tokens) > engine.num_ctx:
+            if len(tokens) > engine.llama.num_ctx:
                 raise BadRequest(f"document {i} is too long: its prompt is {len(tokens)} "
-                                 f"tokens, over the context of {engine.num_ctx} (num_ctx)")
+                                 f"tokens, over the context of {engine.llama.num_ctx} (num_ctx)")
         outputs = self._pooled(Embed(prompts, truncate=False, id=job.id))
         return Ranked([out[0] for out in outputs], sum(len(t) for t in prompts))
 

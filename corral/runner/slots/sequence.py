@@ -73,11 +73,11 @@ class Sequence:
                                f"{self.state} -> {new}")
         self.state = new
 
-    def start(self, sampler: "Sampler", limit: int, tokens: list[int], n_prefix: int,
-              now: float) -> None:
-        """WAITING -> RUNNING: `n_prefix` of `tokens` are cached on its slot already."""
+    def start(self, limit: int, tokens: list[int], n_prefix: int, now: float) -> None:
+        """WAITING -> RUNNING: `n_prefix` of `tokens` are cached on its slot already. Its
+        sampler is set before it first decodes (runner.engine.run makes it: native)."""
         self.transition(SeqState.RUNNING)
-        self.sampler, self.limit = sampler, limit
+        self.limit = limit
         self.stops = StopMatcher(self.job.stop)
         self.pending = tokens[n_prefix:]
         self.n_prompt_eval = len(self.pending)

@@ -80,7 +80,7 @@ class Slot:
     def assign(self, sequence: Sequence, prefix: list[int], shifted: bool = False) -> None:
         """IDLE -> PREFILL: the sequence runs here; its KV holds `prefix` already (kept
         from this slot's cache, or copied in from another slot or the prompt cache;
-        `shifted`: some of it moved there, runner.engine.kvops.reuse_chunks)."""
+        `shifted`: some of it moved there, runner.engine.kvplan.reuse_moves)."""
         self.transition(SlotState.PREFILL)
         self.sequence = sequence
         self.cached = list(prefix)

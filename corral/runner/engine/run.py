@@ -1,0 +1,172 @@
+"""The second part of an engine step: every native call its plan asks for (schedule ->
+run -> postprocess; runner.engine.engine has the loop).
+
+In order: the plan's KV ops (runner.engine.kvops), the samplers of sequences placed for
+the first time, one llama_decode of the token batch; then, once postprocess has sampled
+that batch (a decode overwrites the logits of the one before), the image slice through
+the embeddings batch, which postprocess finishes in turn. A placement whose Trim,
+Restore or Branch fails (a state llama.cpp refuses, a partial removal a recurrent memory
+cannot make, a branch from a donor that failed) leaves its slot's planned rows wrong,
+and so does a sampler that cannot be made: then the remaining ops still run, the
+decodes are skipped, and postprocess puts those slots right; the next step plans again.
+A failed decode is recovered here (kvops.recover); what recovery cannot save,
+postprocess fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import llama_cpp as L
+
+from corral.errors import BadRequest
+from corral.runner.cache.caches import PrefixCaches
+from corral.runner.engine import kvops
+from corral.runner.engine.kvops import KVOps
+from corral.runner.engine.kvplan import save_op
+from corral.runner.engine.plan import ImageSlice, Placed, StepPlan
+from corral.runner.llama import native
+from corral.runner.llama.sampling import for_job
+from corral.runner.slots.slot import Slot
+
+if TYPE_CHECKING:
+    from corral.runner.jobs import ImageSpan
+    from corral.runner.llama.context import LlamaContext
+
+log = logging.getLogger("corral.engine")
+
+
+@dataclass
+class Outcome:
+    """What running a plan (or its image slice) gave, for postprocess."""
+
+    failed: list[Placed] = field(default_factory=list)  # their prefix did not go in place
+    refused: list[tuple[Placed, BadRequest]] = field(default_factory=list)  # no sampler
+    decoded: bool = False  # the decode ran (rc says how)
+    rc: int = 0
+    lost: list[Slot] = field(default_factory=list)  # a failed decode recovery could not save
+    native: float = 0.0  # seconds in llama_decode
+
+    @property
+    def ok(self) -> bool:
+        """The decode ran and succeeded: its logits are there to sample."""
+        return self.decoded and self.rc == 0
+
+
+class Run:
+    """Run's side of the engine, on the engine thread: it reads the context's fields from
+    its LlamaContext at each step, so a resize (runner.kv.growth) needs nothing here."""
+
+    def __init__(self, llama: "LlamaContext", caches: PrefixCaches, pooled: bool,
+                 clock: Callable[[], float]) -> None:
+        self.llama, self.caches, self.pooled, self.clock = llama, caches, pooled, clock
+        self.feed = ImageFeed(llama)
+
+    def step(self, plan: StepPlan, slots: list[Slot]) -> Outcome:
+        """The plan's ops, new samplers, and the token batch."""
+        out = Outcome()
+        ops = self._ops()
+        for op in plan.ops:
+            ops.run(op)
+        out.failed = [p for p in plan.placed if p.slot.seq_id in ops.failed]
+        out.refused = self._samplers(plan.placed)
+        if out.failed or out.refused:
+            log.debug("a placement failed (%d prefixes, %d samplers): the step is planned again",
+                      len(out.failed), len(out.refused))
+            return out
+        out.decoded = True
+        llama = self.llama
+        if plan.batch.rows:
+            native.fill_batch(llama.batch, plan.batch.rows, llama.n_batch)
+            t0 = self.clock()
+            out.rc = int(L.llama_decode(llama.ctx, llama.batch))
+            out.native += self.clock() - t0
+            if out.rc != 0:
+                out.lost = self._recover(out.rc, plan.slots, slots)
+        return out
+
+    def image(self, image: ImageSlice, slots: list[Slot]) -> Outcome:
+        """The plan's image slice, through the embeddings batch. Its decode overwrites the
+        logits of the token batch, so the engine calls it once postprocess sampled those."""
+        out = Outcome(decoded=True)
+        t0 = self.clock()
+        out.rc = self.feed.decode(image.slot, image.span, image.offset, image.count,
+                                  logits_last=image.last)
+        out.native += self.clock() - t0
+        if out.rc != 0:
+            out.lost = self._recover(out.rc, [image.slot], slots)
+        return out
+
+    def _ops(self) -> KVOps:
+        # One KV stream in pool mode; else a stream a slot (runner.kv.growth keeps them equal).
+        return KVOps(self.llama.ctx, self.llama.mem, self.caches,
+                     1 if self.pooled else self.llama.streams)
+
+    def _samplers(self, placed: list[Placed]) -> list[tuple[Placed, BadRequest]]:
+        """A new sequence's sampler, made here where every native call of the step is, when
+        it first gets a slot: a grammar that does not parse is this request's 400 alone,
+        as a Failed event like any other end, and only a sequence that runs holds one."""
+        refused = []
+        llama = self.llama
+        for p in placed:
+            if not p.new:
+                continue  # a preempted sequence kept its own
+            job = p.seq.job
+            eog = llama.eog_tokens() if job.ignore_eos else None
+            try:
+                p.seq.sampler = for_job(job, p.tokens, llama.vocab, llama.n_vocab,
+                                        llama.num_ctx, eog)
+            except BadRequest as exc:
+                refused.append((p, exc))
+        return refused
+
+    def _recover(self, rc: int, failed: list[Slot], slots: list[Slot]) -> list[Slot]:
+        """The slots a failed decode loses: none when dropping idle caches made room."""
+        log.error("llama_decode returned %d", rc)
+        return [] if kvops.recover(self.llama.mem, rc, failed, slots) else failed
+
+    def save(self, slot: Slot) -> None:
+        """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""
+        op = save_op(slot, self.caches)
+        if op is not None:
+            self._ops().run(op)
+
+
+class ImageFeed:
+    """The embeddings batch, used only by the engine thread."""
+
+    def __init__(self, llama: "LlamaContext") -> None:
+        self.llama = llama
+        self.n_embd = L.llama_model_n_embd_inp(llama.model)
+        self.batch: Any = None  # allocated at the first image
+
+    def decode(self, slot: Slot, span: "ImageSpan", offset: int, count: int,
+               logits_last: bool) -> int:
+        n_batch, ctx = self.llama.n_batch, self.llama.ctx
+        if self.batch is None:
+            self.batch = L.llama_batch_init(n_batch, self.n_embd, 1)
+        rows = span.embd[offset:offset + count]
+        assert rows.shape == (count, self.n_embd) and 0 < count <= n_batch
+        batch = self.batch
+        ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+        for i in range(count):
+            batch.pos[i] = slot.n_past + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot.seq_id
+            batch.logits[i] = logits_last and i == count - 1
+        batch.n_tokens = count
+        if span.non_causal:
+            L.llama_set_causal_attn(ctx, False)
+        try:
+            return int(L.llama_decode(ctx, batch))
+        finally:
+            if span.non_causal:
+                L.llama_set_causal_attn(ctx, True)
+
+    def free(self) -> None:
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None

@@ -1,0 +1,250 @@
+"""The engine step's schedule, without llama.cpp: the plan it returns holds every KV op,
+the batch rows, the image slice and the ends, and the slots' bookkeeping follows it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from itertools import count
+
+import numpy as np
+
+from corral.runner.cache.caches import PrefixCaches
+from corral.runner.cache.promptcache import PromptCache
+from corral.runner.engine.imagefeed import SLICE
+from corral.runner.engine.kvplan import reuse_moves
+from corral.runner.engine.kvpool import KVPool
+from corral.runner.engine.placer import Placer
+from corral.runner.engine.plan import (Branch, Drop, End, Join, Move, Park, Restore, Save,
+                                       Shift, StepPlan, Trim)
+from corral.runner.engine.schedule import Schedule
+from corral.runner.jobs import ImageSpan, Job
+from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
+from corral.runner.slots.slot import Slot, SlotState
+
+A = list(range(100, 300))  # 200 tokens
+B = list(range(500, 700))
+NUM_CTX = 4096
+
+
+def schedule(caches: PrefixCaches | None = None, pool: KVPool | None = None,
+             can_shift: bool = True, n_batch: int = 512, scratch: int | None = None
+             ) -> Schedule:
+    clock = count(1)
+    caches = caches or PrefixCaches(PromptCache(budget=0))
+    return Schedule(Placer(NUM_CTX, caches, pool), caches, pool, NUM_CTX, n_batch, can_shift,
+                    lambda: float(next(clock)), scratch=scratch)
+
+
+def decoding(seq_id: int, tokens: list[int], started: float = 0.0, **job: object) -> Slot:
+    """A slot generating after `tokens`, its last one next into the batch."""
+    slot = Slot(seq_id=seq_id, num_ctx=NUM_CTX)
+    seq = Sequence(Job(prompt=list(tokens), **job))  # type: ignore[arg-type]
+    slot.assign(seq, tokens)
+    seq.start(100, tokens, len(tokens), now=started)
+    seq.last_token = tokens[-1]
+    slot.transition(SlotState.DECODE)
+    return slot
+
+
+def submit(s: Schedule, prompt: list[int], **job: object) -> Sequence:
+    seq = Sequence(Job(prompt=list(prompt), **job))  # type: ignore[arg-type]
+    s.placer.add(seq)
+    return seq
+
+
+def test_a_slot_reused_keeps_its_prefix_and_trims_the_rest() -> None:
+    s = schedule()
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=A[:150] + [9, 9, 9])
+    seq = submit(s, A + [1])
+    plan = s.plan([slot])
+    assert plan.busy and plan.ops == [Trim(0, 150)]
+    assert slot.state is SlotState.PREFILL and slot.cached == A[:150]
+    assert seq.state is SeqState.RUNNING and seq.pending == A[150:] + [1]
+    assert seq.sampler is None and plan.placed[0].new  # run makes it
+    rows = plan.batch.rows
+    assert rows[0].pos == 150 and len(rows) == 51 and rows[-1].logits
+
+
+def test_a_placement_with_nothing_shared_drops_the_slot() -> None:
+    s = schedule()
+    plan = s.plan([Slot(seq_id=0, num_ctx=NUM_CTX, cached=B[:5])])
+    assert plan.ops == [] and not plan.busy  # nothing waiting: nothing to do
+    submit(s, A)
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=B[:5])
+    assert s.plan([slot]).ops == [Drop(0)] and slot.cached == []
+
+
+def test_a_restore_saves_the_slot_it_overwrites_first() -> None:
+    ram = PromptCache(budget=1 << 20)
+    entry = ram.add(A, b"a")
+    s = schedule(PrefixCaches(ram))
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=list(B))
+    submit(s, A + [1])
+    plan = s.plan([slot])
+    assert plan.ops == [Save(0, B), Restore(0, len(A), b"a", entry)]
+    assert slot.cached == A  # as the ops leave it
+
+
+def test_a_branch_copies_from_the_donor() -> None:
+    s = schedule()
+    leader = decoding(0, A)
+    idle = Slot(seq_id=1, num_ctx=NUM_CTX)
+    submit(s, A[:150] + [7, 8])
+    plan = s.plan([leader, idle])
+    assert plan.ops == [Branch(1, donor=0, n_prefix=150)]
+    assert idle.cached == A[:150] and [p.slot for p in plan.placed] == [idle]
+    # Both advance in the step: the leader's next token, the follower's two.
+    assert [(r.seq_id, r.pos) for r in plan.batch.rows] == [(0, 200), (1, 150), (1, 151)]
+
+
+def test_reuse_chunks_move_before_the_trim() -> None:
+    cached = A[:40] + [1] * 10 + A[40:100]  # ten tokens were cut from the prompt
+    moves, n_prefix = reuse_moves(3, cached, A[:100] + [5], 40, least=16)
+    assert moves == [Move(3, src=50, dst=40, n=60)] and n_prefix == 100
+    s = schedule(can_shift=True)
+    slot = Slot(seq_id=3, num_ctx=NUM_CTX, cached=cached)
+    submit(s, A[:100] + [5], reuse_chunk=16)
+    plan = s.plan([slot])
+    assert plan.ops == [Move(3, 50, 40, 60), Trim(3, 100)]
+    assert slot.cached == A[:100] and slot.tainted  # moved KV is approximate
+
+
+def test_text_typed_before_a_cached_run_parks_it_then_joins_it() -> None:
+    """A keystroke before an infill's suffix: the suffix's run waits on the scratch
+    sequence (Park), the slot's rows stop where it starts again, and once they are in
+    the KV the next step joins it (Join) and prefills only what follows."""
+    suffix, typed = B[:40], [7, 7, 7]
+    cached = A[:50] + suffix + [9]
+    prompt = A[:50] + typed + suffix + [9]
+    s = schedule(can_shift=True, scratch=4)
+    slot = Slot(seq_id=2, num_ctx=NUM_CTX, cached=cached)
+    seq = submit(s, prompt, reuse_chunk=16)
+    plan = s.plan([slot])
+    assert plan.ops == [Park(2, scratch=4, keep=50, src=50, dst=53, n=40), Trim(2, 50)]
+    assert slot.cached == A[:50] and slot.tainted and (slot.join_at, slot.parked) == (53, 40)
+    assert [r.token for r in plan.batch.rows] == typed  # up to the join, no logits
+    assert not any(r.logits for r in plan.batch.rows)
+    slot.cached += typed  # what postprocess does once the batch decoded
+    del seq.pending[:3]
+    plan = s.plan([slot])
+    assert plan.ops == [Join(2, scratch=4, at=53, n=40)]
+    assert slot.cached == A[:50] + typed + suffix and seq.pending == [9]
+    assert [r.token for r in plan.batch.rows] == [9] and plan.batch.rows[0].pos == 93
+    assert seq.n_prompt_eval == 4 and s.parked is None and slot.join_at == -1
+
+
+def test_a_parked_run_goes_with_its_sequence_and_without_a_scratch_none_parks() -> None:
+    cached = A[:50] + B[:40] + [9]
+    prompt = A[:50] + [7, 7] + B[:40] + [9]
+    s = schedule(can_shift=True, scratch=4)
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=list(cached))
+    seq = submit(s, prompt, reuse_chunk=16)
+    s.plan([slot])
+    seq.job.cancelled.set()
+    plan = s.plan([slot])
+    assert Drop(4) in plan.ops and s.parked is None  # the scratch sequence is free again
+    assert slot.state is SlotState.IDLE
+    s = schedule(can_shift=True)  # per-slot streams: no scratch sequence
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=list(cached))
+    submit(s, prompt, reuse_chunk=16)
+    plan = s.plan([slot])
+    assert plan.ops == [Trim(0, 50)] and len(plan.batch.rows) == 43
+
+
+def test_a_full_slot_shifts_its_context_or_ends_with_length() -> None:
+    s = schedule(can_shift=True)
+    full = decoding(0, list(range(NUM_CTX)), num_keep=4)
+    plan = s.plan([full])
+    discard = (NUM_CTX - 4) // 2
+    assert plan.ops == [Shift(0, keep=4, discard=discard, n_past=NUM_CTX)]
+    assert full.n_past == NUM_CTX - discard and full.tainted
+    assert plan.batch.rows[0].pos == NUM_CTX - discard
+    for off in (dict(shift=False), dict()):
+        s = schedule(can_shift=bool(off))
+        full = decoding(0, list(range(NUM_CTX)), **off)
+        seq = full.sequence
+        plan = s.plan([full])
+        assert plan.ops == [] and plan.batch.rows == [] and full.state is SlotState.IDLE
+        assert plan.ends == [End(seq, DoneReason.LENGTH)]  # type: ignore[arg-type]
+
+
+def test_a_pool_overflow_saves_and_drops_an_idle_cache_then_preempts() -> None:
+    ram = PromptCache(budget=1 << 20)
+    older, newer = decoding(0, B[:100], started=1.0), decoding(1, B[100:200], started=2.0)
+    idle = Slot(seq_id=2, num_ctx=NUM_CTX, cached=list(A))
+    # Room for both caches and one row: the idle cache goes, and the newest sequence.
+    pool = KVPool(size=201)
+    s = schedule(PrefixCaches(ram), pool)
+    seq = newer.sequence
+    plan = s.plan([older, newer, idle])
+    assert plan.ops == [Save(2, A), Drop(2), Drop(1)]
+    assert idle.cached == [] and newer.state is SlotState.IDLE and newer.cached == []
+    assert seq is not None and seq.state is SeqState.PREEMPTED
+    assert list(s.placer.waiting) == [seq] and pool.preemptions == 1 and pool.pressure
+    assert [r.seq_id for r in plan.batch.rows] == [0]
+
+
+def test_cancelled_jobs_end_queued_or_running() -> None:
+    s = schedule()
+    running = decoding(0, A)
+    queued = submit(s, B)
+    seq = running.sequence
+    assert seq is not None
+    for job in (queued.job, seq.job):
+        job.cancel()
+    plan = s.plan([running])
+    assert plan.ends == [End(queued, DoneReason.CANCEL, stats=False), End(seq, DoneReason.CANCEL)]
+    assert not s.placer.waiting and running.state is SlotState.IDLE and not plan.busy
+    assert queued.state is SeqState.WAITING  # postprocess ends it (and frees its sampler)
+
+
+def test_a_prompt_that_cannot_fit_ends_refused() -> None:
+    s = schedule()
+    seq = submit(s, list(range(NUM_CTX + 1)), truncate=False)
+    plan = s.plan([Slot(seq_id=0, num_ctx=NUM_CTX)])
+    assert len(plan.ends) == 1 and plan.ends[0].seq is seq and plan.ends[0].error is not None
+    assert not plan.busy and not plan.placed
+
+
+def test_a_slot_at_its_image_gets_a_slice_and_no_rows() -> None:
+    span = ImageSpan(2, -5, np.zeros((40, 4), dtype=np.float32), non_causal=False)
+    prompt = [1, 2] + [-5] * 40 + [3]
+    s = schedule()
+    text = decoding(1, A)
+    submit(s, prompt, images=(span,))
+    idle = Slot(seq_id=0, num_ctx=NUM_CTX, cached=[1, 2])
+    plan = s.plan([idle, text])
+    assert plan.ops == [Trim(0, 2)]
+    assert plan.image is not None and plan.image.slot is idle
+    assert (plan.image.offset, plan.image.count, plan.image.last) == (0, SLICE, False)
+    assert [r.seq_id for r in plan.batch.rows] == [1]
+    # The rest of the image: the prompt's last token follows it, so it samples nothing.
+    idle.cached += idle.pending[:SLICE]
+    del idle.pending[:SLICE]
+    plan = s.plan([idle, text])
+    assert plan.image is not None and (plan.image.offset, plan.image.count) == (SLICE, 8)
+    assert not plan.image.last
+
+
+def test_an_image_waits_while_the_pool_cannot_hold_it() -> None:
+    span = ImageSpan(0, -5, np.zeros((40, 4), dtype=np.float32), non_causal=False)
+    s = schedule(pool=KVPool(size=2 * SLICE + 1, reserve=0))
+    submit(s, [-5] * 40 + [3], images=(span,))
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX)
+    plan = s.plan([slot])
+    assert plan.image is not None and plan.image.count == SLICE
+    other = Slot(seq_id=1, num_ctx=NUM_CTX, cached=list(range(SLICE + 2)))  # cells in use
+    assert s.plan([slot, other]).image is None
+
+
+def test_a_plan_with_nothing_busy_runs_nothing() -> None:
+    plan = schedule().plan([Slot(seq_id=0, num_ctx=NUM_CTX)])
+    assert plan == StepPlan()
+
+
+def test_the_schedule_needs_no_llama_cpp() -> None:
+    code = ("import sys, corral.runner.engine.schedule, corral.runner.engine.kvplan, "
+            "corral.runner.engine.plan, corral.runner.engine.imagefeed; "
+            "sys.exit('llama_cpp' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
