@@ -14,7 +14,7 @@ ATTEND_BUDGET.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -48,26 +48,42 @@ class Batch:
     decoding: list[Slot] = field(default_factory=list)  # slots whose next token is in the batch
     prefill: list[tuple[Slot, int]] = field(default_factory=list)  # (slot, prompt tokens taken)
     sample_at: dict[int, int] = field(default_factory=dict)  # slot seq -> batch row to sample
+    # slot seq -> the tokens drafted after its next one, each in a row of its own (after
+    # its sample_at row), verified by sampling them in turn (runner.engine.postprocess)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def slots(self) -> list[Slot]:
         return self.decoding + [slot for slot, _ in self.prefill]
 
 
-def plan_step(slots: list[Slot], n_batch: int) -> Batch:
+# Asked for a decoding slot's draft: the slot, and how many slots decode this step.
+Drafter = Callable[[Slot, int], list[int]]
+
+
+def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None) -> Batch:
+    """The batch; `draft` (speculative decoding, runner.spec) gives a decoding slot the
+    tokens to verify after its next one, within what the batch leaves every other
+    decoding slot."""
     plan = Batch()
-    for slot in slots:
-        if slot.state is SlotState.DECODE and len(plan.rows) < n_batch:
-            plan.sample_at[slot.seq_id] = len(plan.rows)
-            plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
-            plan.decoding.append(slot)
+    decoding = [s for s in slots if s.state is SlotState.DECODE][:n_batch]
+    for i, slot in enumerate(decoding):
+        plan.sample_at[slot.seq_id] = len(plan.rows)
+        plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
+        plan.decoding.append(slot)
+        spare = n_batch - len(plan.rows) - (len(decoding) - i - 1)
+        tokens = draft(slot, len(decoding))[:spare] if draft is not None and spare > 0 else []
+        for k, token in enumerate(tokens):
+            plan.rows.append(BatchRow(token, slot.n_past + 1 + k, slot.seq_id, True))
+        if tokens:
+            plan.drafts[slot.seq_id] = tokens
     prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
     attended = 0
     for slot in prefilling:
         if len(plan.rows) >= n_batch or attended >= ATTEND_BUDGET:
             break
         room = n_batch - len(plan.rows)
-        if slot.join_at >= 0:  # a parked run joins there (runner.engine.kvops.join)
+        if slot.join_at >= 0:  # a parked run joins there (a Join, runner.engine.schedule)
             room = min(room, slot.join_at - slot.n_past)
         take = text_run(slot.pending, room)
         if take == 0:

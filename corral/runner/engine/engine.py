@@ -48,6 +48,7 @@ from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
+from corral.runner.spec.ngram import NgramIndex
 from corral.runner.slots.slot import Slot, SlotState
 
 log = logging.getLogger("corral.engine")
@@ -64,7 +65,8 @@ class Engine:
                  llama: LlamaContext | None = None, load_seconds: float = 0.0,
                  step_hook: Callable[[StepPlan], None] | None = None,
                  disk_reader: Reader = read_entry, caches: PrefixCaches | None = None,
-                 reserve_gate: threading.Event | None = None) -> None:
+                 reserve_gate: threading.Event | None = None,
+                 index: NgramIndex | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -102,12 +104,18 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
+        # Speculative decoding (runner.spec), unless it is off or the model's memory cannot
+        # take back the cells of a rejected draft (recurrent state has no positions).
+        if config.speculative and llama.can_rollback:
+            index = index if index is not None else NgramIndex()  # or a test's
+        else:
+            index = None
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch)
+                                 llama.scratch, index)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
-        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock)
+        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, index)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters)
 
@@ -214,7 +222,8 @@ class Engine:
                 self.failed.set()  # the runner process exits; the daemon loads afresh
 
     def _step(self) -> None:
-        """schedule -> run -> postprocess; then elastic KV hears the demand."""
+        """schedule -> run -> postprocess (and run again for the cells of drafts postprocess
+        rejected, then for the image slice); then elastic KV hears the demand."""
         plan = self.schedule.plan(self.slots)
         self.post.ends(plan)
         if plan.busy:
@@ -223,6 +232,7 @@ class Engine:
             t0 = self.clock()
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
+            self.run.trim(self.post.rejected())
             self.native_time += out.native
             if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
                 out = self.run.image(plan.image, self.slots)

@@ -25,7 +25,7 @@ from corral.errors import BadRequest, CorralError, RunnerError
 from corral.runner.engine.batchplan import Batch
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placer
-from corral.runner.engine.plan import End, ImageSlice, Placed, StepPlan
+from corral.runner.engine.plan import End, ImageSlice, Placed, StepPlan, Trim
 from corral.runner.engine.run import ImageFeed, Outcome
 from corral.runner.jobs import Done, Failed, Token
 from corral.runner.llama import native
@@ -35,6 +35,7 @@ from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import LlamaContext
+    from corral.runner.spec.ngram import NgramIndex
 
 
 @dataclass
@@ -50,10 +51,15 @@ class Postprocess:
     """On the engine thread; it reads the context from its LlamaContext at each step."""
 
     def __init__(self, llama: "LlamaContext", feed: ImageFeed, placer: Placer,
-                 pool: KVPool | None, clock: Callable[[], float]) -> None:
+                 pool: KVPool | None, clock: Callable[[], float],
+                 index: "NgramIndex | None" = None) -> None:
+        """`index`: speculative decoding's n-gram index, which each sampled token extends
+        (runner.spec.ngram); None when it is off."""
         self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
                                                                      pool, clock)
+        self.index = index
         self._changes = Changes()
+        self._rejected: list[Trim] = []
 
     def ends(self, plan: StepPlan) -> None:
         """Deliver the ends schedule decided: first, before anything of the step runs, so
@@ -72,6 +78,13 @@ class Postprocess:
         self._put_right(out)
         if out.ok:
             self._image(image)
+
+    def rejected(self) -> list[Trim]:
+        """The cells of drafts that were not kept, for run to remove at once: before a
+        save, a resize or a flush could read them, and before the next decode, which
+        must continue the sequence's positions (runner.engine.engine)."""
+        trims, self._rejected = self._rejected, []
+        return trims
 
     def take(self) -> Changes:
         """What changed since the last call."""
@@ -114,7 +127,31 @@ class Postprocess:
         for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
-                self._sample(slot, batch.sample_at[slot.seq_id], self.llama.batch)
+                row = batch.sample_at[slot.seq_id]
+                seq = slot.sequence
+                self._sample(slot, row, self.llama.batch)
+                if slot.seq_id in batch.drafts:
+                    assert seq is not None
+                    self._verify(slot, seq, batch, row)
+
+    def _verify(self, slot: Slot, seq: Sequence, batch: Batch, row: int) -> None:
+        """The drafted tokens after the one just sampled (runner.spec): each the sampler
+        picks in turn, at the draft's own row, with the request's settings and random
+        stream, is kept with its KV, exactly as plain decoding would have picked it
+        (llama.cpp's common_sampler_sample_and_accept_n); the first it does not pick, and
+        all after it, are not, nor any after the sequence ended. Their cells go."""
+        draft = batch.drafts[slot.seq_id]
+        accepted = 0
+        for i, token in enumerate(draft):
+            if slot.sequence is not seq or seq.last_token != token:
+                break  # ended (an end token, a stop, the limit), or the text went elsewhere
+            slot.cached.append(token)
+            accepted += 1
+            self._sample(slot, row + 1 + i, self.llama.batch)
+        seq.draft.verified(len(draft), accepted)
+        filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
+        if len(slot.cached) < filled:
+            self._rejected.append(Trim(slot.seq_id, len(slot.cached)))
 
     def _image(self, image: ImageSlice) -> None:
         slot, count = image.slot, image.count
@@ -149,6 +186,9 @@ class Postprocess:
             self._finish(slot, DoneReason.STOP)
             return
         seq.generated.append(token)
+        if self.index is not None:
+            seq.history.tokens.append(token)
+            self.index.add(seq.history)
         text = seq.utf8.feed(native.token_bytes(vocab, token, seq.job.special))
         result = seq.stops.feed(text)
         if result.text:

@@ -27,7 +27,7 @@ from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine import kvops
 from corral.runner.engine.kvops import KVOps
 from corral.runner.engine.kvplan import save_op
-from corral.runner.engine.plan import ImageSlice, Placed, StepPlan
+from corral.runner.engine.plan import ImageSlice, Placed, StepPlan, Trim
 from corral.runner.llama import native
 from corral.runner.llama.sampling import for_job
 from corral.runner.slots.slot import Slot
@@ -127,6 +127,12 @@ class Run:
         """The slots a failed decode loses: none when dropping idle caches made room."""
         log.error("llama_decode returned %d", rc)
         return [] if kvops.recover(self.llama.mem, rc, failed, slots) else failed
+
+    def trim(self, trims: list[Trim]) -> None:
+        """Rejected drafts' cells (postprocess found them), removed at the end of the step."""
+        ops = self._ops()
+        for op in trims:
+            ops.run(op)
 
     def save(self, slot: Slot) -> None:
         """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""

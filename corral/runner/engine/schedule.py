@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine import imagefeed, kvplan
 from corral.runner.engine.admission import generation_limit
-from corral.runner.engine.batchplan import Batch, plan_step
+from corral.runner.engine.batchplan import Batch, Drafter, plan_step
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placement, Placer, Refusal, Source
 from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Join, Park, Placed,
@@ -33,6 +33,7 @@ from corral.runner.slots.slot import Slot, SlotState
 
 if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
+    from corral.runner.spec.ngram import NgramIndex
 
 log = logging.getLogger("corral.engine")
 
@@ -40,16 +41,19 @@ log = logging.getLogger("corral.engine")
 class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
-                 capacity: "Capacity | None" = None, scratch: int | None = None) -> None:
+                 capacity: "Capacity | None" = None, scratch: int | None = None,
+                 index: NgramIndex | None = None) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
-        time waits while the text typed before it is decoded (kvplan.reuse_moves)."""
+        time waits while the text typed before it is decoded (kvplan.reuse_moves).
+        `index`: where decoding slots' drafts come from (runner.spec); None, speculative
+        decoding is off."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
-        self.scratch = scratch
+        self.scratch, self.index = scratch, index
         self.parked: Slot | None = None  # the slot whose run waits on the scratch sequence
 
     def plan(self, slots: list[Slot]) -> StepPlan:
@@ -68,7 +72,7 @@ class Schedule:
         for slot in slots:
             if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
                 self._shift(slot, plan)
-        plan.batch = plan_step(slots, self.n_batch)
+        plan.batch = plan_step(slots, self.n_batch, self._drafter())
         if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
             plan.batch = self._fit(slots, plan)
         plan.image = self._image(slots, len(plan.batch.rows))
@@ -111,11 +115,26 @@ class Schedule:
                     and p.source in (Source.NONE, Source.REUSE))
         if new:  # its sampler is run's to make (runner.engine.run)
             seq.start(generation_limit(job, len(tokens), self.num_ctx), tokens, n_prefix, now)
+            if self.index is not None:
+                self.index.add(seq.history)  # its prompt: what it most likely quotes
         else:
             seq.resume(tokens, n_prefix)
         plan.placed.append(Placed(slot, seq, tokens, new))
         if park is not None:
             slot.join_at, slot.parked, self.parked = park.dst, park.n, slot
+
+    def _drafter(self) -> "Drafter | None":
+        return self._draft if self.index is not None else None
+
+    def _draft(self, slot: Slot, decoding: int) -> list[int]:
+        """The tokens a decoding slot verifies after its next one this step: as many as
+        its policy asks (runner.spec.policy), and no more than it may still generate or
+        its context holds, from where its last tokens came before (runner.spec.ngram)."""
+        seq = slot.sequence
+        assert seq is not None and self.index is not None
+        room = min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
+        n = seq.draft.want(decoding, room)
+        return self.index.draft(seq.history, n) if n > 0 else []
 
     def _unpark(self, plan: StepPlan) -> None:
         """The parked run joins its slot once the typed tokens before it are in the KV
@@ -179,7 +198,7 @@ class Schedule:
         while batch.rows and (relief := self.pool.relief(slots, len(batch.rows))) is not None:
             if relief.preempt:
                 self._preempt(relief.slot, plan)
-                batch = plan_step(slots, self.n_batch)
+                batch = plan_step(slots, self.n_batch, self._drafter())
             else:
                 self._drop(relief.slot, plan)
         return batch

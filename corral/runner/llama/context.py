@@ -84,6 +84,10 @@ class LlamaContext:
         self.n_batch = int(L.llama_n_batch(self.ctx))
         self.n_ctx = int(L.llama_n_ctx(self.ctx))
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        # A partial removal from a sequence's memory works (a draft's rejected cells go):
+        # not with recurrent state, which has no positions to cut at.
+        self.can_rollback = not (L.llama_model_is_recurrent(self.model)
+                                 or L.llama_model_is_hybrid(self.model))
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None

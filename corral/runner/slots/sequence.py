@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from corral.runner.jobs import Job, JobEvent
 from corral.runner.llama.textstream import StopMatcher, Utf8Stream
+from corral.runner.spec.ngram import History
+from corral.runner.spec.policy import DraftPolicy
 from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
@@ -66,6 +68,10 @@ class Sequence:
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
     t_start: float = 0.0
     t_first: float = 0.0
+    # Speculative decoding (runner.spec): its tokens as the n-gram index reads them, and
+    # how many it drafts next; both stay with it when it is preempted.
+    history: History = field(default_factory=lambda: History([]))
+    draft: DraftPolicy = field(default_factory=DraftPolicy)
 
     def transition(self, new: SeqState) -> None:
         if (self.state, new) not in _ALLOWED:
@@ -82,6 +88,7 @@ class Sequence:
         self.pending = tokens[n_prefix:]
         self.n_prompt_eval = len(self.pending)
         self.t_start = now
+        self.history = History(tokens)
 
     def resume(self, tokens: list[int], n_prefix: int) -> None:
         """PREEMPTED -> RUNNING: `tokens` (its prompt and what it generated) are prefilled
@@ -122,4 +129,6 @@ class Sequence:
             prompt_tokens=len(job.prompt),
             # Image placeholders mean nothing outside this runner's vision cache.
             context=tuple([t for t in job.prompt if t >= 0] + self.generated),
+            draft_count=self.draft.drafted,
+            draft_accepted_count=self.draft.accepted,
         )
