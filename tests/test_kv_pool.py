@@ -169,8 +169,11 @@ def test_daemon_in_pool_mode_counts_preemptions(daemon_factory: Any, starter_sto
 
     from corral.registry.starter import CHAT_NAME
 
+    # Without speculative decoding: these looping stories are drafted and kept a few
+    # dozen tokens a step, so each would end before the next request arrived, and three
+    # must run at once to overflow the pool.
     d = daemon_factory(starter_store, NUM_PARALLEL="0", KV_POOL="1", KV_POOL_TOKENS="256",
-                       MAX_SLOTS="3", CONTEXT_LENGTH="192")
+                       MAX_SLOTS="3", CONTEXT_LENGTH="192", SPECULATIVE="off")
     results: list[tuple[list[str], dict[str, Any]]] = []
 
     def client(word: str) -> None:
