@@ -123,3 +123,28 @@ def test_the_drafting_modules_load_without_llama_cpp() -> None:
     code = ("import sys, corral.runner.spec.ngram, corral.runner.spec.policy; "
             "assert 'llama_cpp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
+    """A CPU like this one: a step costs 20 ms and 10 ms a row. One stream's draft pays
+    if a third of it is kept; four streams' only if 2/3 is; until steps of two sizes
+    came, nothing is known and drafting is how it is learned."""
+    from corral.runner.spec.cost import RowCost
+
+    cost = RowCost()
+    assert cost.fit() is None and cost.needed(1) == 0.0
+    for _ in range(5):
+        cost.observe(1, 0.030)
+    assert cost.fit() is None  # one size of step: no slope yet
+    for rows in (4, 9, 33):
+        cost.observe(rows, 0.020 + 0.010 * rows)
+    base, row = cost.fit()  # type: ignore[misc]
+    assert abs(base - 0.020) < 1e-6 and abs(row - 0.010) < 1e-6
+    assert abs(cost.needed(1) - 1 / 3) < 1e-6 and abs(cost.needed(4) - 2 / 3) < 1e-6
+    p = DraftPolicy()
+    assert cost.expects(p) == cost.rate == 0.5  # a new sequence: the runner's rate
+    p.verified(8, 8)
+    assert cost.expects(p) == (8 + 8 * 0.5) / 16
+    for _ in range(50):
+        cost.verified(10, 1)
+    assert abs(cost.rate - 0.1) < 0.01

@@ -61,18 +61,27 @@ class Batch:
 Drafter = Callable[[Slot, int], list[int]]
 
 
-def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None) -> Batch:
+def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None,
+              even: bool = False) -> Batch:
     """The batch; `draft` (speculative decoding, runner.spec) gives a decoding slot the
     tokens to verify after its next one, within what the batch leaves every other
-    decoding slot."""
+    decoding slot. `even`: the context keeps a KV stream per slot, where llama.cpp
+    splits a batch into micro-batches that take as many tokens from each sequence
+    (llama_batch_allocr::split_equal), so decoding slots whose drafts differ in length
+    cost a pass over the weights for each length: then every decoding slot drafts as
+    many as the one that drafts least (none, when one has no draft)."""
     plan = Batch()
     decoding = [s for s in slots if s.state is SlotState.DECODE][:n_batch]
-    for i, slot in enumerate(decoding):
+    spare = (n_batch - len(decoding)) // max(len(decoding), 1)
+    drafts = [draft(slot, len(decoding))[:spare] if draft is not None else []
+              for slot in decoding]
+    if even and drafts:
+        shortest = min(len(d) for d in drafts)
+        drafts = [d[:shortest] for d in drafts]
+    for slot, tokens in zip(decoding, drafts):
         plan.sample_at[slot.seq_id] = len(plan.rows)
         plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
         plan.decoding.append(slot)
-        spare = n_batch - len(plan.rows) - (len(decoding) - i - 1)
-        tokens = draft(slot, len(decoding))[:spare] if draft is not None and spare > 0 else []
         for k, token in enumerate(tokens):
             plan.rows.append(BatchRow(token, slot.n_past + 1 + k, slot.seq_id, True))
         if tokens:

@@ -48,6 +48,7 @@ from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
+from corral.runner.spec.cost import RowCost
 from corral.runner.spec.ngram import NgramIndex
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -110,12 +111,14 @@ class Engine:
             index = index if index is not None else NgramIndex()  # or a test's
         else:
             index = None
+        self.cost = RowCost()  # what a draft's rows cost here (runner.spec.cost)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, index)
+                                 llama.scratch, index, self.cost)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
-        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, index)
+        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, index,
+                                self.cost)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters)
 
@@ -233,6 +236,8 @@ class Engine:
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
             self.run.trim(self.post.rejected())
+            if out.ok and plan.batch.decoding and not plan.batch.prefill:
+                self.cost.observe(len(plan.batch.rows), out.native)  # every row has logits
             self.native_time += out.native
             if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
                 out = self.run.image(plan.image, self.slots)

@@ -35,6 +35,7 @@ from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import LlamaContext
+    from corral.runner.spec.cost import RowCost
     from corral.runner.spec.ngram import NgramIndex
 
 
@@ -52,12 +53,12 @@ class Postprocess:
 
     def __init__(self, llama: "LlamaContext", feed: ImageFeed, placer: Placer,
                  pool: KVPool | None, clock: Callable[[], float],
-                 index: "NgramIndex | None" = None) -> None:
+                 index: "NgramIndex | None" = None, cost: "RowCost | None" = None) -> None:
         """`index`: speculative decoding's n-gram index, which each sampled token extends
-        (runner.spec.ngram); None when it is off."""
+        (runner.spec.ngram), and `cost`, which hears how drafts fared; None when it is off."""
         self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
                                                                      pool, clock)
-        self.index = index
+        self.index, self.cost = index, cost
         self._changes = Changes()
         self._rejected: list[Trim] = []
 
@@ -149,6 +150,8 @@ class Postprocess:
             accepted += 1
             self._sample(slot, row + 1 + i, self.llama.batch)
         seq.draft.verified(len(draft), accepted)
+        if self.cost is not None:
+            self.cost.verified(len(draft), accepted)
         filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
         if len(slot.cached) < filled:
             self._rejected.append(Trim(slot.seq_id, len(slot.cached)))

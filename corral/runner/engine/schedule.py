@@ -30,6 +30,7 @@ from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Join, Park
                                        StepPlan)
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.spec.cost import RowCost
 
 if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
@@ -42,18 +43,18 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 index: NgramIndex | None = None) -> None:
+                 index: NgramIndex | None = None, cost: RowCost | None = None) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (kvplan.reuse_moves).
-        `index`: where decoding slots' drafts come from (runner.spec); None, speculative
-        decoding is off."""
+        `index`: where decoding slots' drafts come from (runner.spec), and `cost` whether
+        they pay for their rows; None, speculative decoding is off."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
-        self.scratch, self.index = scratch, index
+        self.scratch, self.index, self.cost = scratch, index, cost or RowCost()
         self.parked: Slot | None = None  # the slot whose run waits on the scratch sequence
 
     def plan(self, slots: list[Slot]) -> StepPlan:
@@ -72,7 +73,7 @@ class Schedule:
         for slot in slots:
             if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
                 self._shift(slot, plan)
-        plan.batch = plan_step(slots, self.n_batch, self._drafter())
+        plan.batch = plan_step(slots, self.n_batch, self._drafter(), self._even(slots))
         if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
             plan.batch = self._fit(slots, plan)
         plan.image = self._image(slots, len(plan.batch.rows))
@@ -126,15 +127,25 @@ class Schedule:
     def _drafter(self) -> "Drafter | None":
         return self._draft if self.index is not None else None
 
+    def _even(self, slots: list[Slot]) -> bool:
+        """Whether each slot has a KV stream of its own (batchplan.plan_step: even drafts)."""
+        return self.pool is None and len(slots) > 1
+
     def _draft(self, slot: Slot, decoding: int) -> list[int]:
         """The tokens a decoding slot verifies after its next one this step: as many as
         its policy asks (runner.spec.policy), and no more than it may still generate or
-        its context holds, from where its last tokens came before (runner.spec.ngram)."""
+        its context holds, from where its last tokens came before (runner.spec.ngram);
+        none where they are not likely enough kept to pay for their rows (runner.spec.cost)."""
         seq = slot.sequence
         assert seq is not None and self.index is not None
         room = min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
         n = seq.draft.want(decoding, room)
-        return self.index.draft(seq.history, n) if n > 0 else []
+        # Each sequence drafts once before the odds decide: its own text may be a copy
+        # where the runner's last requests were not.
+        if n <= 0 or (seq.draft.drafted and
+                      self.cost.expects(seq.draft) < self.cost.needed(decoding)):
+            return []
+        return self.index.draft(seq.history, n)
 
     def _unpark(self, plan: StepPlan) -> None:
         """The parked run joins its slot once the typed tokens before it are in the KV
@@ -198,7 +209,7 @@ class Schedule:
         while batch.rows and (relief := self.pool.relief(slots, len(batch.rows))) is not None:
             if relief.preempt:
                 self._preempt(relief.slot, plan)
-                batch = plan_step(slots, self.n_batch, self._drafter())
+                batch = plan_step(slots, self.n_batch, self._drafter(), self._even(slots))
             else:
                 self._drop(relief.slot, plan)
         return batch
