@@ -128,7 +128,8 @@ def test_the_drafting_modules_load_without_llama_cpp() -> None:
 def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     """A CPU like this one: a step costs 20 ms and 10 ms a row. One stream's draft pays
     if a third of it is kept; four streams' only if 2/3 is; until steps of two sizes
-    came, nothing is known and drafting is how it is learned."""
+    came, nothing is known and drafting is how it is learned; a fit that says a step
+    costs nothing but its rows is noise, and known as nothing."""
     from corral.runner.spec.cost import RowCost
 
     cost = RowCost()
@@ -141,6 +142,11 @@ def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     base, row = cost.fit()  # type: ignore[misc]
     assert abs(base - 0.020) < 1e-6 and abs(row - 0.010) < 1e-6
     assert abs(cost.needed(1) - 1 / 3) < 1e-6 and abs(cost.needed(4) - 2 / 3) < 1e-6
+    assert cost.needed(16) == 0.75  # 8/9 by the fit: the ceiling, so a copy still drafts
+    noisy = RowCost()
+    for rows, seconds in ((2, 0.001), (3, 0.002), (30, 0.30)):
+        noisy.observe(rows, seconds)
+    assert noisy.fit() is None and noisy.needed(4) == 0.0
     p = DraftPolicy()
     assert cost.expects(p) == cost.rate == 0.5  # a new sequence: the runner's rate
     p.verified(8, 8)

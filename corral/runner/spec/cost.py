@@ -20,6 +20,10 @@ from corral.runner.spec.policy import DraftPolicy
 
 DECAY = 0.98  # weight of a step in the fit, per later step: the last hundred or so count
 PRIOR = 8  # drafted tokens' worth of the runner's acceptance rate a sequence starts from
+# The most a draft is ever asked to keep: a sequence that keeps this much of its drafts
+# drafts however the fit reads (a copy is kept whole), so a fit misled by a loaded
+# machine can slow copying down, never stop it.
+CEILING = 0.75
 
 
 @dataclass
@@ -46,17 +50,18 @@ class RowCost:
             return None
         row = (self._w * self._xy - self._x * self._y) / spread
         base = (self._y - row * self._x) / self._w
-        return (max(base, 0.0), row) if row > 0 else None
+        return (base, row) if row > 0 and base > 0 else None  # else noise, not a machine
 
     def needed(self, decoding: int) -> float:
         """The share of its tokens a draft must expect to keep to pay for its rows in a
         step where `decoding` slots decode: a row's cost over a token's share of the
-        step. 0 while the fit is unknown (drafting is how it becomes known)."""
+        step, at most CEILING. 0 while the fit is unknown (drafting is how it becomes
+        known)."""
         fit = self.fit()
         if fit is None:
             return 0.0
         base, row = fit
-        return row * decoding / (base + row * decoding)
+        return min(row * decoding / (base + row * decoding), CEILING)
 
     def expects(self, policy: DraftPolicy) -> float:
         """A sequence's acceptance rate: its own, from the runner's at first."""
