@@ -138,13 +138,14 @@ TOP = ""  # the modules at the top of corral/runner/: the daemon's contract, sha
 RUNNER_ALLOWED: dict[str, frozenset[str]] = {
     TOP: frozenset(),
     "llama": frozenset({TOP}),
-    "slots": frozenset({TOP, "llama", "spec"}),
+    "slots": frozenset({TOP, "llama", "speculative"}),
     "kv": frozenset({TOP, "llama", "slots"}),
     "cache": frozenset({TOP, "llama", "slots", "kv"}),
-    "spec": frozenset({TOP}),
-    "engine": frozenset({TOP, "llama", "slots", "kv", "cache", "spec"}),
+    "speculative": frozenset({TOP}),
+    "engine": frozenset({TOP, "llama", "slots", "kv", "cache", "speculative"}),
     "tools": frozenset({TOP, "llama"}),
-    "process": frozenset({TOP, "llama", "slots", "kv", "cache", "spec", "engine", "tools"}),
+    "process": frozenset({TOP, "llama", "slots", "kv", "cache", "speculative", "engine",
+                          "tools"}),
 }
 # `python -m corral.runner`: the process's entry, the one module at the top that imports
 # what runs in the process (the bindings, then the load, then the rest).

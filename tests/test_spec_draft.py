@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from corral.runner.spec import policy
-from corral.runner.spec.ngram import History, NgramIndex
-from corral.runner.spec.policy import DraftPolicy
+from corral.runner.speculative import policy
+from corral.runner.speculative.ngram import History, NgramIndex
+from corral.runner.speculative.policy import DraftPolicy
 
 
 def test_a_sequence_drafts_what_followed_its_last_tokens_before() -> None:
@@ -120,7 +120,7 @@ def test_a_busy_batch_drafts_less_and_room_caps() -> None:
 
 
 def test_the_drafting_modules_load_without_llama_cpp() -> None:
-    code = ("import sys, corral.runner.spec.ngram, corral.runner.spec.policy; "
+    code = ("import sys, corral.runner.speculative.ngram, corral.runner.speculative.policy; "
             "assert 'llama_cpp' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -130,7 +130,7 @@ def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     if a third of it is kept; four streams' only if 2/3 is; until steps of two sizes
     came, nothing is known and drafting is how it is learned; a fit that says a step
     costs nothing but its rows is noise, and known as nothing."""
-    from corral.runner.spec.cost import RowCost
+    from corral.runner.speculative.cost import RowCost
 
     cost = RowCost()
     assert cost.fit() is None and cost.needed(1) == 0.0

@@ -1,4 +1,4 @@
-"""Speculative decoding on the real engine (runner.spec, runner.engine): drafts verified in
+"""Speculative decoding on the real engine (runner.speculative, runner.engine): drafts verified in
 the batch change nothing of the output. With batch-invariant kernels (deterministic) the
 tokens, logprobs and done reasons are the same with and without it; without them, the
 kernels' last bits between batch shapes are the one difference allowed (docs/api.md)."""
@@ -14,7 +14,7 @@ import pytest
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import EngineConfig
-from corral.runner.spec.ngram import History, NgramIndex
+from corral.runner.speculative.ngram import History, NgramIndex
 
 CODE = '''class Account:
     def __init__(self, balance, rate):

@@ -63,7 +63,7 @@ Drafter = Callable[[Slot, int], list[int]]
 
 def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None,
               even: bool = False) -> Batch:
-    """The batch; `draft` (speculative decoding, runner.spec) gives a decoding slot the
+    """The batch; `draft` (speculative decoding, runner.speculative) gives a decoding slot the
     tokens to verify after its next one, within what the batch leaves every other
     decoding slot. `even`: the context keeps a KV stream per slot, where llama.cpp
     splits a batch into micro-batches that take as many tokens from each sequence

@@ -48,8 +48,8 @@ from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
-from corral.runner.spec.cost import RowCost
-from corral.runner.spec.ngram import NgramIndex
+from corral.runner.speculative.cost import RowCost
+from corral.runner.speculative.ngram import NgramIndex
 from corral.runner.slots.slot import Slot, SlotState
 
 log = logging.getLogger("corral.engine")
@@ -105,13 +105,13 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        # Speculative decoding (runner.spec), unless it is off or the model's memory cannot
+        # Speculative decoding (runner.speculative), unless it is off or the model's memory cannot
         # take back the cells of a rejected draft (recurrent state has no positions).
         if config.speculative and llama.can_rollback:
             index = index if index is not None else NgramIndex()  # or a test's
         else:
             index = None
-        self.cost = RowCost()  # what a draft's rows cost here (runner.spec.cost)
+        self.cost = RowCost()  # what a draft's rows cost here (runner.speculative.cost)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,

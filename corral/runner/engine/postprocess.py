@@ -35,8 +35,8 @@ from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import LlamaContext
-    from corral.runner.spec.cost import RowCost
-    from corral.runner.spec.ngram import NgramIndex
+    from corral.runner.speculative.cost import RowCost
+    from corral.runner.speculative.ngram import NgramIndex
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Postprocess:
                  pool: KVPool | None, clock: Callable[[], float],
                  index: "NgramIndex | None" = None, cost: "RowCost | None" = None) -> None:
         """`index`: speculative decoding's n-gram index, which each sampled token extends
-        (runner.spec.ngram), and `cost`, which hears how drafts fared; None when it is off."""
+        (runner.speculative.ngram), and `cost`, which hears how drafts fared; None when it is off."""
         self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
                                                                      pool, clock)
         self.index, self.cost = index, cost
@@ -136,7 +136,7 @@ class Postprocess:
                     self._verify(slot, seq, batch, row)
 
     def _verify(self, slot: Slot, seq: Sequence, batch: Batch, row: int) -> None:
-        """The drafted tokens after the one just sampled (runner.spec): each the sampler
+        """The drafted tokens after the one just sampled (runner.speculative): each the sampler
         picks in turn, at the draft's own row, with the request's settings and random
         stream, is kept with its KV, exactly as plain decoding would have picked it
         (llama.cpp's common_sampler_sample_and_accept_n); the first it does not pick, and

@@ -30,11 +30,11 @@ from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Join, Park
                                        StepPlan)
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
-from corral.runner.spec.cost import RowCost
+from corral.runner.speculative.cost import RowCost
 
 if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
-    from corral.runner.spec.ngram import NgramIndex
+    from corral.runner.speculative.ngram import NgramIndex
 
 log = logging.getLogger("corral.engine")
 
@@ -48,7 +48,7 @@ class Schedule:
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (kvplan.reuse_moves).
-        `index`: where decoding slots' drafts come from (runner.spec), and `cost` whether
+        `index`: where decoding slots' drafts come from (runner.speculative), and `cost` whether
         they pay for their rows; None, speculative decoding is off."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
@@ -133,9 +133,9 @@ class Schedule:
 
     def _draft(self, slot: Slot, decoding: int) -> list[int]:
         """The tokens a decoding slot verifies after its next one this step: as many as
-        its policy asks (runner.spec.policy), and no more than it may still generate or
-        its context holds, from where its last tokens came before (runner.spec.ngram);
-        none where they are not likely enough kept to pay for their rows (runner.spec.cost)."""
+        its policy asks (runner.speculative.policy), and no more than it may still generate or
+        its context holds, from where its last tokens came before (runner.speculative.ngram);
+        none where they are not likely enough kept to pay for their rows (runner.speculative.cost)."""
         seq = slot.sequence
         assert seq is not None and self.index is not None
         room = min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from corral.runner.jobs import Job, JobEvent
 from corral.runner.llama.textstream import StopMatcher, Utf8Stream
-from corral.runner.spec.ngram import History
-from corral.runner.spec.policy import DraftPolicy
+from corral.runner.speculative.ngram import History
+from corral.runner.speculative.policy import DraftPolicy
 from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Sequence:
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
     t_start: float = 0.0
     t_first: float = 0.0
-    # Speculative decoding (runner.spec): its tokens as the n-gram index reads them, and
+    # Speculative decoding (runner.speculative): its tokens as the n-gram index reads them, and
     # how many it drafts next; both stay with it when it is preempted.
     history: History = field(default_factory=lambda: History([]))
     draft: DraftPolicy = field(default_factory=DraftPolicy)

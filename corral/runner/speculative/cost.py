@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corral.runner.spec.policy import DraftPolicy
+from corral.runner.speculative.policy import DraftPolicy
 
 DECAY = 0.98  # weight of a step in the fit, per later step: the last hundred or so count
 PRIOR = 8  # drafted tokens' worth of the runner's acceptance rate a sequence starts from

@@ -5,7 +5,7 @@ record filled from a document, a quote. When the last K tokens of a sequence cam
 before (in its own prompt or output, in another slot's, or in an earlier request's),
 the tokens that followed them then are a draft: the engine verifies it in one decode,
 and each token the sampler would have picked anyway costs almost nothing
-(runner.engine; the policy of how many to draft is runner.spec.policy).
+(runner.engine; the policy of how many to draft is runner.speculative.policy).
 
 llama.cpp's `ngram-simple` searches the sequence's own history backwards and its
 `ngram-mod` keeps a hash of long n-grams per server; this index keeps, for each K-gram,

@@ -18,7 +18,7 @@ nothing. So:
   verify one slot's guesses would otherwise crowd out the tokens other streams are
   sure to keep.
 - A sequence whose drafts are not kept often enough to pay for their rows, as this
-  machine's own steps price them, does not draft (runner.spec.cost); each drafts once
+  machine's own steps price them, does not draft (runner.speculative.cost); each drafts once
   before that is judged. Where every slot has a KV stream of its own, the decoding
   slots of a step draft as many tokens each (runner.engine.batchplan).
 """
