@@ -67,6 +67,25 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
     raise SystemExit(f"Error: {url} did not become healthy")
 
 
+def append_results(lines: list[str]) -> None:
+    """Print a run's report and append it to benchmarks/RESULTS.md."""
+    text = "\n".join(lines)
+    print(text)
+    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
+        f.write(text)
+
+
+def with_server(starter: Callable[[], tuple[str, subprocess.Popen[bytes]]],
+                work: Callable[[str], Any]) -> Any:
+    """Start a server, run `work` on its URL, and stop it whatever happened."""
+    url, proc = starter()
+    try:
+        return work(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def bench(url: str, out: Path, args: argparse.Namespace, dataset: str = "random",
           levels: str = LEVELS, api: str = "openai") -> list[dict[str, Any]]:
     cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench", STARTER_NAME,

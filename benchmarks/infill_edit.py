@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -42,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import free_port, start_llama_server, wait_healthy  # noqa: E402
+from compare import (append_results, free_port, start_llama_server, wait_healthy,  # noqa: E402
+                     with_server)
 
 from corral.cli.benchmetrics import percentile  # noqa: E402
 from corral.config import load_settings  # noqa: E402
@@ -160,13 +162,9 @@ def fim_store(work: Path) -> tuple[Path, Path]:
     return work / "models", gguf
 
 
-def run_one(starter: object, args: argparse.Namespace, model: str | None) -> list[float]:
-    url, proc = starter()  # type: ignore[operator]
-    try:
-        return replay(url, args, model)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+def run_one(starter: Callable[[], tuple[str, subprocess.Popen[bytes]]],
+            args: argparse.Namespace, model: str | None) -> list[float]:
+    return with_server(starter, lambda url: replay(url, args, model))
 
 
 def main() -> None:
@@ -201,10 +199,7 @@ def report(args: argparse.Namespace, threads: int, load: float, ours: list[float
              f"| llama-server | {q50 * 1e3:.1f} | {percentile(peer, 90) * 1e3:.1f} |",
              f"| Corral | {p50 * 1e3:.1f} | {percentile(ours, 90) * 1e3:.1f} |",
              f"\nTTFT p50 Corral / llama-server: {p50 / q50:.2f} (target at most 0.8)\n"]
-    text = "\n".join(lines)
-    print(text)
-    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write(text)
+    append_results(lines)
 
 
 if __name__ == "__main__":

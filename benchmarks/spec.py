@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
 
 import httpx
 
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import start_corral, start_llama_server  # noqa: E402
+from compare import append_results, start_corral, start_llama_server, with_server  # noqa: E402
 
 from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
@@ -109,16 +109,6 @@ def four_at_once(url: str, corral: bool, n: int) -> float:
         return sum(counts) / (time.perf_counter() - start)
 
 
-def run(starter: Callable[[], tuple[str, subprocess.Popen[bytes]]],
-        work: Callable[[str], Any]) -> Any:
-    url, proc = starter()
-    try:
-        return work(url)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=0)
@@ -136,16 +126,16 @@ def main() -> None:
     c1: dict[str, dict[str, float]] = {}
     c4: dict[str, float] = {}
     for label, extra in modes.items():
-        c1[f"llama-server {label}"] = run(lambda: start_llama_server(
+        c1[f"llama-server {label}"] = with_server(lambda: start_llama_server(
             binaries, model, 1, NUM_CTX, threads, *extra), lambda u: one_stream(u, False, n))
-        c4[f"llama-server -np 4 {label}"] = run(lambda: start_llama_server(
+        c4[f"llama-server -np 4 {label}"] = with_server(lambda: start_llama_server(
             binaries, model, 4, NUM_CTX, threads, *extra), lambda u: four_at_once(u, False, n))
     for label, spec in (("corral", "on"), ("corral off", "off")):
-        c1[label] = run(lambda: start_corral(1, NUM_CTX, threads, SPECULATIVE=spec),
-                        lambda u: one_stream(u, True, n))
-        c4[label + " 4 slots"] = run(lambda: start_corral(4, NUM_CTX, threads,
-                                                          SPECULATIVE=spec),
-                                     lambda u: four_at_once(u, True, n))
+        c1[label] = with_server(lambda: start_corral(1, NUM_CTX, threads, SPECULATIVE=spec),
+                                lambda u: one_stream(u, True, n))
+        c4[label + " 4 slots"] = with_server(
+            lambda: start_corral(4, NUM_CTX, threads, SPECULATIVE=spec),
+            lambda u: four_at_once(u, True, n))
     report(threads, n, c1, c4)
 
 
@@ -163,7 +153,7 @@ def report(threads: int, n: int, c1: dict[str, dict[str, float]], c4: dict[str, 
         ("four at once: Corral / llama-server best -np 4 (>= 1.0)",
          c4["corral 4 slots"] / best4)]
     lines = [f"\n## Speculative decoding ({dt.date.today()}, {threads} threads, "
-             f"load {__import__('os').getloadavg()[0]:.1f} at the end)\n",
+             f"load {os.getloadavg()[0]:.1f} at the end)\n",
              f"`{STARTER_NAME}`, greedy, {n} tokens; decode tok/s (median of 3) at c=1, "
              "aggregate tok/s of four at once.\n",
              "| contender | repetitive c=1 | free c=1 |", "|---|---|---|",
@@ -172,10 +162,7 @@ def report(threads: int, n: int, c1: dict[str, dict[str, float]], c4: dict[str, 
              *[f"| {k} | {v:.1f} |" for k, v in c4.items()],
              "", "| target | ratio |", "|---|---|",
              *[f"| {k} | {v:.2f} |" for k, v in targets], ""]
-    text = "\n".join(lines)
-    print(text)
-    with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write(text)
+    append_results(lines)
 
 
 if __name__ == "__main__":

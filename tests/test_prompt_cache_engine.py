@@ -54,6 +54,17 @@ def ask(engine: Engine, prompt: list[int], n: int = 8) -> tuple[str, dict]:
     return collect(engine.submit(Job(prompt=list(prompt), params=GREEDY, num_predict=n)))
 
 
+def cold_answer(gguf: Path, prompt: list[int]) -> tuple[str, dict]:
+    """What an engine with nothing cached answers: the reference a restored prefix, or
+    one refused, must give the same as."""
+    cold = Engine(str(gguf), config())
+    cold.start()
+    try:
+        return ask(cold, prompt)
+    finally:
+        cold.stop()
+
+
 def turns(engine: Engine) -> dict[str, list[int]]:
     tok = engine.tokenize
     a1, b1 = tok(DOC_A + "Question: where does the river rise?"), tok(DOC_B + "Question: when?")
@@ -267,12 +278,7 @@ def test_a_corrupt_entry_read_off_the_engine_thread_gives_the_cold_answer(
         assert engine.caches.disk is not None and engine.caches.disk.rejected == 1
     finally:
         engine.stop()
-    cold = Engine(str(starter_gguf), config())
-    cold.start()
-    try:
-        cold_text, cold_stats = ask(cold, prompts["a2"])
-    finally:
-        cold.stop()
+    cold_text, cold_stats = cold_answer(starter_gguf, prompts["a2"])
     assert reader.threads == ["disk-read"]
     assert text == cold_text and stats.prompt_eval_count == cold_stats.prompt_eval_count \
         == len(prompts["a2"])
@@ -339,10 +345,5 @@ def test_a_state_llama_cpp_refuses_is_prefilled_whole_at_the_next_step(
         assert ram.entries == [] and engine.status()["cache_hits"] == 0
     finally:
         engine.stop()
-    cold = Engine(str(starter_gguf), config())
-    cold.start()
-    try:
-        cold_text, _ = ask(cold, prompts["a2"])
-    finally:
-        cold.stop()
+    cold_text, _ = cold_answer(starter_gguf, prompts["a2"])
     assert text == cold_text and stats.prompt_eval_count == len(prompts["a2"])
