@@ -21,6 +21,7 @@ from corral.runner.engine.schedule import Schedule
 from corral.runner.jobs import ImageSpan, Job
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.speculative.ngram import NgramIndex
 
 A = list(range(100, 300))  # 200 tokens
 B = list(range(500, 700))
@@ -28,12 +29,12 @@ NUM_CTX = 4096
 
 
 def schedule(caches: PrefixCaches | None = None, pool: KVPool | None = None,
-             can_shift: bool = True, n_batch: int = 512, scratch: int | None = None
-             ) -> Schedule:
+             can_shift: bool = True, n_batch: int = 512, scratch: int | None = None,
+             index: NgramIndex | None = None) -> Schedule:
     clock = count(1)
     caches = caches or PrefixCaches(PromptCache(budget=0))
     return Schedule(Placer(NUM_CTX, caches, pool), caches, pool, NUM_CTX, n_batch, can_shift,
-                    lambda: float(next(clock)), scratch=scratch)
+                    lambda: float(next(clock)), scratch=scratch, index=index)
 
 
 def decoding(seq_id: int, tokens: list[int], started: float = 0.0, **job: object) -> Slot:
@@ -150,6 +151,30 @@ def test_a_parked_run_goes_with_its_sequence_and_without_a_scratch_none_parks() 
     submit(s, prompt, reuse_chunk=16)
     plan = s.plan([slot])
     assert plan.ops == [Trim(0, 50)] and len(plan.batch.rows) == 43
+
+
+def test_a_decoding_slot_drafts_what_followed_its_last_tokens() -> None:
+    index = NgramIndex(k=2)
+    s = schedule(index=index)
+    slot = decoding(0, A[:60] + A[:10])  # it has just written A[:10] again
+    index.add(slot.sequence.history)  # type: ignore[union-attr]
+    plan = s.plan([slot])
+    assert plan.batch.drafts == {0: A[10:18]}  # eight, the policy's first
+    rows = plan.batch.rows
+    assert [r.token for r in rows] == [A[9]] + A[10:18]
+    assert [r.pos for r in rows] == list(range(70, 79)) and all(r.logits for r in rows)
+
+
+def test_a_full_pool_goes_without_drafts_before_it_evicts_or_preempts() -> None:
+    """Draft rows are guesses given back the same step: nothing is evicted for them."""
+    index = NgramIndex(k=2)
+    s = schedule(pool=KVPool(size=120), index=index)
+    slot = decoding(0, A[:60] + A[:10])
+    index.add(slot.sequence.history)  # type: ignore[union-attr]
+    idle = Slot(seq_id=1, num_ctx=NUM_CTX, cached=B[:45])  # 70 + 45 of 120 cells used
+    plan = s.plan([slot, idle])
+    assert plan.batch.drafts == {} and len(plan.batch.rows) == 1
+    assert plan.ops == [] and idle.cached == B[:45]
 
 
 def test_a_full_slot_shifts_its_context_or_ends_with_length() -> None:

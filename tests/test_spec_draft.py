@@ -67,6 +67,17 @@ def test_a_full_index_starts_over() -> None:
     assert 0 < len(index) <= 5
 
 
+def test_the_index_starts_over_past_its_tokens_too() -> None:
+    """Each entry keeps its sequence's history alive: past a budget of tokens indexed,
+    however few keys they made, the index lets them all go."""
+    index = NgramIndex(k=2, tokens=50)
+    for _ in range(2):
+        index.add(History([7] * 20))  # one key between them, twenty tokens each
+    assert len(index) == 1
+    index.add(History([7] * 20))  # sixty tokens: over the budget
+    assert len(index) == 0
+
+
 def test_a_hash_collision_never_makes_a_draft() -> None:
     """The key is compared where the index points: a colliding entry drafts nothing."""
     index = NgramIndex(k=2)

@@ -48,9 +48,9 @@ from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
+from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.cost import RowCost
 from corral.runner.speculative.ngram import NgramIndex
-from corral.runner.slots.slot import Slot, SlotState
 
 log = logging.getLogger("corral.engine")
 

@@ -2,9 +2,10 @@
 and hands to run and postprocess (the loop is runner.engine.engine's).
 
     KV ops   what happens to sequences' cells before the batch (saves to the prompt cache,
-             drops, trims, chunk moves, restores, branches, shifts), in the order schedule
+             drops, trims, chunk moves, restores, branches, shifts, an infill's run
+             parked on the scratch sequence and joined back), in the order schedule
              decided them: its bookkeeping after each is the state that op leaves
-    batch    the rows of the next llama_batch (runner.engine.batchplan)
+    batch    the rows of the next llama_batch (runner.engine.batchplan), drafts included
     image    one slice of one image, decoded through its own batch once the rows are sampled
     ends     sequences that end this step without sampling (cancelled, refused, out
              of context), delivered by postprocess, which frees their samplers

@@ -3,13 +3,15 @@ what schedule ended is told (schedule -> run -> postprocess; runner.engine.engin
 the loop).
 
 Ends the plan holds go out first, before run (Done or Failed; a sequence's end frees
-its native sampler). Placements that failed at run are put right: a slot whose prefix did not go
-in place caches nothing and prefills its whole prompt from the next step (the prompt
+its native sampler). Placements that failed at run are put right: a slot whose prefix
+did not go in place caches nothing and prefills its whole prompt from the next step (the prompt
 cache counted the refusal already), a sequence whose sampler could not be made fails
 alone. Slots a failed decode lost fail. Then, when the batch ran, prompt chunks become
 cached KV; a slot whose prompt is done moves to DECODE; a slot with logits samples its
 next token, which is streamed through the UTF-8 and stop-string filters to its job, or
-ends it (an end token, a stop string, the limit). The image slice, decoded after that
+ends it (an end token, a stop string, the limit); a slot that drafted samples its draft's
+rows in turn and keeps what the sampler picks, and the rejected rows' cells go back to
+run to remove (`rejected`). The image slice, decoded after that
 (its decode overwrites the batch's logits), becomes cached the same way, sampling its
 last row when it ended the prompt.
 """
@@ -55,7 +57,8 @@ class Postprocess:
                  pool: KVPool | None, clock: Callable[[], float],
                  index: "NgramIndex | None" = None, cost: "RowCost | None" = None) -> None:
         """`index`: speculative decoding's n-gram index, which each sampled token extends
-        (runner.speculative.ngram), and `cost`, which hears how drafts fared; None when it is off."""
+        (runner.speculative.ngram), and `cost`, which hears how drafts fared; None when
+        it is off."""
         self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
                                                                      pool, clock)
         self.index, self.cost = index, cost
@@ -136,11 +139,12 @@ class Postprocess:
                     self._verify(slot, seq, batch, row)
 
     def _verify(self, slot: Slot, seq: Sequence, batch: Batch, row: int) -> None:
-        """The drafted tokens after the one just sampled (runner.speculative): each the sampler
-        picks in turn, at the draft's own row, with the request's settings and random
-        stream, is kept with its KV, exactly as plain decoding would have picked it
-        (llama.cpp's common_sampler_sample_and_accept_n); the first it does not pick, and
-        all after it, are not, nor any after the sequence ended. Their cells go."""
+        """The drafted tokens after the one just sampled (runner.speculative): each the
+        sampler picks in turn, at the draft's own row, with the request's settings and
+        random stream, is kept with its KV, exactly as plain decoding would have picked
+        it (llama.cpp's common_sampler_sample_and_accept_n); the first it does not pick,
+        and all after it, are not, nor any after the sequence ended. Their cells go
+        (`rejected`: run removes them at the end of the step)."""
         draft = batch.drafts[slot.seq_id]
         accepted = 0
         for i, token in enumerate(draft):
@@ -149,9 +153,13 @@ class Postprocess:
             slot.cached.append(token)
             accepted += 1
             self._sample(slot, row + 1 + i, self.llama.batch)
-        seq.draft.verified(len(draft), accepted)
+        # What was compared: the kept tokens and the first the sampler did not pick; the
+        # rest were never judged, nor any once the sequence ended (a stop, the limit).
+        ended = slot.sequence is not seq
+        compared = accepted if ended else min(accepted + 1, len(draft))
+        seq.draft.verified(compared, accepted)
         if self.cost is not None:
-            self.cost.verified(len(draft), accepted)
+            self.cost.verified(compared, accepted)
         filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
         if len(slot.cached) < filled:
             self._rejected.append(Trim(slot.seq_id, len(slot.cached)))

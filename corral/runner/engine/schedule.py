@@ -2,12 +2,14 @@
 execute and postprocess to finish (schedule -> run -> postprocess; runner.engine.engine has
 the loop).
 
-In order: cancelled requests end; the placer (runner.engine.placer) admits waiting
-sequences onto idle slots, each with the ops that put its prefix there (kept, branched
-from another slot or restored from the prompt cache: runner.engine.kvplan); slots at
-num_ctx shift their context or end; runner.engine.batchplan chooses the batch; a KV pool
-that would overflow drops idle caches, then preempts (runner.engine.kvpool); and one
-slice of a waiting image is chosen if the pool holds it too.
+In order: cancelled requests end; a parked infill run joins its slot, or goes; the
+placer (runner.engine.placer) admits waiting sequences onto idle slots, each with the
+ops that put its prefix there (kept, branched from another slot or restored from the
+prompt cache: runner.engine.kvplan); slots at num_ctx shift their context or end;
+runner.engine.batchplan chooses the batch, with each decoding slot's draft where
+speculative decoding asks for one (runner.speculative); a KV pool that would overflow
+goes without the drafts, then drops idle caches, then preempts (runner.engine.kvpool);
+and one slice of a waiting image is chosen if the pool holds it too.
 
 Pure: it updates Python bookkeeping as each decision is made (slots' and sequences'
 state machines, what each slot caches, the placer's queue, the pool's counters), so
@@ -56,6 +58,7 @@ class Schedule:
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
         self.scratch, self.index, self.cost = scratch, index, cost or RowCost()
         self.parked: Slot | None = None  # the slot whose run waits on the scratch sequence
+        self.parked_new = False  # its sequence was placed for the first time
 
     def plan(self, slots: list[Slot]) -> StepPlan:
         """The next step; `busy` false when no slot holds a sequence (then only its
@@ -112,8 +115,10 @@ class Schedule:
             self.scratch if self.parked is None else None)
         plan.ops += ops
         park = next((op for op in ops if isinstance(op, Park)), None)
-        slot.assign(seq, tokens[:n_prefix], shifted=(slot.tainted or moved) and (n_prefix > 0 or park is not None)
-                    and p.source in (Source.NONE, Source.REUSE))
+        # Moved or parked KV is approximate: only requests that take it may reuse the slot.
+        kept = n_prefix > 0 or park is not None
+        shifted = (slot.tainted or moved) and kept and p.source in (Source.NONE, Source.REUSE)
+        slot.assign(seq, tokens[:n_prefix], shifted=shifted)
         if new:  # its sampler is run's to make (runner.engine.run)
             seq.start(generation_limit(job, len(tokens), self.num_ctx), tokens, n_prefix, now)
             if self.index is not None:
@@ -123,6 +128,7 @@ class Schedule:
         plan.placed.append(Placed(slot, seq, tokens, new))
         if park is not None:
             slot.join_at, slot.parked, self.parked = park.dst, park.n, slot
+            self.parked_new = new  # a resumed sequence's count is its first placement's
 
     def _drafter(self) -> "Drafter | None":
         return self._draft if self.index is not None else None
@@ -133,9 +139,10 @@ class Schedule:
 
     def _draft(self, slot: Slot, decoding: int) -> list[int]:
         """The tokens a decoding slot verifies after its next one this step: as many as
-        its policy asks (runner.speculative.policy), and no more than it may still generate or
-        its context holds, from where its last tokens came before (runner.speculative.ngram);
-        none where they are not likely enough kept to pay for their rows (runner.speculative.cost)."""
+        its policy asks (runner.speculative.policy), and no more than it may still
+        generate or its context holds, from where its last tokens came before
+        (runner.speculative.ngram); none where they are not likely enough kept to pay for
+        their rows (runner.speculative.cost)."""
         seq = slot.sequence
         assert seq is not None and self.index is not None
         room = min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
@@ -161,7 +168,8 @@ class Schedule:
             plan.ops.append(Join(slot.seq_id, self.scratch, slot.join_at, slot.parked))
             slot.cached.extend(seq.pending[:slot.parked])
             del seq.pending[:slot.parked]
-            seq.n_prompt_eval -= slot.parked
+            if self.parked_new:
+                seq.n_prompt_eval -= slot.parked
             slot.join_at, slot.parked = -1, 0
         else:
             return  # its typed tokens are still being decoded
@@ -199,17 +207,23 @@ class Schedule:
     def _end(self, slot: Slot, reason: DoneReason, plan: StepPlan) -> None:
         seq = slot.vacate(self.clock())
         assert seq is not None
+        self._unpark(plan)
         if self.pool is not None:
             self.pool.pressure = False  # cells came free: waiting jobs may try again
         plan.ends.append(End(seq, reason))
 
     def _fit(self, slots: list[Slot], plan: StepPlan) -> Batch:
+        """Drop idle caches, then preempt, until the pool holds the step. Drafts are
+        rows that may be given back the same step: a step that does not fit with them
+        goes without them, and nothing is evicted or preempted for a guess."""
         assert self.pool is not None
         batch = plan.batch
+        if batch.drafts and self.pool.relief(slots, len(batch.rows)) is not None:
+            batch = plan_step(slots, self.n_batch)
         while batch.rows and (relief := self.pool.relief(slots, len(batch.rows))) is not None:
             if relief.preempt:
                 self._preempt(relief.slot, plan)
-                batch = plan_step(slots, self.n_batch, self._drafter(), self._even(slots))
+                batch = plan_step(slots, self.n_batch)
             else:
                 self._drop(relief.slot, plan)
         return batch
@@ -228,6 +242,7 @@ class Schedule:
         slot.cached = []
         seq = slot.vacate(self.clock())
         assert seq is not None
+        self._unpark(plan)  # its parked run, if any, goes now: the pool counts it no more
         seq.preempt()  # it keeps its sampler, streams and tokens: nothing is copied
         self.placer.requeue(seq)
         self.pool.preemptions += 1

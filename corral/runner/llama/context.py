@@ -101,7 +101,7 @@ class LlamaContext:
         """A context whose sequences share one KV stream (a pool, or one slot) has a
         sequence id more than its slots: a scratch sequence, where an infill's cached
         suffix waits, without a copy, while the text typed before it is evaluated
-        (runner.engine.kvops.reuse_chunks). Per-slot streams cannot lend cells that way."""
+        (runner.engine.kvplan.reuse_moves). Per-slot streams cannot lend cells that way."""
         unified = bool(self.cfg.kv_pool) or streams == 1
         return streams if unified and streams < 256 else None
 

@@ -25,6 +25,10 @@ K = 6
 # past a quarter full, for the same reason: old text stops predicting new text). Each
 # costs about a hundred bytes.
 LIMIT = 1 << 18
+# Tokens indexed before it starts over, whatever the keys: an entry holds its sequence's
+# whole history, so requests over one long document with short questions would keep
+# every one of them alive (about 40 bytes a token).
+TOKENS = 1 << 21
 
 
 class History:
@@ -39,9 +43,10 @@ class History:
 class NgramIndex:
     """K-gram -> (history, the position that followed it there), the latest wins."""
 
-    def __init__(self, k: int = K, limit: int = LIMIT) -> None:
-        self.k, self.limit = k, limit
+    def __init__(self, k: int = K, limit: int = LIMIT, tokens: int = TOKENS) -> None:
+        self.k, self.limit, self.tokens = k, limit, tokens
         self._next: dict[int, tuple[History, int]] = {}
+        self._held = 0  # tokens indexed since it last started over
 
     def __len__(self) -> int:
         return len(self._next)
@@ -50,13 +55,15 @@ class NgramIndex:
         """Index the K-grams of `history` whose continuation is known now (each ends before
         a token that came after it), from where the last call stopped."""
         tokens, k = history.tokens, self.k
+        self._held += len(tokens) - history.indexed
         for i in range(max(history.indexed, k), len(tokens)):
             key = tokens[i - k:i]
             if min(key) >= 0:  # an image's placeholders predict nothing
                 self._next[hash(tuple(key))] = (history, i)
         history.indexed = len(tokens)
-        if len(self._next) > self.limit:
+        if len(self._next) > self.limit or self._held > self.tokens:
             self._next.clear()  # sequences still running index on from here
+            self._held = 0
 
     def draft(self, history: History, n: int) -> list[int]:
         """Up to `n` tokens that followed the last K tokens of `history` where they came
