@@ -112,7 +112,6 @@ class Engine:
         else:
             index = None
         self.cost = RowCost()  # what a draft's rows cost here (runner.speculative.cost)
-        self.speculating = index is not None  # else no step is priced: nothing drafts
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
@@ -237,7 +236,8 @@ class Engine:
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
             self.run.trim(self.post.rejected())
-            if self.speculating and out.ok and plan.batch.decoding and not plan.batch.prefill:
+            drafting = self.schedule.index is not None  # off: nothing reads the fit
+            if drafting and out.ok and plan.batch.decoding and not plan.batch.prefill:
                 self.cost.observe(len(plan.batch.rows), out.native)  # every row has logits
             self.native_time += out.native
             if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
