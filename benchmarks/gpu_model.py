@@ -77,8 +77,11 @@ def cut_tokenizer(src: Path, dst: Path) -> int:
     return dst.stat().st_size
 
 
-def write_model(tokenizer: Path, dst: Path, dims: Dims, seed: int = 1) -> int:
-    """A llama GGUF in F16 with seeded random weights; the number of parameters."""
+def write_model(tokenizer: Path, dst: Path, dims: Dims, seed: int = 1,
+                sure: float = 1.0) -> int:
+    """A llama GGUF in F16 with seeded random weights; the number of parameters. `sure`
+    scales the output norm, and so the logits: at 100 the model gives nearly all of its
+    probability to one token (the tests' draft model, which must be sure to propose)."""
     reader = gguf.GGUFReader(str(tokenizer))
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     writer = gguf.GGUFWriter(str(dst), "llama")
@@ -106,13 +109,13 @@ def write_model(tokenizer: Path, dst: Path, dims: Dims, seed: int = 1) -> int:
         writer.add_tensor(name, data.astype(np.float16))
         count += rows * cols
 
-    def norm(name: str) -> None:
+    def norm(name: str, scale: float = 1.0) -> None:
         nonlocal count
-        writer.add_tensor(name, np.ones(dims.n_embd, dtype=np.float32))
+        writer.add_tensor(name, np.full(dims.n_embd, scale, dtype=np.float32))
         count += dims.n_embd
 
     matrix("token_embd.weight", n_vocab, dims.n_embd)  # tied: no output.weight
-    norm("output_norm.weight")
+    norm("output_norm.weight", sure)
     for i in range(dims.n_layer):
         norm(f"blk.{i}.attn_norm.weight")
         matrix(f"blk.{i}.attn_q.weight", dims.n_head * head, dims.n_embd)

@@ -165,3 +165,54 @@ def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     for _ in range(50):
         cost.verified(10, 1)
     assert abs(cost.rate - 0.1) < 0.01
+
+
+class CountingDecoder:
+    """A draft model's context that predicts `last + 1`, sure of it below 100 and
+    unsure from there; it records the rows it was given (the Decoder seam)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[tuple[int, int, int, bool]]] = []
+        self.removed: list[tuple[int, int]] = []
+        self.fail = False
+
+    def remove(self, seq: int, start: int) -> None:
+        self.removed.append((seq, start))
+
+    def decode(self, rows):  # type: ignore[no-untyped-def]
+        self.rows.append(list(rows))
+        if self.fail:
+            return None
+        return {seq: (token + 1, 0.9 if token + 1 < 100 else 0.5)
+                for token, _, seq, wanted in rows if wanted}
+
+    def set_threads(self, n: int) -> None: ...
+
+    def free(self) -> None: ...
+
+
+def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -> None:
+    from corral.runner.speculative.draftmodel import DraftModel
+
+    decoder = CountingDecoder()
+    model = DraftModel(decoder, n_vocab=1000, n_max=4)
+    h = History([10, 11, 12])
+    model.propose([(0, h, 8)])  # n_max bounds what the policy asks
+    assert decoder.rows[0] == [(10, 0, 0, False), (11, 1, 0, False), (12, 2, 0, True)]
+    assert model.draft(h, 8) == [13, 14, 15, 16] and model.draft(h, 2) == [13, 14]
+    assert len(decoder.rows) == 4  # the catch-up, then one row per token but the last
+    h.tokens += [13, 14, 99]  # two kept, then the model's own token: the cells past 14 go
+    assert model.draft(h, 4) == []  # a proposal is for the history it was made for
+    model.propose([(0, h, 4)])
+    assert decoder.removed[-1] == (0, 5) and decoder.rows[4] == [(99, 5, 0, True)]
+    assert model.draft(h, 4) == []  # 100: unsure, nothing proposed
+    small = DraftModel(CountingDecoder(), n_vocab=14)  # 14 is not the model's token
+    h2 = History([11, 12])
+    small.propose([(1, h2, 4)])
+    assert small.draft(h2, 4) == [13]
+    decoder.fail = True  # the cells are full: nothing now, everything read again later
+    model.propose([(0, h, 4)])
+    assert model.draft(h, 4) == [] and model.held == {}
+    decoder.fail = False
+    model.propose([(0, h, 4)])
+    assert decoder.rows[-1][0] == (10, 0, 0, False)

@@ -216,6 +216,10 @@ def create(name: str, file: Path = typer.Option(Path("Modelfile"), "--file", "-f
                          **dict(_upload(c, ref, file.parent) for ref in mf.projectors)}
     if mf.adapters:
         body["adapters"] = dict(_upload(c, ref, file.parent) for ref in mf.adapters)
+    if mf.draft and looks_like_path(mf.draft):  # DRAFT: a file is uploaded, a name sent
+        body["draft_files"] = dict([_upload(c, mf.draft, file.parent)])
+    elif mf.draft:
+        body["draft"] = mf.draft
     show_progress(c.stream("/api/create", {k: v for k, v in body.items() if v is not None}))
 
 

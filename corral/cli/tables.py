@@ -96,7 +96,7 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def models_table(models: list[dict[str, Any]]) -> str:
-    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
+    rows = [[_named(m), m["digest"][:12], human_bytes(m["size"]),
              human_ago(parse_time(m["modified_at"]))] for m in models]
     return render(["NAME", "ID", "SIZE", "MODIFIED"], rows)
 
@@ -104,12 +104,20 @@ def models_table(models: list[dict[str, Any]]) -> str:
 def ps_table(models: list[dict[str, Any]]) -> str:
     """Ollama's columns, and CAP beside SIZE: what the model holds now, and what it may
     grow to as requests run at once (elastic KV), which is what fitting others counts."""
-    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]),
+    rows = [[_named(m), m["digest"][:12], human_bytes(m["size"]),
              human_bytes(m["size_cap"]) if "size_cap" in m else "",
              processor(m["size"], m.get("size_vram", 0), m.get("size_rpc", 0)),
              str(m.get("context_length", "")),
              human_until(parse_time(m["expires_at"]))] for m in models]
     return render(["NAME", "ID", "SIZE", "CAP", "PROCESSOR", "CONTEXT", "UNTIL"], rows)
+
+
+def _named(model: dict[str, Any]) -> str:
+    """A loaded model's name, and its draft model's where one drafts for it."""
+    draft = model.get("draft")
+    if not draft:
+        return str(model["name"])
+    return f"{model['name']} (draft {draft.get('model') or draft.get('digest', '')[7:19]})"
 
 
 def show_text(info: dict[str, Any]) -> str:
@@ -133,6 +141,13 @@ def show_text(info: dict[str, Any]) -> str:
                 ("dimensions", projector.get("clip.vision.projection_dim", "")),
                 ("image size", projector.get("clip.vision.image_size", ""))]
         out += ["", "  Projector"] + [f"    {k:<20}{v}" for k, v in rows if v != ""]
+    draft = info.get("draft")
+    if draft:  # a Modelfile's DRAFT: the model that drafts for speculative decoding
+        d = draft.get("details", {})
+        rows = [("model", draft.get("model", "")), ("architecture", d.get("family", "")),
+                ("parameters", d.get("parameter_size", "")),
+                ("quantization", d.get("quantization_level", ""))]
+        out += ["", "  Draft"] + [f"    {k:<20}{v}" for k, v in rows if v]
     if info.get("parameters"):
         out += ["", "  Parameters"] + [f"    {line}" for line in info["parameters"].splitlines()]
     if "tensors" in info:  # a verbose show

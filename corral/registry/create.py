@@ -19,7 +19,8 @@ from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
 from corral.registry import manifest as mt
 from corral.registry.derive import Quantizer, check_adapter, quantize_layer
-from corral.registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
+from corral.registry.draft import vocabulary_problem
+from corral.registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf, read_vocabulary
 from corral.registry.manifest import Layer, Manifest, canonical_digest
 from corral.registry.modelfile import ROLES
 from corral.registry.projector import is_projector, projector_problem
@@ -44,6 +45,8 @@ class CreateRequest:
     license: list[str] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
+    draft: str | None = None  # a stored model whose weights draft for this one (DRAFT)
+    draft_files: dict[str, str] = field(default_factory=dict)  # or an uploaded GGUF
     quantize: str | None = None  # a type name the quantizer accepts, e.g. q4_K_M
     requantize: bool = False  # allow an already-quantized source (quality drops)
 
@@ -163,6 +166,7 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
         config = {**config, **_model_config(store.gguf_info(quantized.digest))}
     if req.adapters:
         base_layers = _with_adapters(store, req, base_layers, progress)
+    base_layers = _with_draft(store, req, base_layers, progress)  # the base's, checked again
 
     layers = list(base_layers)
 
@@ -212,6 +216,45 @@ def _with_adapters(store: Store, req: CreateRequest, layers: list[Layer],
         check_adapter(base, info)
         adapters.append(Layer(mt.ADAPTER, digest, store.blob_size(digest)))
     return [ly for ly in layers if ly.media_type != mt.ADAPTER] + adapters
+
+
+def _with_draft(store: Store, req: CreateRequest, layers: list[Layer],
+                progress: Progress) -> list[Layer]:
+    """The draft model `req` names (a stored model's weights, or an uploaded GGUF), or the
+    base's, checked against the weights it will draft for (registry/draft.py)."""
+    if req.draft and req.draft_files:
+        raise ModelfileError("name a draft model or upload its file, not both")
+    if len(req.draft_files) > 1:
+        raise ModelfileError("a model takes one draft model")
+    drafts = [ly for ly in layers if ly.media_type == mt.DRAFT]
+    if req.draft:
+        if not is_valid_name(req.draft):
+            raise ModelfileError(f"invalid model name {req.draft!r} in 'draft'")
+        entry = store.entry(req.draft)  # ModelNotFound: a 404
+        weights = entry.manifest.layers_of(mt.MODEL)
+        if not weights:
+            raise ModelfileError(f"the draft model {req.draft!r} has no weights layer")
+        drafts = [Layer(mt.DRAFT, weights[0].digest, weights[0].size, entry.name.display())]
+    for filename, digest in req.draft_files.items():
+        _check_filename(filename)
+        digest = canonical_digest(digest)
+        if not store.has_blob(digest):
+            raise ModelNotFound(f"blob {digest} not found")
+        drafts = [Layer(mt.DRAFT, digest, store.blob_size(digest))]
+    if not drafts:
+        return layers
+    progress({"status": "checking the draft model's vocabulary"})
+    model = next(ly for ly in layers if ly.media_type == mt.MODEL)
+    try:
+        if is_projector(store.gguf_info(drafts[0].digest)):
+            raise ModelfileError("the draft model is a vision projector, not a model")
+        problem = vocabulary_problem(read_vocabulary(store.blob_path(model.digest)),
+                                     read_vocabulary(store.blob_path(drafts[0].digest)))
+    except InvalidModelFile:
+        raise InvalidModelFile("the draft model was not in GGUF format") from None
+    if problem:
+        raise ModelfileError(f"the draft model's vocabulary is not the model's: {problem}")
+    return [ly for ly in layers if ly.media_type != mt.DRAFT] + drafts
 
 
 def _put_blob(store: Store, data: bytes, progress: Progress) -> tuple[str, int]:

@@ -95,18 +95,7 @@ def inspect_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
 
 
 def read_gguf(f: BinaryIO, size: int) -> GGUFInfo:
-    r = Reader(f, size)
-    if size < 4 or r.take(4, "magic") != MAGIC:
-        raise InvalidModelFile("invalid model file: bad magic")
-    version = r.u32("header")
-    if version not in SUPPORTED_VERSIONS:
-        raise InvalidModelFile(f"invalid model file: unsupported GGUF version {version}")
-    n_tensors = r.u64("header")
-    n_kv = r.u64("header")
-    if n_kv > r.remaining // MIN_KV_BYTES:
-        raise InvalidModelFile("invalid model file: too many metadata entries")
-    if n_tensors > r.remaining // MIN_TENSOR_BYTES:
-        raise InvalidModelFile("invalid model file: too many tensors")
+    r, version, n_tensors, n_kv = _header(f, size)
     metadata = _read_metadata(r, n_kv)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     assert isinstance(alignment, int)
@@ -120,14 +109,57 @@ def read_gguf(f: BinaryIO, size: int) -> GGUFInfo:
     return _summarize(version, metadata, tensors, data_offset, size)
 
 
-def _read_metadata(r: Reader, n_kv: int) -> dict[str, object]:
+@dataclass(frozen=True)
+class Vocabulary:
+    """What decides whether two models' tokens are the same tokens (registry/draft.py)."""
+
+    model: object  # tokenizer.ggml.model: "gpt2", "llama", ...
+    tokens: list[bytes]
+    bos: object
+    eos: object
+    add_bos: object
+    add_eos: object
+
+
+def read_vocabulary(path: str | os.PathLike[str]) -> Vocabulary:
+    """A GGUF's vocabulary, every token text in order (the metadata only)."""
+    with open_regular(path) as f:
+        r, _, _, n_kv = _header(f, os.fstat(f.fileno()).st_size)
+        metadata = _read_metadata(r, n_kv, vocabulary=True)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    items = tokens.items if isinstance(tokens, _Array) else None
+    return Vocabulary(metadata.get("tokenizer.ggml.model"), items or [],
+                      metadata.get("tokenizer.ggml.bos_token_id"),
+                      metadata.get("tokenizer.ggml.eos_token_id"),
+                      metadata.get("tokenizer.ggml.add_bos_token"),
+                      metadata.get("tokenizer.ggml.add_eos_token"))
+
+
+def _header(f: BinaryIO, size: int) -> tuple[Reader, int, int, int]:
+    """The reader, past the header; the version; the tensor and metadata counts."""
+    r = Reader(f, size)
+    if size < 4 or r.take(4, "magic") != MAGIC:
+        raise InvalidModelFile("invalid model file: bad magic")
+    version = r.u32("header")
+    if version not in SUPPORTED_VERSIONS:
+        raise InvalidModelFile(f"invalid model file: unsupported GGUF version {version}")
+    n_tensors = r.u64("header")
+    n_kv = r.u64("header")
+    if n_kv > r.remaining // MIN_KV_BYTES:
+        raise InvalidModelFile("invalid model file: too many metadata entries")
+    if n_tensors > r.remaining // MIN_TENSOR_BYTES:
+        raise InvalidModelFile("invalid model file: too many tensors")
+    return r, version, n_tensors, n_kv
+
+
+def _read_metadata(r: Reader, n_kv: int, vocabulary: bool = False) -> dict[str, object]:
     metadata: dict[str, object] = {}
     for _ in range(n_kv):
         key = r.string("metadata key")
         if key in metadata:
             raise InvalidModelFile(f"invalid model file: duplicate key {key[:80]!r}")
         type_id = r.u32("metadata type")
-        value = _read_value(r, type_id, key)
+        value = _read_value(r, type_id, key, vocabulary)
         _check_known_key(key, type_id, value)
         metadata[key] = value
     return metadata
@@ -137,17 +169,19 @@ class _Array:
     """An array value, kept only as its element type and length (plus small int arrays)."""
 
     def __init__(self, item_type: int, count: int, ints: list[int] | None,
-                 texts: frozenset[bytes] = frozenset()) -> None:
+                 texts: frozenset[bytes] = frozenset(),
+                 items: list[bytes] | None = None) -> None:
         self.item_type = item_type
         self.count = count
         self.ints = ints
         self.texts = texts  # the strings asked for by name (the FIM token texts)
+        self.items = items  # every string, where the whole vocabulary was asked for
 
     def __repr__(self) -> str:
         return f"<array of {self.count}>"
 
 
-def _read_value(r: Reader, type_id: int, key: str) -> object:
+def _read_value(r: Reader, type_id: int, key: str, vocabulary: bool = False) -> object:
     if type_id in SCALAR:
         return r.scalar(type_id, key)
     if type_id == STRING:
@@ -163,9 +197,10 @@ def _read_value(r: Reader, type_id: int, key: str) -> object:
             raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
         # The vocabulary's FIM-looking token texts are kept: llama.cpp finds FIM tokens
         # by their text where the metadata names none (registry/fim.py).
-        texts = r.skip_strings(count, key, WANTED if key == "tokenizer.ggml.tokens"
-                               else frozenset())
-        return _Array(item_type, count, None, texts)
+        tokens = key == "tokenizer.ggml.tokens"
+        items: list[bytes] | None = [] if tokens and vocabulary else None
+        texts = r.skip_strings(count, key, WANTED if tokens else frozenset(), items)
+        return _Array(item_type, count, None, texts, items)
     if item_type not in SCALAR:
         raise InvalidModelFile(f"invalid model file: unknown array type {item_type}")
     width = struct.calcsize(SCALAR[item_type])

@@ -90,17 +90,17 @@ class Reader:
             raise InvalidModelFile(f"invalid model file: string too long in {what}")
         return n
 
-    def skip_strings(self, count: int, what: str,
-                     keep: frozenset[bytes] = frozenset()) -> frozenset[bytes]:
+    def skip_strings(self, count: int, what: str, keep: frozenset[bytes] = frozenset(),
+                     into: list[bytes] | None = None) -> frozenset[bytes]:
         """Skip `count` length-prefixed strings, reading whole blocks, and give those
-        of them that are in `keep`.
+        of them that are in `keep` (every one, in order, appended to `into` if given).
 
         A 262k-token vocabulary would otherwise cost two file calls per token;
         the same length and end-of-file checks apply to every string.
         """
         base, block, i = self.pos, b"", 0  # block starts at file offset `base`
         unpack = _U64.unpack_from
-        longest = max((len(k) for k in keep), default=-1)
+        longest = max((len(k) for k in keep), default=-1) if into is None else MAX_STRING
         found = set()
         for _ in range(count):
             if i + 8 > len(block):
@@ -113,8 +113,13 @@ class Reader:
                 if i + 8 + n > len(block):  # the text runs past this block
                     base += i
                     block, i = self._block_at(base, what), 0
-                if block[i + 8:i + 8 + n] in keep:
-                    found.add(block[i + 8:i + 8 + n])
+                text = block[i + 8:i + 8 + n]
+                if into is not None:
+                    if len(text) != n:  # longer than a block: no vocabulary's token is
+                        raise InvalidModelFile(f"invalid model file: string too long in {what}")
+                    into.append(text)
+                elif text in keep:
+                    found.add(text)
             i += 8 + n
         end = base + i
         if end > self.size:

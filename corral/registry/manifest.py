@@ -18,6 +18,7 @@ MEDIA_PREFIX = "application/vnd.ollama.image."
 MODEL = MEDIA_PREFIX + "model"
 PROJECTOR = MEDIA_PREFIX + "projector"
 ADAPTER = MEDIA_PREFIX + "adapter"
+DRAFT = MEDIA_PREFIX + "draft"  # a smaller model's weights, for speculative decoding
 TEMPLATE = MEDIA_PREFIX + "template"
 PROMPT = MEDIA_PREFIX + "prompt"  # old alias of TEMPLATE
 SYSTEM = MEDIA_PREFIX + "system"
@@ -25,8 +26,8 @@ PARAMS = MEDIA_PREFIX + "params"
 MESSAGES = MEDIA_PREFIX + "messages"
 LICENSE = MEDIA_PREFIX + "license"
 KNOWN_LAYER_TYPES = frozenset(
-    {MODEL, PROJECTOR, ADAPTER, TEMPLATE, PROMPT, SYSTEM, PARAMS, MESSAGES, LICENSE,
-     MEDIA_PREFIX + "embed", MEDIA_PREFIX + "draft", MEDIA_PREFIX + "tensor",
+    {MODEL, PROJECTOR, ADAPTER, DRAFT, TEMPLATE, PROMPT, SYSTEM, PARAMS, MESSAGES, LICENSE,
+     MEDIA_PREFIX + "embed", MEDIA_PREFIX + "tensor",
      MEDIA_PREFIX + "json"}
 )
 

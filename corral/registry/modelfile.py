@@ -27,6 +27,7 @@ class Modelfile:
     messages: list[dict[str, str]] | None = None
     adapters: list[str] = field(default_factory=list)
     projectors: list[str] = field(default_factory=list)  # FROM lines after the first
+    draft: str | None = None  # DRAFT: a model name or a GGUF path (registry/draft.py)
 
 
 def _split_commands(text: str) -> list[tuple[int, str, str]]:
@@ -68,7 +69,8 @@ def parse_modelfile(text: str) -> Modelfile:
     text = text.lstrip("\ufeff")
     pending: dict[str, Any] = {"parameters": {}, "licenses": [], "messages": None, "adapters": [],
                                "extra_from": []}
-    scalar: dict[str, str | None] = {"from": None, "template": None, "system": None}
+    scalar: dict[str, str | None] = {"from": None, "template": None, "system": None,
+                                     "draft": None}
     for number, instruction, value in _split_commands(text):
         if instruction not in INSTRUCTIONS:
             names = ", ".join(f'"{n}"' for n in INSTRUCTIONS[:-1])
@@ -106,6 +108,7 @@ def parse_modelfile(text: str) -> Modelfile:
         messages=pending["messages"],
         adapters=pending["adapters"],
         projectors=pending["extra_from"],
+        draft=scalar["draft"],
     )
 
 
@@ -130,11 +133,13 @@ def _add_parameter(params: dict[str, Any], value: str, number: int) -> None:
 
 def format_modelfile(froms: str | list[str], parameters: dict[str, Any], template: str | None,
                      system: str | None, licenses: list[str],
-                     messages: list[dict[str, str]] | None, adapters: tuple[str, ...] = ()) -> str:
+                     messages: list[dict[str, str]] | None, adapters: tuple[str, ...] = (),
+                     draft: str | None = None) -> str:
     """Render a Modelfile that recreates a model (used by `show --modelfile`): one FROM
-    for the weights, and one more for a vision projector."""
+    for the weights, one more for a vision projector, and its draft model's file."""
     froms = [froms] if isinstance(froms, str) else froms
     out = [f"FROM {f}" for f in froms] + [f"ADAPTER {path}" for path in adapters]
+    out += [f"DRAFT {draft}"] if draft else []
     if template:
         out.append(f'TEMPLATE """{template}"""')
     if system:

@@ -47,6 +47,9 @@ class ModelRecord:
     projector: Path | None = None  # a vision projector GGUF (mmproj)
     projector_digest: str | None = None
     adapters: list[Path] = field(default_factory=list)  # LoRA GGUFs, applied at scale 1
+    draft: Path | None = None  # a draft model's GGUF (registry/draft.py)
+    draft_digest: str | None = None
+    draft_from: str | None = None  # the stored model it was taken from, if it was
 
     def details(self, info: GGUFInfo | None = None) -> dict[str, Any]:
         return details(self.config, info)
@@ -114,6 +117,9 @@ def load_record(store: Store, name: Name | str) -> ModelRecord:
             record.projector_digest = layer.digest
         elif kind == mt.ADAPTER:
             record.adapters.append(store.blob_path(layer.digest))
+        elif kind == mt.DRAFT:
+            record.draft, record.draft_digest = store.blob_path(layer.digest), layer.digest
+            record.draft_from = layer.source
     return record
 
 

@@ -37,6 +37,8 @@ class LoadConfig:
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA GGUF paths and their scales
     rpc_servers: tuple[str, ...] = ()  # llama.cpp RPC workers, host:port
     projector: str | None = None  # a vision projector GGUF (mmproj) loaded beside the model
+    draft: str | None = None  # a draft model's GGUF (a Modelfile's DRAFT), loaded beside it
+    draft_num_predict: int = 0  # the most tokens it proposes at a time; 0: its default
     cache_ram: int = 0  # bytes of host RAM for the prompt cache (runner.cache.promptcache)
     cache_disk: int = 0  # bytes of disk for its tier under cache_dir (runner.cache.diskcache)
     cache_dir: str = ""
@@ -53,6 +55,7 @@ class LoadConfig:
                    num_gpu=given(options.num_gpu, -1),
                    main_gpu=given(options.main_gpu, 0),
                    use_mmap=given(options.use_mmap, True),
+                   draft_num_predict=given(options.draft_num_predict, 0),
                    **settings)
 
     @staticmethod

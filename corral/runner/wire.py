@@ -191,6 +191,7 @@ class LoadReport:
     can_shift: bool = True
     n_ctx_train: int = 0
     vision: bool = False
+    draft: int = 0  # of `weights`, a draft model's bytes and its KV's (0: none drafts)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rpc_servers": list(self.rpc_servers)}

@@ -94,12 +94,17 @@ def _create_request(body: wire.CreateRequest) -> CreateRequest:
             if not ref.startswith("@"):
                 raise BadRequest("ADAPTER must name an uploaded blob (@sha256:...) here")
             req.adapters[f"adapter{i}.gguf"] = ref[1:]
+        if mf.draft and mf.draft.startswith("@"):
+            req.draft_files = {"draft.gguf": mf.draft[1:]}
+        else:
+            req.draft = mf.draft
         req.template, req.system = mf.template, mf.system
         req.license, req.parameters, req.messages = mf.licenses, mf.parameters, mf.messages
     else:
         req.from_ = body.from_ or None
         req.files = dict(body.files or {})
         req.adapters = dict(body.adapters or {})
+        req.draft, req.draft_files = body.draft or None, dict(body.draft_files or {})
         req.template, req.system = body.template, body.system
         lic = body.license or []
         req.license = [lic] if isinstance(lic, str) else list(lic)

@@ -17,10 +17,10 @@ from corral.errors import (
     NotFound,
 )
 from corral.version import corral_version
-from corral.registry.gguf import GGUFInfo
+from corral.registry.gguf import GGUFInfo, human_parameter_count
 from corral.registry.modelfile import format_modelfile
 from corral.registry.ggufdump import dump_gguf
-from corral.registry.models import details, load_record, read_config
+from corral.registry.models import ModelRecord, details, load_record, read_config
 from corral.registry.store import ModelEntry
 from corral.registry.names import Name, parse_name
 from corral.registry.projector import projector_info
@@ -82,6 +82,22 @@ def _model_info(info: GGUFInfo, metadata: dict[str, Any] | None = None) -> dict[
     return out
 
 
+def draft_info(services: Services, record: ModelRecord) -> dict[str, Any]:
+    """The draft model (a Modelfile's DRAFT): where it came from, and its `details`."""
+    assert record.draft_digest is not None
+    try:
+        info: GGUFInfo | None = services.store.gguf_info(record.draft_digest)
+    except CorralError:
+        info = None
+    out = {"model": record.draft_from or "", "digest": record.draft_digest,
+           "size": services.store.blob_size(record.draft_digest)}
+    if info is not None:
+        out["details"] = {"family": info.architecture,
+                          "parameter_size": human_parameter_count(info.parameter_count),
+                          "quantization_level": info.quantization}
+    return out
+
+
 def show(services: Services) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = parse(wire.ShowRequest, req.json())
@@ -99,7 +115,8 @@ def show(services: Services) -> Any:
         froms = [str(record.model_path)] + ([str(record.projector)] if record.projector else [])
         modelfile = header + format_modelfile(froms, params, record.template,
                                               system, record.licenses, record.messages,
-                                              tuple(str(path) for path in record.adapters))
+                                              tuple(str(path) for path in record.adapters),
+                                              str(record.draft) if record.draft else None)
         out: dict[str, Any] = {
             "modelfile": modelfile, "parameters": _param_lines(params), "template": template,
             "details": model_details, "capabilities": caps,
@@ -113,6 +130,8 @@ def show(services: Services) -> Any:
             out["model_info"] = _model_info(info)
         if record.projector_digest is not None:
             out["projector_info"] = projector_info(services.store.gguf_info(record.projector_digest))
+        if record.draft_digest is not None:  # a Corral extension, as Ollama shows none yet
+            out["draft"] = draft_info(services, record)
         if system:
             out["system"] = system
         if record.licenses:
@@ -213,6 +232,15 @@ def prompt_cache(health: Health | None) -> dict[str, int]:
     return health.cache.shown() if health is not None else {}
 
 
+def _draft(entry: Resident, report: LoadReport) -> dict[str, Any]:
+    """A Corral extension in ps: the draft model drafting for this one, if one does."""
+    record = entry.record
+    if not report.draft or record.draft_digest is None:
+        return {}
+    return {"draft": {"model": record.draft_from or "", "digest": record.draft_digest,
+                      "size": report.draft}}
+
+
 def ps(services: Services) -> Any:
     def route(req: Request, handler: Handler) -> None:
         now = time.time()
@@ -238,7 +266,8 @@ def ps(services: Services) -> Any:
                            "slots": slots,
                            "slots_busy": health.busy_slots if health is not None else 0,
                            "slots_cap": report.slots or slots,
-                           "prompt_cache": prompt_cache(health)})
+                           "prompt_cache": prompt_cache(health),
+                           **_draft(entry, report)})
         models.sort(key=lambda m: str(m["expires_at"]), reverse=True)
         handler.send_json(200, {"models": models})
     return route

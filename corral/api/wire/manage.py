@@ -53,6 +53,8 @@ class CreateRequest(Named):
     from_: Optional[str] = Field(default=None, alias="from")
     files: Optional[dict[str, str]] = None  # file name -> an uploaded blob's digest
     adapters: Optional[dict[str, str]] = None
+    draft: Optional[str] = None  # a stored model that drafts for this one (a Corral extension)
+    draft_files: Optional[dict[str, str]] = None  # or its uploaded GGUF, as Ollama sends it
     template: Optional[str] = None
     system: Optional[str] = None
     license: Union[str, list[str], None] = None

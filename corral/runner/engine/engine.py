@@ -16,7 +16,9 @@ Each step reads schedule -> run -> postprocess, and its plan is data (engine/pla
   postprocess  ends what schedule ended; prompt chunks become cached, slots with logits
                sample and stream (engine/postprocess.py)
 then the image slice, if any, is a second run and postprocess of the same plan: a decode
-overwrites the logits of the one before, so the batch is sampled first.
+overwrites the logits of the one before, so the batch is sampled first. With a draft
+model (a Modelfile's DRAFT), it then proposes the next step's drafts from its own
+context, which this thread owns too (runner.speculative.draftmodel).
 After it, elastic KV's policy hears the step's demand (runner.kv.growth). Every batch and
 index is checked before native code, which aborts the whole process on misuse.
 """
@@ -50,7 +52,8 @@ from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.cost import RowCost
-from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.draftmodel import DraftModel
+from corral.runner.speculative.ngram import DraftSource, NgramIndex
 
 log = logging.getLogger("corral.engine")
 
@@ -67,7 +70,7 @@ class Engine:
                  step_hook: Callable[[StepPlan], None] | None = None,
                  disk_reader: Reader = read_entry, caches: PrefixCaches | None = None,
                  reserve_gate: threading.Event | None = None,
-                 index: NgramIndex | None = None) -> None:
+                 index: DraftSource | None = None, draft: DraftModel | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -105,12 +108,7 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        # Speculative decoding (runner.speculative), unless it is off or the model's memory cannot
-        # take back the cells of a rejected draft (recurrent state has no positions).
-        if config.speculative and llama.can_rollback:
-            index = index if index is not None else NgramIndex()  # or a test's
-        else:
-            index = None
+        index = self._drafts_from(config, llama, index, draft)
         self.cost = RowCost()  # what a draft's rows cost here (runner.speculative.cost)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
@@ -121,6 +119,21 @@ class Engine:
                                 self.cost)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters)
+
+    def _drafts_from(self, config: EngineConfig, llama: LlamaContext,
+                     index: DraftSource | None, draft: DraftModel | None) -> DraftSource | None:
+        """Where speculative decoding's drafts come from (runner.speculative): a draft model
+        (a Modelfile's DRAFT: it proposes after each step, on this thread), else the
+        n-gram index (or a test's); None where it is off or the model's memory cannot take
+        back the cells of a rejected draft (recurrent state has no positions)."""
+        self.draft = draft if config.speculative and llama.can_rollback else None
+        if self.draft is not None:
+            return self.draft
+        if draft is not None:
+            draft.free()  # loaded for nothing: the model cannot verify drafts
+        if config.speculative and llama.can_rollback:
+            return index if index is not None else NgramIndex()
+        return None
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -226,7 +239,8 @@ class Engine:
 
     def _step(self) -> None:
         """schedule -> run -> postprocess (and run again for the cells of drafts postprocess
-        rejected, then for the image slice); then elastic KV hears the demand."""
+        rejected; a draft model proposes; then the image slice); then elastic KV hears the
+        demand."""
         plan = self.schedule.plan(self.slots)
         self.post.ends(plan)
         if plan.busy:
@@ -236,6 +250,8 @@ class Engine:
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
             self.run.trim(self.post.rejected())
+            if self.draft is not None:  # proposals for the next step, which takes them
+                self.draft.propose(self.schedule.draft_wants(self.slots))
             drafting = self.schedule.index is not None  # off: nothing reads the fit
             if drafting and out.ok and plan.batch.decoding and not plan.batch.prefill:
                 self.cost.observe(len(plan.batch.rows), out.native)  # every row has logits
@@ -275,6 +291,8 @@ class Engine:
             elif isinstance(item, SetThreads):  # the daemon's share of the cores
                 self.llama.set_threads(item.n)
                 self.embed_ctx.set_threads(item.n)
+                if self.draft is not None:
+                    self.draft.set_threads(item.n)
             elif isinstance(item, ClearCache):
                 self._transient = self._transient or self.caches.ram.clear() > 0
             try:
@@ -324,6 +342,8 @@ class Engine:
             self.caches.flush([(t, d) for t, d in states if d is not None])
         self.embed_ctx.free()
         self.run.feed.free()
+        if self.draft is not None:
+            self.draft.free()
         if self.resizer is not None:
             self.resizer.free()
         self.llama.free()

@@ -38,7 +38,7 @@ from corral.runner.wire import DoneLine
 if TYPE_CHECKING:
     from corral.runner.llama.context import LlamaContext
     from corral.runner.speculative.cost import RowCost
-    from corral.runner.speculative.ngram import NgramIndex
+    from corral.runner.speculative.ngram import DraftSource
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Postprocess:
 
     def __init__(self, llama: "LlamaContext", feed: ImageFeed, placer: Placer,
                  pool: KVPool | None, clock: Callable[[], float],
-                 index: "NgramIndex | None" = None, cost: "RowCost | None" = None) -> None:
+                 index: "DraftSource | None" = None, cost: "RowCost | None" = None) -> None:
         """`index`: speculative decoding's n-gram index, which each sampled token extends
         (runner.speculative.ngram), and `cost`, which hears how drafts fared; None when
         it is off."""

@@ -33,10 +33,11 @@ from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Join, Park
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.cost import RowCost
+from corral.runner.speculative.policy import ROWS
 
 if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
-    from corral.runner.speculative.ngram import NgramIndex
+    from corral.runner.speculative.ngram import DraftSource, History
 
 log = logging.getLogger("corral.engine")
 
@@ -45,13 +46,14 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 index: NgramIndex | None = None, cost: RowCost | None = None) -> None:
+                 index: "DraftSource | None" = None, cost: RowCost | None = None) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (kvplan.reuse_moves).
-        `index`: where decoding slots' drafts come from (runner.speculative), and `cost` whether
-        they pay for their rows; None, speculative decoding is off."""
+        `index`: where decoding slots' drafts come from (runner.speculative: the n-gram
+        index, or a draft model's proposals), and `cost` whether they pay for their rows;
+        None, speculative decoding is off."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
@@ -145,14 +147,38 @@ class Schedule:
         their rows (runner.speculative.cost)."""
         seq = slot.sequence
         assert seq is not None and self.index is not None
-        room = min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
-        n = seq.draft.want(decoding, room)
-        # Each sequence drafts once before the odds decide: its own text may be a copy
-        # where the runner's last requests were not.
-        if n <= 0 or (seq.draft.drafted and
-                      self.cost.expects(seq.draft) < self.cost.needed(decoding)):
+        n = seq.draft.want(decoding, self._room(slot))
+        if n <= 0 or not self._pays(slot, decoding):
             return []
         return self.index.draft(seq.history, n)
+
+    def draft_wants(self, slots: list[Slot]) -> list[tuple[int, "History", int]]:
+        """What a draft model (runner.speculative.draftmodel) should propose after this
+        step, read without changing anything: each decoding sequence that will draft at
+        the next one, and as many tokens as its policy may then ask."""
+        decoding = [s for s in slots if s.state is SlotState.DECODE and s.sequence is not None]
+        out = []
+        for slot in decoding:
+            seq = slot.sequence
+            assert seq is not None
+            n = min(seq.draft.length, ROWS // len(decoding), self._room(slot))
+            if seq.draft.wait == 0 and n > 0 and self._pays(slot, len(decoding)):
+                out.append((slot.seq_id, seq.history, n))
+        return out
+
+    def _room(self, slot: Slot) -> int:
+        """What the slot's sequence may still generate, less the token it decodes anyway."""
+        seq = slot.sequence
+        assert seq is not None
+        return min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
+
+    def _pays(self, slot: Slot, decoding: int) -> bool:
+        """Whether the sequence's drafts are kept often enough to pay for their rows. Each
+        drafts once before the odds decide: its own text may be a copy where the
+        runner's last requests were not."""
+        draft = slot.sequence.draft if slot.sequence is not None else None
+        return draft is not None and (not draft.drafted or
+                                      self.cost.expects(draft) >= self.cost.needed(decoding))
 
     def _unpark(self, plan: StepPlan) -> None:
         """The parked run joins its slot once the typed tokens before it are in the KV

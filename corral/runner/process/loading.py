@@ -27,6 +27,7 @@ from corral.runner.loadconfig import LoadConfig
 
 if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
+    from corral.runner.speculative.draftmodel import DraftModel
 
 
 @dataclass
@@ -41,6 +42,8 @@ class LoadedModel:
     seconds: float
     rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
     vision: "Vision | None" = None
+    draft: "DraftModel | None" = None
+    draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV
 
 
 def load(config: LoadConfig) -> LoadedModel:
@@ -58,6 +61,9 @@ def load(config: LoadConfig) -> LoadedModel:
     adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
     if config.projector:
         adapters += os.path.getsize(config.projector)
+    drafting = config.draft is not None and config.speculative
+    draft_bytes = _draft_bytes(config, per_slot * config.n_slots) if drafting else 0
+    adapters += draft_bytes
     # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
     # asks; the estimate (and so `ps`) must say so too.
     num_gpu = config.num_gpu if fitestimate.gpu_backend_present() or rpc_free else 0
@@ -86,7 +92,34 @@ def load(config: LoadConfig) -> LoadedModel:
         except BaseException:
             llama.free()
             raise
-    return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes, vision)
+    try:
+        draft = _load_draft(config, llama, est, per_slot) if drafting else None
+    except BaseException:
+        llama.free()
+        raise
+    return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
+                       vision, draft, draft_bytes)
+
+
+def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
+                per_slot: int) -> "DraftModel":
+    """The draft model, its cells as many as the model's: on the GPU where the whole
+    model is, else beside it on the CPU."""
+    from corral.runner.llama.draftcontext import DraftContext
+    from corral.runner.speculative.draftmodel import DraftModel
+
+    assert config.draft is not None
+    context = DraftContext(config.draft, config.n_slots, per_slot * config.n_slots,
+                           llama.n_threads, -1 if est.gpu_layers >= est.layers > 0 else 0)
+    return DraftModel(context, llama.n_vocab, config.draft_num_predict)
+
+
+def _draft_bytes(config: LoadConfig, cells: int) -> int:
+    """What a draft model holds: its weights, and the KV of `cells` tokens."""
+    assert config.draft is not None
+    info = inspect_gguf(config.draft)
+    return os.path.getsize(config.draft) + cells * fitestimate.kv_bytes_per_token(
+        info, config.kv_cache_type)
 
 
 class Pending:

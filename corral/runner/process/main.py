@@ -198,7 +198,7 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
     loaded = loaded or load(config)
     est = loaded.estimate
     engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,
-                    load_seconds=loaded.seconds, step_hook=step_hook)
+                    load_seconds=loaded.seconds, step_hook=step_hook, draft=loaded.draft)
     import llama_cpp as L
 
     from corral.runner.llama import native
@@ -218,7 +218,7 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
         start_slots=len(engine.slots), kv_per_slot=est.kv // max(config.n_slots, 1),
         n_threads=llama.n_threads, load_seconds=engine.load_seconds,
         bos=bos, eos=eos, can_shift=llama.can_shift, n_ctx_train=llama.n_ctx_train,
-        vision=loaded.vision is not None)
+        vision=loaded.vision is not None, draft=loaded.draft_bytes if loaded.draft else 0)
     return RunnerService(engine, report, loaded.vision)
 
 

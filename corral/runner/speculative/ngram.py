@@ -16,6 +16,7 @@ sixteen requests over one document draft from each other.
 from __future__ import annotations
 
 from itertools import takewhile
+from typing import Protocol
 
 # Tokens that must match before a draft is made. Short keys draft sooner after an edit
 # (a renamed variable, an inserted type hint) and are wrong more often; the policy
@@ -38,6 +39,15 @@ class History:
     def __init__(self, prompt: list[int]) -> None:
         self.tokens = list(prompt)
         self.indexed = 0  # tokens[:indexed] are in the index as continuations
+
+
+class DraftSource(Protocol):
+    """Where the engine's drafts come from: this index, or a draft model's proposals
+    (runner.speculative.draftmodel). `add` hears each sequence's new tokens."""
+
+    def add(self, history: History) -> None: ...
+
+    def draft(self, history: History, n: int) -> list[int]: ...
 
 
 class NgramIndex:

@@ -302,6 +302,7 @@ class Scheduler:
                 speculative=self.settings.speculative,
                 adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
                 projector=str(entry.record.projector) if entry.record.projector else None,
+                draft=str(entry.record.draft) if entry.record.draft else None,
                 cache_ram=self.fit.cache_ram(), cache_disk=self.settings.cache_disk,
                 cache_dir=str(state_dir() / "kvcache"),
                 rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))

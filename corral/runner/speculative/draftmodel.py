@@ -1,0 +1,128 @@
+"""Drafts from a smaller model: a Modelfile's DRAFT, loaded in the same runner process.
+
+Where the n-gram index (runner.speculative.ngram) finds only what the context already
+holds, a draft model with the model's vocabulary (registry/draft.py checked it at create
+time) guesses free text too. Its context (runner.llama.draftcontext) lives beside the
+model's and, like it, only the engine thread touches it: after each step, for every
+decoding sequence that will draft next (runner.engine.schedule.Schedule.draft_wants),
+this brings the sequence's copy there up to date and proposes a continuation greedily,
+one batch for all of them per token; the next step's schedule takes as much of it as the
+policy asks (`draft`) and verifies it as it would an n-gram draft: exact, whatever the
+draft model proposes.
+
+A proposal stops at `n_max` tokens (the `draft_num_predict` option), at a token the
+draft model gives less than P_MIN of its probability (llama.cpp's --draft-p-min: past
+it, most drafts are rejected, and each costs a draft decode and a verification row), and
+at a token the model's vocabulary lacks. Each sequence's cells in the draft context are
+kept between steps and requests on its slot, so only new tokens are evaluated.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence
+
+from corral.runner.speculative.ngram import History
+
+P_MIN = 0.75
+N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
+
+Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
+Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose
+
+
+class Decoder(Protocol):
+    """The draft model's context (runner.llama.draftcontext.DraftContext)."""
+
+    def remove(self, seq: int, start: int) -> None: ...
+
+    def decode(self, rows: Sequence[Row]) -> dict[int, tuple[int, float]] | None: ...
+
+    def set_threads(self, n: int) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class DraftModel:
+    def __init__(self, context: Decoder, n_vocab: int, n_max: int = 0) -> None:
+        """`n_vocab`: the model's vocabulary size (a token past it is never proposed)."""
+        self.context, self.n_target, self.n_max = context, n_vocab, n_max or N_MAX
+        self.held: dict[int, list[int]] = {}  # sequence -> the tokens its cells hold
+        self._proposals: dict[int, tuple[History, int, list[int]]] = {}
+        self.seconds = 0.0  # in the draft model's decodes, since load
+
+    # ---- the draft source (runner.engine.schedule) --------------------------------------
+
+    def add(self, history: History) -> None:
+        """A sequence's new tokens: nothing to index (the draft model reads them when it
+        next proposes for that sequence)."""
+
+    def draft(self, history: History, n: int) -> list[int]:
+        """Up to `n` tokens of the proposal made for `history` as it is now."""
+        hit = self._proposals.get(id(history))
+        if hit is None or hit[0] is not history or hit[1] != len(history.tokens):
+            return []
+        return hit[2][:n]
+
+    # ---- proposing (the engine thread, after a step) ------------------------------------
+
+    def propose(self, wants: Sequence[Want]) -> None:
+        """A continuation for each wanting sequence, for the next step to take."""
+        self._proposals.clear()
+        wants = [(seq, h, min(n, self.n_max)) for seq, h, n in wants
+                 if n > 0 and h.tokens and min(h.tokens) >= 0]  # an image's: no
+        if not wants:
+            return
+        t0 = time.perf_counter()
+        picks = self._decode(self._catch_up(wants))
+        drafts: dict[int, list[int]] = {seq: [] for seq, _, _ in wants}
+        while picks:
+            rows: list[Row] = []
+            for seq, history, n in wants:
+                if seq not in picks:
+                    continue
+                token, p = picks[seq]
+                if p < P_MIN or token >= self.n_target:
+                    continue
+                drafts[seq].append(token)
+                if len(drafts[seq]) < n:  # its logits give the next one
+                    rows.append((token, len(history.tokens) + len(drafts[seq]) - 1, seq, True))
+            picks = self._decode(rows)
+            for token, _, seq, _ in rows if picks else []:
+                self.held[seq].append(token)
+        self._proposals = {id(h): (h, len(h.tokens), drafts[seq]) for seq, h, _ in wants}
+        self.seconds += time.perf_counter() - t0
+
+    def _catch_up(self, wants: Sequence[Want]) -> list[Row]:
+        """The rows that bring each sequence's cells to its tokens (past what they hold
+        that it shares), the last with logits: at least that one, whose logits were not
+        kept."""
+        rows: list[Row] = []
+        for seq, history, _ in wants:
+            tokens, held = history.tokens, self.held.get(seq, [])
+            keep = 0
+            limit = min(len(held), len(tokens) - 1)
+            while keep < limit and held[keep] == tokens[keep]:
+                keep += 1
+            self.context.remove(seq, keep)
+            self.held[seq] = list(tokens)
+            rows += [(tokens[pos], pos, seq, pos == len(tokens) - 1)
+                     for pos in range(keep, len(tokens))]
+        return rows
+
+    def _decode(self, rows: list[Row]) -> dict[int, tuple[int, float]]:
+        """The draft model's picks after `rows`; none when there are none, or when the
+        decode failed (every sequence is then read again next time)."""
+        if not rows:
+            return {}
+        picks = self.context.decode(rows)
+        if picks is None:
+            self.held.clear()
+            return {}
+        return picks
+
+    def set_threads(self, n: int) -> None:
+        self.context.set_threads(n)
+
+    def free(self) -> None:
+        self.context.free()
