@@ -195,7 +195,7 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     from corral.runner.speculative.draftmodel import DraftModel
 
     decoder = CountingDecoder()
-    model = DraftModel(decoder, n_vocab=1000, n_max=4)
+    model = DraftModel(decoder, n_vocab=1000, cells=56, n_max=4)
     h = History([10, 11, 12])
     model.propose([(0, h, 8)])  # n_max bounds what the policy asks
     assert decoder.rows[0] == [(10, 0, 0, False), (11, 1, 0, False), (12, 2, 0, True)]
@@ -206,7 +206,7 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     model.propose([(0, h, 4)])
     assert decoder.removed[-1] == (0, 5) and decoder.rows[4] == [(99, 5, 0, True)]
     assert model.draft(h, 4) == []  # 100: unsure, nothing proposed
-    small = DraftModel(CountingDecoder(), n_vocab=14)  # 14 is not the model's token
+    small = DraftModel(CountingDecoder(), n_vocab=14, cells=64)  # 14 is not the model's token
     h2 = History([11, 12])
     small.propose([(1, h2, 4)])
     assert small.draft(h2, 4) == [13]
@@ -216,3 +216,7 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     decoder.fail = False
     model.propose([(0, h, 4)])
     assert decoder.rows[-1][0] == (10, 0, 0, False)
+    # Full: a sequence that does not draft now gives its cells to one that does.
+    other = History(list(range(200, 250)))
+    model.propose([(1, other, 4)])
+    assert 0 not in model.held and (0, 0) in decoder.removed and 1 in model.held

@@ -24,6 +24,7 @@ from corral.runner.llama import native
 from corral.runner.tools import rpc
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.speculative.draftmodel import STREAMS
 
 if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
@@ -62,7 +63,8 @@ def load(config: LoadConfig) -> LoadedModel:
     if config.projector:
         adapters += os.path.getsize(config.projector)
     drafting = config.draft is not None and config.speculative
-    draft_bytes = _draft_bytes(config, per_slot * config.n_slots) if drafting else 0
+    draft_cells = per_slot * min(config.n_slots, STREAMS)
+    draft_bytes = _draft_bytes(config, draft_cells) if drafting else 0
     adapters += draft_bytes
     # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
     # asks; the estimate (and so `ps`) must say so too.
@@ -93,7 +95,7 @@ def load(config: LoadConfig) -> LoadedModel:
             llama.free()
             raise
     try:
-        draft = _load_draft(config, llama, est, per_slot) if drafting else None
+        draft = _load_draft(config, llama, est, draft_cells) if drafting else None
     except BaseException:
         llama.free()
         raise
@@ -102,16 +104,15 @@ def load(config: LoadConfig) -> LoadedModel:
 
 
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
-                per_slot: int) -> "DraftModel":
-    """The draft model, its cells as many as the model's: on the GPU where the whole
-    model is, else beside it on the CPU."""
+                cells: int) -> "DraftModel":
+    """The draft model: on the GPU where the whole model is, else beside it on the CPU."""
     from corral.runner.llama.draftcontext import DraftContext
     from corral.runner.speculative.draftmodel import DraftModel
 
     assert config.draft is not None
-    context = DraftContext(config.draft, config.n_slots, per_slot * config.n_slots,
-                           llama.n_threads, -1 if est.gpu_layers >= est.layers > 0 else 0)
-    return DraftModel(context, llama.n_vocab, config.draft_num_predict)
+    context = DraftContext(config.draft, config.n_slots, cells, llama.n_threads,
+                           -1 if est.gpu_layers >= est.layers > 0 else 0)
+    return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict)
 
 
 def _draft_bytes(config: LoadConfig, cells: int) -> int:

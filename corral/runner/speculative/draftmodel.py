@@ -26,6 +26,10 @@ from corral.runner.speculative.ngram import History
 
 P_MIN = 0.75
 N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
+# Sequences' worth of cells the draft context holds (allocated whole at load): at more
+# streams than this, each step's drafting sequences evict the others' cells, and a busy
+# batch drafts little anyway (runner.speculative.policy).
+STREAMS = 4
 
 Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
 Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose
@@ -44,9 +48,11 @@ class Decoder(Protocol):
 
 
 class DraftModel:
-    def __init__(self, context: Decoder, n_vocab: int, n_max: int = 0) -> None:
-        """`n_vocab`: the model's vocabulary size (a token past it is never proposed)."""
+    def __init__(self, context: Decoder, n_vocab: int, cells: int, n_max: int = 0) -> None:
+        """`n_vocab`: the model's vocabulary size (a token past it is never proposed);
+        `cells`: the draft context's."""
         self.context, self.n_target, self.n_max = context, n_vocab, n_max or N_MAX
+        self.cells = cells
         self.held: dict[int, list[int]] = {}  # sequence -> the tokens its cells hold
         self._proposals: dict[int, tuple[History, int, list[int]]] = {}
         self.seconds = 0.0  # in the draft model's decodes, since load
@@ -74,6 +80,7 @@ class DraftModel:
         if not wants:
             return
         t0 = time.perf_counter()
+        self._make_room(wants)
         picks = self._decode(self._catch_up(wants))
         drafts: dict[int, list[int]] = {seq: [] for seq, _, _ in wants}
         while picks:
@@ -92,6 +99,17 @@ class DraftModel:
                 self.held[seq].append(token)
         self._proposals = {id(h): (h, len(h.tokens), drafts[seq]) for seq, h, _ in wants}
         self.seconds += time.perf_counter() - t0
+
+    def _make_room(self, wants: Sequence[Want]) -> None:
+        """Drop the cells of sequences that do not draft now while the drafting ones'
+        tokens and proposals would not fit beside them."""
+        drafting = {seq for seq, _, _ in wants}
+        need = sum(len(h.tokens) + n for _, h, n in wants)
+        idle = [seq for seq in self.held if seq not in drafting]
+        while idle and need + sum(len(t) for t in self.held.values()) > self.cells:
+            seq = idle.pop()
+            self.context.remove(seq, 0)
+            del self.held[seq]
 
     def _catch_up(self, wants: Sequence[Want]) -> list[Row]:
         """The rows that bring each sequence's cells to its tokens (past what they hold
