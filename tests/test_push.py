@@ -88,6 +88,24 @@ def test_push_then_pull_is_byte_identical(reg: FakeRegistry, store: Store,
     same_model(store, pulled_copy(reg, name, tmp_path / "fresh"), name)
 
 
+def test_a_draft_layer_travels_with_its_model(reg: FakeRegistry, store: Store,
+                                              tmp_path: Path) -> None:
+    from corral.registry.models import load_record
+
+    name = f"{reg.host}/alice/drafted:v1"
+    put_model(store, name)
+    raw, base = store.read_manifest(name)
+    digest, size = store.write_blob_bytes(b"draft weights")
+    drafted = Manifest(base.config, (*base.layers, Layer(mt.DRAFT, digest, size, "small:1b")))
+    store.write_manifest(parse_name(name), drafted.to_bytes())
+    push(store, name)
+    fresh = pulled_copy(reg, name, tmp_path / "fresh")
+    same_model(store, fresh, name)
+    record = load_record(fresh, name)
+    assert record.draft_digest == digest and record.draft_from == "small:1b"
+    assert record.draft is not None and record.draft.read_bytes() == b"draft weights"
+
+
 def test_second_push_uploads_nothing(reg: FakeRegistry, store: Store) -> None:
     name = f"{reg.host}/alice/tiny:v1"
     put_model(store, name)
