@@ -55,6 +55,9 @@ def test_the_vocabulary_rule(chat_gguf: Path, starter_gguf: Path, draft_gguf: Pa
     assert vocabulary_problem(chat, padded) is None
     padded = dataclasses.replace(chat, tokens=chat.tokens + [b"<pad>"] * 129)
     assert "49281 tokens" in (vocabulary_problem(chat, padded) or "")
+    bos = vocabulary_problem(chat, dataclasses.replace(chat, add_bos=True))
+    assert bos == "it adds a BOS token and the model does not"
+    assert vocabulary_problem(chat, dataclasses.replace(chat, add_bos=None)) is None  # unsaid
     eos = dataclasses.replace(chat, eos=7, add_eos=True)
     assert "EOS" in (vocabulary_problem(dataclasses.replace(chat, add_eos=True), eos) or "")
 

@@ -216,6 +216,11 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     decoder.fail = False
     model.propose([(0, h, 4)])
     assert decoder.rows[-1][0] == (10, 0, 0, False)
+    # Longer than the cells: it does not draft (rather than fail at every step).
+    calls = len(decoder.rows)
+    long = History(list(range(300, 360)))
+    model.propose([(2, long, 4)])
+    assert model.draft(long, 4) == [] and len(decoder.rows) == calls
     # Full: a sequence that does not draft now gives its cells to one that does.
     other = History(list(range(200, 250)))
     model.propose([(1, other, 4)])

@@ -243,7 +243,8 @@ def _with_draft(store: Store, req: CreateRequest, layers: list[Layer],
         drafts = [Layer(mt.DRAFT, digest, store.blob_size(digest))]
     if not drafts:
         return layers
-    progress({"status": "checking the draft model's vocabulary"})
+    # No progress line before the check: a mismatch after a `from` is then a 400, not an
+    # error inside a 200 stream.
     model = next(ly for ly in layers if ly.media_type == mt.MODEL)
     try:
         if is_projector(store.gguf_info(drafts[0].digest)):

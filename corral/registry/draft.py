@@ -27,7 +27,12 @@ def vocabulary_problem(model: Vocabulary, draft: Vocabulary) -> str | None:
     for what, ours, theirs, added in (
             ("BOS", model.bos, draft.bos, (model.add_bos, draft.add_bos)),
             ("EOS", model.eos, draft.eos, (model.add_eos, draft.add_eos))):
-        if added[0] != added[1] or (added[0] and ours != theirs):
+        # A flag the file leaves out is the tokenizer's default, which llama.cpp knows
+        # and the metadata does not say: only two given flags are compared.
+        if None not in added and added[0] != added[1]:
+            return f"it {'adds' if added[1] else 'does not add'} a {what} token and the model " \
+                   f"{'does' if added[0] else 'does not'}"
+        if True in added and ours != theirs:
             return f"its {what} token differs from the model's"
     n_model, n_draft = len(model.tokens), len(draft.tokens)
     if abs(n_model - n_draft) > MAX_SIZE_DIFFERENCE:

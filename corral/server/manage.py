@@ -89,9 +89,9 @@ def draft_info(services: Services, record: ModelRecord) -> dict[str, Any]:
         info: GGUFInfo | None = services.store.gguf_info(record.draft_digest)
     except CorralError:
         info = None
-    out = {"model": record.draft_from or "", "digest": record.draft_digest,
-           "size": services.store.blob_size(record.draft_digest)}
-    if info is not None:
+    out: dict[str, Any] = {"model": record.draft_from or "", "digest": record.draft_digest}
+    if info is not None:  # its blob is there
+        out["size"] = info.file_size
         out["details"] = {"family": info.architecture,
                           "parameter_size": human_parameter_count(info.parameter_count),
                           "quantization_level": info.quantization}

@@ -93,6 +93,16 @@ class LlamaContext:
         self._eog: list[int] | None = None
 
     @property
+    def flash_attn_type(self) -> int:
+        fa = self.cfg.flash_attn
+        return (L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
+                L.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+    @property
+    def kv_type(self) -> int:
+        return _KV_TYPES.get(self.cfg.kv_cache_type, L.GGML_TYPE_F16)
+
+    @property
     def scratch(self) -> int | None:
         """The scratch sequence's id in the context in use (see `scratch_for`)."""
         return self.scratch_for(self.streams)
@@ -128,12 +138,8 @@ class LlamaContext:
         cparams.swa_full = True
         cparams.embeddings = False
         cparams.no_perf = True
-        fa = cfg.flash_attn
-        cparams.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa is None else
-                                   L.LLAMA_FLASH_ATTN_TYPE_ENABLED if fa else
-                                   L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        kv_type = _KV_TYPES.get(cfg.kv_cache_type, L.GGML_TYPE_F16)
-        cparams.type_k = cparams.type_v = kv_type
+        cparams.flash_attn_type = self.flash_attn_type
+        cparams.type_k = cparams.type_v = self.kv_type
         ctx = native.init_context(self.model, cparams)
         if not ctx:
             if self.ctx is None:  # the first one: nothing to serve with

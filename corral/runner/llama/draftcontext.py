@@ -24,8 +24,9 @@ Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
 
 class DraftContext:
     def __init__(self, path: str, n_seqs: int, cells: int, n_threads: int,
-                 n_gpu_layers: int) -> None:
-        """`n_seqs` sequences sharing `cells` KV cells."""
+                 n_gpu_layers: int, kv_type: int, flash_attn: int) -> None:
+        """`n_seqs` sequences sharing `cells` KV cells of `kv_type`, with the model's
+        flash attention setting (runner.llama.context)."""
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
@@ -39,6 +40,8 @@ class DraftContext:
         # is exact whatever they are), and a short sequence leaves room to a long one.
         cparams.kv_unified = cparams.swa_full = True
         cparams.embeddings, cparams.no_perf = False, True
+        cparams.type_k = cparams.type_v = kv_type
+        cparams.flash_attn_type = flash_attn
         self.ctx = native.init_context(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -46,6 +49,10 @@ class DraftContext:
         self.mem = L.llama_get_memory(self.ctx)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(BATCH, 0, 1)
+        # Its proposals are kept past a step only if its cells can be cut back to where
+        # they were accepted: not in a recurrent or hybrid memory.
+        self.can_rollback = not (L.llama_model_is_recurrent(self.model)
+                                 or L.llama_model_is_hybrid(self.model))
 
     def remove(self, seq: int, start: int) -> None:
         """Drop the sequence's cells from position `start` on."""

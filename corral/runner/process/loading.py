@@ -10,6 +10,7 @@ context is handed over whole to the engine thread, which alone uses it after.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ from corral.runner.tools import rpc
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.speculative.draftmodel import STREAMS
+
+log = logging.getLogger("corral.runner")
 
 if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
@@ -95,23 +98,32 @@ def load(config: LoadConfig) -> LoadedModel:
             llama.free()
             raise
     try:
-        draft = _load_draft(config, llama, est, draft_cells) if drafting else None
+        draft = _load_draft(config, llama, est, draft_cells) \
+            if drafting and llama.can_rollback else None
     except BaseException:
         llama.free()
+        if vision is not None:
+            vision.close()
         raise
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
                        vision, draft, draft_bytes)
 
 
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
-                cells: int) -> "DraftModel":
-    """The draft model: on the GPU where the whole model is, else beside it on the CPU."""
+                cells: int) -> "DraftModel | None":
+    """The draft model: on the GPU where the whole model is, else beside it on the CPU.
+    None where its memory cannot cut back a rejected proposal (recurrent, hybrid)."""
     from corral.runner.llama.draftcontext import DraftContext
     from corral.runner.speculative.draftmodel import DraftModel
 
     assert config.draft is not None
     context = DraftContext(config.draft, config.n_slots, cells, llama.n_threads,
-                           -1 if est.gpu_layers >= est.layers > 0 else 0)
+                           -1 if est.gpu_layers >= est.layers > 0 else 0, llama.kv_type,
+                           llama.flash_attn_type)
+    if not context.can_rollback:
+        log.warning("the draft model's memory is recurrent: it does not draft")
+        context.free()
+        return None
     return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict)
 
 

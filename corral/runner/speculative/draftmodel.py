@@ -75,8 +75,8 @@ class DraftModel:
     def propose(self, wants: Sequence[Want]) -> None:
         """A continuation for each wanting sequence, for the next step to take."""
         self._proposals.clear()
-        wants = [(seq, h, min(n, self.n_max)) for seq, h, n in wants
-                 if n > 0 and h.tokens and min(h.tokens) >= 0]  # an image's: no
+        wants = self._fitting([(seq, h, min(n, self.n_max)) for seq, h, n in wants
+                               if n > 0 and h.tokens and min(h.tokens) >= 0])  # an image's: no
         if not wants:
             return
         t0 = time.perf_counter()
@@ -99,6 +99,18 @@ class DraftModel:
                 self.held[seq].append(token)
         self._proposals = {id(h): (h, len(h.tokens), drafts[seq]) for seq, h, _ in wants}
         self.seconds += time.perf_counter() - t0
+
+    def _fitting(self, wants: list[Want]) -> list[Want]:
+        """The wants whose tokens and proposals fit in the cells together, shortest
+        first: a sequence longer than the draft context (past a context shift, or in a
+        pool longer than its share) does not draft, rather than fail every step."""
+        out, room = [], self.cells
+        for want in sorted(wants, key=lambda w: len(w[1].tokens)):
+            need = len(want[1].tokens) + want[2]
+            if need <= room:
+                out.append(want)
+                room -= need
+        return out
 
     def _make_room(self, wants: Sequence[Want]) -> None:
         """Drop the cells of sequences that do not draft now while the drafting ones'

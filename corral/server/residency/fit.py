@@ -48,7 +48,7 @@ class MemoryFit:
             return 1
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self.cache_ram()
-        if record.draft is not None:  # a draft model's weights load beside the model's
+        if record.draft is not None and self.settings.speculative:  # loaded beside it
             budget -= record.draft.stat().st_size if record.draft.is_file() else 0
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                      self.settings.kv_cache_type)
