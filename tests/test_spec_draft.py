@@ -23,6 +23,22 @@ def test_a_sequence_drafts_what_followed_its_last_tokens_before() -> None:
     assert index.draft(h2, 3) == []
 
 
+def test_a_loop_drafts_past_its_own_end() -> None:
+    # The latest "1 2 3" is one period back: its continuation runs to the end of the
+    # sequence, and the draft goes on from its own last tokens, period after period.
+    index = NgramIndex(k=3)
+    h = History([9, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3])
+    index.add(h)
+    assert index.draft(h, 10) == [4, 1, 2, 3, 4, 1, 2, 3, 4, 1]
+    # Where nothing followed the draft's last tokens, it stops there.
+    h2 = History([5, 6, 7, 8, 5, 6, 7])
+    index.add(h2)
+    assert index.draft(h2, 10) == [8, 5, 6, 7, 8, 5, 6, 7, 8, 5]  # a loop too
+    h3 = History([20, 21, 22, 23, 24, 20, 21, 22])
+    index.add(h3)
+    assert index.draft(h3, 3) == [23, 24, 20]
+
+
 def test_the_latest_occurrence_wins_and_continuations_grow() -> None:
     index = NgramIndex(k=2)
     h = History([1, 2, 3, 1, 2, 4, 1, 2])

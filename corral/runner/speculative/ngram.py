@@ -77,16 +77,30 @@ class NgramIndex:
 
     def draft(self, history: History, n: int) -> list[int]:
         """Up to `n` tokens that followed the last K tokens of `history` where they came
-        before; [] when they never came, or `n` is 0."""
-        tokens = history.tokens
-        if n <= 0 or len(tokens) < self.k:
+        before; [] when they never came, or `n` is 0.
+
+        Where that continuation runs out (it reached the end of what its sequence holds
+        so far), the last K tokens of the draft are looked up in turn, as llama.cpp's
+        ngram-mod does token by token: a sequence caught in a loop, whose latest
+        occurrence of its key is one period back, then drafts the loop again and again
+        instead of one period per step."""
+        tokens, k = history.tokens, self.k
+        if n <= 0 or len(tokens) < k:
             return []
-        hit = self._next.get(hash(tuple(tokens[-self.k:])))
-        if hit is None:
-            return []
-        source, at = hit
-        # A hash can collide: the key is checked where it points, so a draft is never
-        # built on a match that is not one.
-        if source.tokens[at - self.k:at] != tokens[-self.k:]:
-            return []
-        return list(takewhile(lambda t: t >= 0, source.tokens[at:at + n]))
+        draft: list[int] = []
+        key = tokens[-k:]
+        while len(draft) < n:
+            hit = self._next.get(hash(tuple(key)))
+            if hit is None:
+                break
+            source, at = hit
+            # A hash can collide: the key is checked where it points, so a draft is
+            # never built on a match that is not one.
+            if source.tokens[at - k:at] != key:
+                break
+            more = list(takewhile(lambda t: t >= 0, source.tokens[at:at + n - len(draft)]))
+            if not more:
+                break
+            draft += more
+            key = (key + more)[-k:]
+        return draft
