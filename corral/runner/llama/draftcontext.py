@@ -85,12 +85,5 @@ class DraftContext:
         L.llama_set_n_threads(self.ctx, n, n)
 
     def free(self) -> None:
-        if self.batch is not None:
-            L.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            native.free_context(self.ctx)
-            self.ctx = None
-        if self.model:
-            L.llama_model_free(self.model)
-            self.model = None
+        native.free_model(self.batch, self.ctx, self.model)
+        self.batch = self.ctx = self.model = None

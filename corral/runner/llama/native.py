@@ -50,6 +50,17 @@ def free_context(ctx: Any) -> None:
         L.llama_free(ctx)
 
 
+def free_model(batch: Any, ctx: Any, model: Any) -> None:
+    """Free a llama_batch, a context and the model under them, in that order; each may
+    be None (already freed, or never made)."""
+    if batch is not None:
+        L.llama_batch_free(batch)
+    if ctx:
+        free_context(ctx)
+    if model:
+        L.llama_model_free(model)
+
+
 @contextmanager
 def context_event() -> Iterator[None]:
     """Around making or freeing a context: its beginning and its end each add one to
