@@ -249,7 +249,7 @@ class Engine:
             t0 = self.clock()
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
-            self.run.trim(self.post.rejected())
+            self._stuck(self.run.trim(self.post.rejected()))
             if self.draft is not None:  # proposals for the next step, which takes them
                 self.draft.propose(self.schedule.draft_wants(self.slots))
             drafting = self.schedule.index is not None  # off: nothing reads the fit
@@ -269,6 +269,14 @@ class Engine:
         if self.resizer is not None and plan.demand is not None:  # may start a builder thread
             demand = plan.demand
             self.resizer.tick(demand.busy, demand.waiting, demand.now, demand.warm)
+
+    def _stuck(self, seq_ids: set[int]) -> None:
+        """Slots whose rejected draft's cells would not go (run dropped all their cells):
+        their next token would sit beside the rejected ones, so their requests fail, and
+        they hold nothing."""
+        for slot in [s for s in self.slots if s.seq_id in seq_ids]:
+            slot.cached, slot.tainted = [], False
+            self.post.fail(slot, RunnerError("a rejected draft's cells could not be removed"))
 
     def _idle(self) -> bool:
         return not self.placer.waiting and not self._embeds and all(

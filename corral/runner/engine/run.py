@@ -128,11 +128,13 @@ class Run:
         log.error("llama_decode returned %d", rc)
         return [] if kvops.recover(self.llama.mem, rc, failed, slots) else failed
 
-    def trim(self, trims: list[Trim]) -> None:
-        """Rejected drafts' cells (postprocess found them), removed at the end of the step."""
+    def trim(self, trims: list[Trim]) -> set[int]:
+        """Rejected drafts' cells (postprocess found them), removed at the end of the step;
+        the sequence ids whose cells would not go (their slots cannot go on)."""
         ops = self._ops()
         for op in trims:
             ops.run(op)
+        return ops.failed
 
     def save(self, slot: Slot) -> None:
         """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""
