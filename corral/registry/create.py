@@ -166,7 +166,7 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
         config = {**config, **_model_config(store.gguf_info(quantized.digest))}
     if req.adapters:
         base_layers = _with_adapters(store, req, base_layers, progress)
-    base_layers = _with_draft(store, req, base_layers, progress)  # the base's, checked again
+    base_layers = _with_draft(store, req, base_layers)  # or the base's, checked again
 
     layers = list(base_layers)
 
@@ -218,8 +218,7 @@ def _with_adapters(store: Store, req: CreateRequest, layers: list[Layer],
     return [ly for ly in layers if ly.media_type != mt.ADAPTER] + adapters
 
 
-def _with_draft(store: Store, req: CreateRequest, layers: list[Layer],
-                progress: Progress) -> list[Layer]:
+def _with_draft(store: Store, req: CreateRequest, layers: list[Layer]) -> list[Layer]:
     """The draft model `req` names (a stored model's weights, or an uploaded GGUF), or the
     base's, checked against the weights it will draft for (registry/draft.py)."""
     if req.draft and req.draft_files:

@@ -126,14 +126,13 @@ class Engine:
         (a Modelfile's DRAFT: it proposes after each step, on this thread), else the
         n-gram index (or a test's); None where it is off or the model's memory cannot take
         back the cells of a rejected draft (recurrent state has no positions)."""
-        self.draft = draft if config.speculative and llama.can_rollback else None
-        if self.draft is not None:
-            return self.draft
-        if draft is not None:
+        on = config.speculative and llama.can_rollback
+        self.draft = draft if on else None
+        if draft is not None and not on:
             draft.free()  # loaded for nothing: the model cannot verify drafts
-        if config.speculative and llama.can_rollback:
-            return index if index is not None else NgramIndex()
-        return None
+        if not on:
+            return None
+        return self.draft or (index if index is not None else NgramIndex())
 
     # ---- public API, safe from any thread ---------------------------------------------
 

@@ -33,7 +33,6 @@ from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Join, Park
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.cost import RowCost
-from corral.runner.speculative.policy import ROWS
 
 if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
@@ -161,8 +160,8 @@ class Schedule:
         for slot in decoding:
             seq = slot.sequence
             assert seq is not None
-            n = min(seq.draft.length, ROWS // len(decoding), self._room(slot))
-            if seq.draft.wait == 0 and n > 0 and self._pays(slot, len(decoding)):
+            n = seq.draft.ready(len(decoding), self._room(slot))
+            if n > 0 and self._pays(slot, len(decoding)):
                 out.append((slot.seq_id, seq.history, n))
         return out
 

@@ -47,7 +47,7 @@ class LoadedModel:
     rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
     vision: "Vision | None" = None
     draft: "DraftModel | None" = None
-    draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV
+    draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV (0: none)
 
 
 def load(config: LoadConfig) -> LoadedModel:
@@ -106,7 +106,7 @@ def load(config: LoadConfig) -> LoadedModel:
             vision.close()
         raise
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
-                       vision, draft, draft_bytes)
+                       vision, draft, draft_bytes if draft is not None else 0)
 
 
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,

@@ -51,6 +51,13 @@ class DraftPolicy:
         if self.wait > 0:
             self.wait -= 1
             return 0
+        return self.ready(decoding, room)
+
+    def ready(self, decoding: int, room: int) -> int:
+        """What `want` would ask now, without counting a step of the wait (a draft model
+        proposes ahead of the step that asks: runner.speculative.draftmodel)."""
+        if self.wait > 0:
+            return 0
         return max(0, min(self.length, ROWS // max(decoding, 1), room))
 
     def verified(self, drafted: int, accepted: int) -> None:
