@@ -210,6 +210,10 @@ SPECS: tuple[Spec, ...] = (
     Spec("RUNNER_TIMEOUT", "runner_timeout", 60.0, "1m",
          "a runner that answers no health check this long while requests need it is "
          "killed and replaced", parse_duration),
+    Spec("STEP_TIMEOUT", "step_timeout", 300.0, "5m",
+         "a runner whose engine stays this long inside one step (a stopped RPC worker, a "
+         "hung GPU) ends its requests with an error and is replaced (0: no bound)",
+         parse_duration),
     Spec("API_KEY", "api_key", None, "", "require 'Authorization: Bearer <key>' when set",
          _parse_api_key),
     # Bounds on the work one request may ask for; over a bound is a 400 (413 for bodies).
@@ -265,6 +269,7 @@ class Settings:
     debug: int
     load_timeout: float
     runner_timeout: float
+    step_timeout: float
     api_key: str | None
     max_body: int
     max_header_bytes: int

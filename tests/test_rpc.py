@@ -150,3 +150,32 @@ def test_a_real_worker_passes_the_handshake(workers: list[tuple[str, Any]]) -> N
     from corral.runner.tools.rpc import RPC_PROTO_MAJOR, probe
 
     assert probe(workers[0][0])[0] == RPC_PROTO_MAJOR
+
+
+def test_a_stopped_worker_ends_the_stream_within_the_step_bound(
+        starter_store: Store, daemon_factory: DaemonFactory,
+        workers: list[tuple[str, subprocess.Popen[str]]]) -> None:
+    """A worker that stops answering (SIGSTOP) holds llama_decode inside native code: the
+    runner's step watch ends the stream with an error, `ps` answers meanwhile, and the
+    next request gets a status (its load waits on the stopped worker until the load
+    timeout), never a hang."""
+    (endpoint, proc), _ = workers
+    d = daemon_factory(starter_store, NUM_PARALLEL="1", STEP_TIMEOUT="10s",
+                       LOAD_TIMEOUT="20s", RPC_SERVERS=endpoint)
+    assert generate(d.url, SPLIT).status_code == 200
+    lines: list[dict[str, Any]] = []
+    try:
+        with httpx.stream("POST", d.url + "/api/generate", timeout=300, json={
+                "model": MODEL, "prompt": "Once upon a time",
+                "options": {**SPLIT, "num_predict": 400}}) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+                if len(lines) == 2:
+                    proc.send_signal(signal.SIGSTOP)
+                    ps = httpx.get(d.url + "/api/ps", timeout=5)
+                    assert ps.status_code == 200 and ps.json()["models"][0]["name"] == MODEL
+        assert "stalled" in lines[-1]["error"] and not lines[-1].get("done")
+        again = generate(d.url, SPLIT)
+        assert again.status_code >= 500 and "error" in again.json()
+    finally:
+        proc.send_signal(signal.SIGCONT)

@@ -42,6 +42,10 @@ class LoadConfig:
     cache_ram: int = 0  # bytes of host RAM for the prompt cache (runner.cache.promptcache)
     cache_disk: int = 0  # bytes of disk for its tier under cache_dir (runner.cache.diskcache)
     cache_dir: str = ""
+    # Seconds the engine may spend inside one step (CORRAL_STEP_TIMEOUT; runner.process.main):
+    # one step is at most n_batch prompt tokens or a row per slot, which a slow laptop's
+    # CPU takes minutes over only for the largest models; negative: no bound.
+    step_timeout: float = 300.0
 
     @classmethod
     def from_options(cls, model: str, options: Options, **settings: Any) -> "LoadConfig":

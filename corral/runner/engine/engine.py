@@ -41,6 +41,7 @@ from corral.runner.engine.plan import StepPlan
 from corral.runner.engine.postprocess import Postprocess
 from corral.runner.engine.run import Run
 from corral.runner.engine.schedule import Schedule
+from corral.runner.engine.watch import StepWatch
 from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRead, Resized,
                                 SetThreads, Stop, Submit)
 from corral.runner.kv import kvbytes
@@ -82,7 +83,8 @@ class Engine:
         # held or sent later ends with it, and the runner process exits (runner.process.main).
         self.failed = threading.Event()
         self.failure: EngineFailed | None = None
-        self._step_hook = step_hook  # tests: makes a chosen step raise, as a bug would
+        self._step_hook = step_hook  # tests: makes a chosen step raise (or block), as a bug would
+        self.watch = StepWatch()  # how long the step now running has run (runner.process.main)
         self.steps = self.sampled = 0  # decode steps; tokens sampled since load (a rate)
         self.step_time = 0.0  # seconds inside steps
         self.native_time = 0.0  # of which in llama_decode and samplers
@@ -164,10 +166,32 @@ class Engine:
     def run_embed(self, command: Embed) -> list[list[float]]:
         """Embed and wait; `command.cancel()` from another thread stops it between slices."""
         self._commands.put(command)
-        result = command.reply.get()
+        while True:  # a stalled engine never answers: its failure does
+            try:
+                result = command.reply.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if self.failure is not None or (self._thread is not None and not self.running()):
+                    raise self.failure or RunnerError("the engine has stopped") from None
         if isinstance(result, Failed):
             raise result.error
         return result
+
+    def stall(self, seconds: float, bound: float) -> None:
+        """The watchdog's word (runner.process.main): the engine thread has been inside one
+        step for `seconds`, past `bound`, in native code that does not return. As final as
+        a failure, from outside: every job held or sent later ends with it (their streams
+        read `failure` while they wait), and the process exits, since nothing can stop
+        the thread itself."""
+        if self.failure is None:
+            self.failure = EngineFailed(
+                f"the model's engine stalled: one step has run for {seconds:.0f} s, past "
+                f"the {bound:g} s bound (CORRAL_STEP_TIMEOUT), inside llama.cpp (a stopped "
+                "RPC worker or a hung device); the runner is being replaced")
+            log.error("%s", self.failure)
+        self._stopping = True
+        self._commands.close(self.failure)
+        self.failed.set()
 
     def running(self) -> bool:
         """The engine thread is alive (false before start and once it ended)."""
@@ -204,8 +228,9 @@ class Engine:
     def stop(self) -> None:
         self._stopping = True
         self._commands.put(Stop())
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._thread is not None:  # a stalled thread never returns: no wait for it
+            self._thread.join(timeout=0 if self.watch.running_for() and self.failed.is_set()
+                              else 30)
         self._free()
 
     # ---- the engine thread ---------------------------------------------------------------
@@ -221,10 +246,12 @@ class Engine:
                 self._drain(block=idle)
                 if self._stopping:
                     break
+                self.watch.enter()
                 if self._embeds:
                     self._embeds.step(self.embed_ctx)
                     self._embedded_at, self._transient = self.clock(), True
                 self._step()
+                self.watch.leave()
         except Exception as exc:  # a bug here must not leave any client hanging
             log.exception("engine thread failed")
             self.failure = EngineFailed(f"the model's engine failed: {exc}")

@@ -243,6 +243,17 @@ def exit_with_parent(parent: int, shutdown: Callable[[], None], poll: float = 0.
     shutdown()
 
 
+def watch_steps(engine: Engine, bound: float, every: float = 1.0) -> None:
+    """Progress, not presence: an engine thread inside one step for longer than `bound`
+    (CORRAL_STEP_TIMEOUT) is stalled in native code, and is declared so. Its streams then
+    end with the error, /health answers it, and the process exits as after a failure;
+    the daemon replaces it as it does a crash."""
+    while not engine.failed.wait(min(every, bound / 4)):
+        seconds = engine.watch.running_for()
+        if seconds > bound:
+            engine.stall(seconds, bound)
+
+
 def _exit_on_failure(service: RunnerService, server: ThreadingHTTPServer) -> None:
     """A failed engine ends the process, once the streams it held have sent their error
     lines (a few seconds at most): the daemon sees a crash and loads the model afresh."""
@@ -275,6 +286,9 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
     threading.Thread(target=exit_with_parent, args=(os.getppid(), server.shutdown),
                      daemon=True).start()
     threading.Thread(target=_exit_on_failure, args=(service, server), daemon=True).start()
+    if loaded.config.step_timeout > 0:
+        threading.Thread(target=watch_steps, args=(service.engine, loaded.config.step_timeout),
+                         daemon=True, name="step-watch").start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report.to_json()}), flush=True)
     try:
@@ -283,6 +297,10 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
         service.engine.stop()
         if service.vision is not None:
             service.vision.close()
+    if service.engine.running():  # stalled inside native code: no clean exit can wait for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 1 if service.engine.failure is not None else 0
 
 

@@ -304,7 +304,7 @@ class Scheduler:
                 projector=str(entry.record.projector) if entry.record.projector else None,
                 draft=str(entry.record.draft) if entry.record.draft else None,
                 cache_ram=self.fit.cache_ram(), cache_disk=self.settings.cache_disk,
-                cache_dir=str(state_dir() / "kvcache"),
+                cache_dir=str(state_dir() / "kvcache"), step_timeout=self.settings.step_timeout,
                 rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
             runner = self.runner_factory(config)
             try:

@@ -1,0 +1,129 @@
+"""Progress, not presence, is a runner's health: an engine thread held inside one step
+past CORRAL_STEP_TIMEOUT (native code that does not return: a stopped RPC worker, a hung
+device) ends every request the runner holds with an error, its /health says so, the
+process exits on its own, and the daemon loads the model afresh for the next request.
+
+The stall here is a step seam given to the runner (its step hook) that blocks, as
+llama_decode blocks on a worker that stopped answering; tests/test_rpc.py stops a real
+worker."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from corral.errors import EngineFailed, RunnerError
+from corral.options import Options
+from corral.registry.store import Store
+from corral.runner.client import RunnerProcess
+from corral.runner.loadconfig import LoadConfig
+from corral.runner.wire import CompletionJob, EmbedJob
+from tests.support import start_daemon, wait_for
+
+MODEL = "gemma3:270m-base"
+DEADLINE = 120.0
+# Far above any real step of the 270M starter on a loaded two-core machine (tens of
+# milliseconds), so that only the held step trips it.
+BOUND = 10.0
+
+# The real runner process, with a step hook that holds the 4th step of the first runner
+# for good: the marker file goes with the stall, so the runner loaded after it works.
+STAND_IN = '''#!{python}
+import sys
+import threading
+from pathlib import Path
+
+from corral.runner.llama import capi
+capi.install()
+from corral.runner.process.loading import Pending
+from corral.runner.process.main import main
+
+marker, steps = Path({marker!r}), []
+
+def hook(plan):
+    steps.append(plan)
+    if len(steps) == 4 and marker.exists():
+        marker.unlink()
+        threading.Event().wait()  # never set: a call that never returns
+
+sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
+'''
+
+
+def stand_in(tmp_path: Path) -> tuple[Path, Path]:
+    marker = tmp_path / "stall-once"
+    marker.touch()
+    script = tmp_path / "runner"
+    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
+    script.chmod(0o755)
+    return script, marker
+
+
+@pytest.mark.model
+def test_a_stalled_step_ends_the_runners_requests_and_the_runner(starter_gguf: Path,
+                                                                  tmp_path: Path) -> None:
+    script, marker = stand_in(tmp_path)
+    runner = RunnerProcess(LoadConfig(model=str(starter_gguf), num_ctx=256, n_slots=2,
+                                      step_timeout=BOUND), python=str(script))
+    runner.start(timeout=DEADLINE)
+    assert runner.proc is not None
+    embedded: list[Any] = []
+    job = CompletionJob("Once upon a time", options=Options(temperature=0, num_predict=50))
+    lines = runner.completion(job)
+    next(lines)  # streaming: the stall is ahead
+    wait_for(lambda: not marker.exists(), DEADLINE)  # the 4th step is held now
+    # An embedding queued behind the held step is answered by the stall too, not never.
+    waiter = threading.Thread(target=lambda: embedded.append(_embed(runner)))
+    waiter.start()
+    with pytest.raises(EngineFailed, match="stalled.*CORRAL_STEP_TIMEOUT"):
+        list(lines)
+    waiter.join(DEADLINE)
+    assert isinstance(embedded[0], RunnerError) and "stalled" in str(embedded[0])
+    assert not runner.alive()  # dead to the daemon at once
+    assert runner.proc.wait(timeout=DEADLINE) == 1  # and gone by itself, unkilled
+    runner.kill()
+
+
+def _embed(runner: RunnerProcess) -> Any:
+    try:
+        return runner.embed(EmbedJob(input=["a"]))
+    except RunnerError as exc:
+        return exc
+
+
+def _generate(url: str, stream: bool, n: int = 8) -> Any:
+    body = {"model": MODEL, "prompt": "Once upon a time", "raw": True, "stream": stream,
+            "options": {"temperature": 0, "num_predict": n}}
+    if not stream:
+        return httpx.post(url + "/api/generate", json=body, timeout=DEADLINE)
+    with httpx.stream("POST", url + "/api/generate", json=body, timeout=DEADLINE) as resp:
+        assert resp.status_code == 200
+        return [json.loads(raw) for raw in resp.iter_lines()]
+
+
+@pytest.mark.model
+def test_a_stalled_runner_is_replaced_while_ps_answers(starter_store: Store,
+                                                        tmp_path: Path) -> None:
+    script, marker = stand_in(tmp_path)
+    d = start_daemon(starter_store, tmp_path / "daemon", STEP_TIMEOUT=f"{BOUND:g}s",
+                     runner_factory=lambda c: RunnerProcess(c, python=str(script)))
+    try:
+        streamed: list[Any] = []
+        held = threading.Thread(target=lambda: streamed.append(_generate(d.url, True, 50)))
+        held.start()
+        wait_for(lambda: not marker.exists(), DEADLINE)  # the step is held
+        listed = httpx.get(d.url + "/api/ps", timeout=5.0)  # answers meanwhile
+        assert listed.status_code == 200 and listed.json()["models"][0]["name"] == MODEL
+        held.join(DEADLINE)
+        last = streamed[0][-1]  # the stream ends with the error, not a hang
+        assert "stalled" in last["error"] and not last.get("done")
+        again = _generate(d.url, False)  # the next request loads a fresh runner
+        assert again.status_code == 200 and again.json()["done"]
+    finally:
+        d.shutdown()
