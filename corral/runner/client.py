@@ -14,7 +14,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import asdict
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, Iterator
@@ -44,6 +46,36 @@ def _httpx() -> ModuleType:
     return httpx
 
 
+LAST_WORDS = 4  # stderr lines of a runner that died during its load, in the load's error
+
+
+class StderrTail:
+    """A runner's stderr, passed on to the daemon's runner log (if any) line by line, with
+    its last lines kept: a runner that dies during its load (llama.cpp's abort on a file
+    it cannot take) is reported with its own last words, not 'no ready signal'."""
+
+    def __init__(self, stream: IO[bytes], log_file: IO[bytes] | None) -> None:
+        self.lines: deque[str] = deque(maxlen=LAST_WORDS)
+        self._thread = threading.Thread(target=self._pump, args=(stream, log_file),
+                                        daemon=True, name="runner-stderr")
+        self._thread.start()
+
+    def _pump(self, stream: IO[bytes], log_file: IO[bytes] | None) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for raw in iter(stream.readline, b""):
+                if log_file is not None:
+                    log_file.write(raw)
+                    log_file.flush()
+                text = raw.decode("utf-8", "replace").strip()
+                if text:
+                    self.lines.append(text[:500])
+
+    def last_words(self, wait: float = 2.0) -> str:
+        """The last lines, once the stream ended (or `wait` seconds passed)."""
+        self._thread.join(wait)
+        return " | ".join(self.lines)
+
+
 class RunnerProcess:
     def __init__(self, config: LoadConfig, log_file: IO[bytes] | None = None,
                  python: str = sys.executable) -> None:
@@ -55,6 +87,7 @@ class RunnerProcess:
         self.report = LoadReport()
         self._http: httpx.Client | None = None
         self._failed = False  # its engine failed (errors.EngineFailed): it is on its way out
+        self._stderr: StderrTail | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -63,9 +96,10 @@ class RunnerProcess:
         cmd = [self.python, "-m", "corral.runner", "--config", self.config.to_json()]
         root = package_parent()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log_file or subprocess.DEVNULL,
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, cwd=root, start_new_session=True)
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._stderr = StderrTail(self.proc.stderr, self.log_file)
         _httpx()  # while the runner starts
         deadline = None if timeout < 0 else time.monotonic() + timeout
         line = b""
@@ -85,17 +119,27 @@ class RunnerProcess:
         except ValueError:
             message = {}
         if "port" not in message:
-            code = self.proc.poll()
-            self.kill()
-            why = message.get("error") or (f"exit status {code}" if code is not None else
-                                           "no ready signal")
-            raise RunnerError(f"llama runner process has terminated: {why}")
+            raise RunnerError(f"llama runner process has terminated: {self._died(message)}")
         self.port = int(message["port"])
         self.report = LoadReport.from_json(message.get("report") or {})
         http = _httpx()
         self._http = http.Client(base_url=f"http://127.0.0.1:{self.port}",
                                  timeout=http.Timeout(30.0, read=None), trust_env=False)
         return self.report
+
+    def _died(self, message: dict[str, Any]) -> str:
+        """Why a runner ended without its ready line: its own error, else its exit and the
+        last lines it wrote (llama.cpp's, where native code aborted)."""
+        if message.get("error"):
+            self.kill()
+            return str(message["error"])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)  # type: ignore[union-attr]
+        code = self.proc.poll()  # type: ignore[union-attr]
+        self.kill()
+        words = self._stderr.last_words() if self._stderr is not None else ""
+        status = f"exit status {code}" if code is not None else "no ready signal"
+        return f"{status}: {words}" if words else status
 
     def alive(self) -> bool:
         """Running and able to work: a runner whose engine failed counts as dead at once,

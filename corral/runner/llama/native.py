@@ -81,7 +81,19 @@ def contexts_made() -> int:
         return _contexts_made
 
 
+def specials_present(vocab: Any) -> bool:
+    """Whether every token llama_tokenize adds with add_special exists: it asserts (and
+    aborts the process) on a vocabulary that asks for a BOS, EOS or, WordPiece's, SEP it
+    does not have, where llama-server would die on the first prompt."""
+    null, wpm = L.LLAMA_TOKEN_NULL, L.llama_vocab_type(vocab) == L.LLAMA_VOCAB_TYPE_WPM
+    return not ((L.llama_vocab_get_add_bos(vocab) or wpm) and L.llama_vocab_bos(vocab) == null
+                or L.llama_vocab_get_add_eos(vocab) and L.llama_vocab_eos(vocab) == null
+                or wpm and L.llama_vocab_sep(vocab) == null)
+
+
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+    """llama_tokenize; add_special adds nothing where a token it would add is missing."""
+    add_special = add_special and specials_present(vocab)
     data = text.encode("utf-8")
     capacity = len(data) + 16
     buf = (L.llama_token * capacity)()
@@ -96,7 +108,11 @@ def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = Tru
 
 
 def token_bytes(vocab: Any, token: int, special: bool = False) -> bytes:
-    """Raw bytes of one token; may be part of a multi-byte UTF-8 character."""
+    """Raw bytes of one token; may be part of a multi-byte UTF-8 character. A token the
+    vocabulary does not have (LLAMA_TOKEN_NULL, -1: a GGUF without an EOS or BOS id) is
+    no text: llama.cpp would index its table with it and abort."""
+    if not 0 <= token < L.llama_vocab_n_tokens(vocab):
+        return b""
     buf = ctypes.create_string_buffer(64)
     n = L.llama_token_to_piece(vocab, token, buf, len(buf), 0, special)
     if n < 0:

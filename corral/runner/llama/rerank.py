@@ -49,5 +49,8 @@ def prompt_tokens(vocab: Any, template: str | None, query: str, doc: str) -> lis
     bos = [L.llama_vocab_bos(vocab)] if L.llama_vocab_get_add_bos(vocab) else []
     end = [eos] if L.llama_vocab_get_add_eos(vocab) else []
     sep = [L.llama_vocab_sep(vocab)] if L.llama_vocab_get_add_sep(vocab) else []
+    # A vocabulary without the special token (LLAMA_TOKEN_NULL) gets none: llama-server
+    # would put -1 in the batch, which llama_decode refuses.
+    bos, end, sep = ([t for t in ids if t != L.LLAMA_TOKEN_NULL] for ids in (bos, end, sep))
     return (bos + native.tokenize(vocab, query, False, False) + end + sep
             + native.tokenize(vocab, doc, False, False) + end)
