@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Ollama's per-request sampling options, with Ollama's defaults."""
+    """Ollama's per-request sampling options, with Ollama's defaults (its DefaultOptions:
+    tests/test_ollama_defaults.py reads them from Ollama's source, field by field).
+    repeat_penalty is 1.0, no penalty, as Ollama's has been since August 2026; a model
+    that wants one says so in its parameters."""
 
     temperature: float = 0.8
     top_k: int = 40
