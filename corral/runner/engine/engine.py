@@ -288,6 +288,8 @@ class Engine:
                 self.native_time += out.native
             self.step_time += self.clock() - t0
             self.steps += 1
+        elif plan.ops:  # nothing decodes, but what ended may hold cells: they go now
+            self.run.ops(plan)
         changes = self.post.take()
         self.native_time += changes.native
         self.sampled += changes.sampled

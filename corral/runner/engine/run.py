@@ -68,10 +68,8 @@ class Run:
     def step(self, plan: StepPlan, slots: list[Slot]) -> Outcome:
         """The plan's ops, new samplers, and the token batch."""
         out = Outcome()
-        ops = self._ops()
-        for op in plan.ops:
-            ops.run(op)
-        out.failed = [p for p in plan.placed if p.slot.seq_id in ops.failed]
+        failed = self.ops(plan)
+        out.failed = [p for p in plan.placed if p.slot.seq_id in failed]
         out.refused = self._samplers(plan.placed)
         if out.failed or out.refused:
             log.debug("a placement failed (%d prefixes, %d samplers): the step is planned again",
@@ -87,6 +85,16 @@ class Run:
             if out.rc != 0:
                 out.lost = self._recover(out.rc, plan.slots, slots)
         return out
+
+    def ops(self, plan: StepPlan) -> set[int]:
+        """The plan's KV ops, in order; the sequences whose ops failed. The engine runs
+        them whether or not the step decodes: a plan with nothing to decode can still free
+        cells (a cancelled keystroke's parked run), and a cell that outlives its owner is
+        one the slots believe free."""
+        ops = self._ops()
+        for op in plan.ops:
+            ops.run(op)
+        return ops.failed
 
     def image(self, image: ImageSlice, slots: list[Slot]) -> Outcome:
         """The plan's image slice, through the embeddings batch. Its decode overwrites the
