@@ -140,3 +140,34 @@ def test_a_draft_with_another_vocabulary_is_refused(daemon: Daemon, tmp_path: Pa
     assert out.returncode == 0, out.stderr
     shown = corral(daemon, "show", "smol-file")
     assert "  Draft\n    architecture        llama" in shown.stdout, shown.stdout
+
+
+def test_a_draft_that_cannot_load_leaves_the_model_answering(
+        daemon_factory: DaemonFactory, starter_store: Store, chat_gguf: Path,
+        tmp_path: Path) -> None:
+    """A draft model can only help: one llama.cpp cannot load (here the chat starter's
+    vocabulary with no weights at all, which passes the vocabulary check) leaves the model
+    loaded without it, answering from its own weights; `ps`, `corral ps` and `show` say
+    the draft is off, and why."""
+    from benchmarks.gpu_model import cut_tokenizer
+
+    daemon = daemon_factory(starter_store, NUM_PARALLEL="1", DETERMINISTIC="1",
+                            MAX_LOADED_MODELS="1")
+    broken = tmp_path / "no-weights.gguf"
+    cut_tokenizer(chat_gguf, broken)
+    digest = file_sha256(broken)
+    assert httpx.post(f"{daemon.url}/api/blobs/{digest}", content=broken.read_bytes(),
+                      timeout=60).status_code == 201
+    r = create(daemon, {"model": "smol-broken", "from": CHAT,
+                        "draft_files": {"draft.gguf": digest}})
+    assert r.status_code == 200, r.text
+    plain = generate(daemon, CHAT)
+    answered = generate(daemon, "smol-broken")
+    assert answered["response"] == plain["response"]  # (its drafts are n-grams')
+    ps = httpx.get(f"{daemon.url}/api/ps", timeout=30).json()["models"]
+    draft = next(m for m in ps if m["name"] == "smol-broken:latest")["draft"]
+    assert draft["error"] and draft["size"] == 0
+    table = corral(daemon, "ps")
+    assert "off: it did not load" in table.stdout, table.stdout
+    shown = httpx.post(f"{daemon.url}/api/show", json={"model": "smol-broken"}, timeout=30)
+    assert shown.json()["draft"]["error"] == draft["error"]

@@ -106,6 +106,26 @@ def test_a_draft_layer_travels_with_its_model(reg: FakeRegistry, store: Store,
     assert record.draft is not None and record.draft.read_bytes() == b"draft weights"
 
 
+@pytest.mark.model
+def test_a_pulled_draft_gets_the_vocabulary_check(reg: FakeRegistry, chat_gguf: Path,
+                                                  starter_gguf: Path, tmp_path: Path) -> None:
+    """As at create: a pulled DRAFT whose vocabulary is not the model's fails the pull,
+    naming the difference, and nothing is written; a matching one is pulled."""
+    from benchmarks.gpu_model import cut_tokenizer
+    from corral.errors import ModelfileError
+
+    chat, gemma = tmp_path / "chat.gguf", tmp_path / "gemma.gguf"
+    cut_tokenizer(chat_gguf, chat)  # vocabularies only: a few MB each
+    cut_tokenizer(starter_gguf, gemma)
+    reg.add_model("alice", "mismatched", "v1", [(mt.MODEL, chat), (mt.DRAFT, gemma)])
+    reg.add_model("alice", "matched", "v1", [(mt.MODEL, chat), (mt.DRAFT, chat)])
+    with pytest.raises(ModelfileError, match="vocabulary is not the model's.*tokenizer"):
+        pulled_copy(reg, f"{reg.host}/alice/mismatched:v1", tmp_path / "a")
+    assert Store(tmp_path / "a").resolve(parse_name(f"{reg.host}/alice/mismatched:v1")) is None
+    fresh = pulled_copy(reg, f"{reg.host}/alice/matched:v1", tmp_path / "b")
+    assert fresh.resolve(parse_name(f"{reg.host}/alice/matched:v1")) is not None
+
+
 def test_second_push_uploads_nothing(reg: FakeRegistry, store: Store) -> None:
     name = f"{reg.host}/alice/tiny:v1"
     put_model(store, name)

@@ -117,7 +117,8 @@ def _named(model: dict[str, Any]) -> str:
     draft = model.get("draft")
     if not draft:
         return str(model["name"])
-    return f"{model['name']} (draft {draft.get('model') or draft.get('digest', '')[7:19]})"
+    name = draft.get("model") or draft.get("digest", "")[7:19]
+    return f"{model['name']} (draft {name}{' off: it did not load' if draft.get('error') else ''})"
 
 
 def show_text(info: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ from corral.errors import InvalidModelFile, ModelfileError, ModelNotFound
 from corral.options import IGNORED_OPTIONS, coerce_option
 from corral.registry import manifest as mt
 from corral.registry.derive import Quantizer, check_adapter, quantize_layer
-from corral.registry.draft import vocabulary_problem
-from corral.registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf, read_vocabulary
+from corral.registry.draft import check_draft
+from corral.registry.gguf import GGUFInfo, human_parameter_count, inspect_gguf
 from corral.registry.manifest import Layer, Manifest, canonical_digest
 from corral.registry.modelfile import ROLES
 from corral.registry.projector import is_projector, projector_problem
@@ -245,15 +245,7 @@ def _with_draft(store: Store, req: CreateRequest, layers: list[Layer]) -> list[L
     # No progress line before the check: a mismatch after a `from` is then a 400, not an
     # error inside a 200 stream.
     model = next(ly for ly in layers if ly.media_type == mt.MODEL)
-    try:
-        if is_projector(store.gguf_info(drafts[0].digest)):
-            raise ModelfileError("the draft model is a vision projector, not a model")
-        problem = vocabulary_problem(read_vocabulary(store.blob_path(model.digest)),
-                                     read_vocabulary(store.blob_path(drafts[0].digest)))
-    except InvalidModelFile:
-        raise InvalidModelFile("the draft model was not in GGUF format") from None
-    if problem:
-        raise ModelfileError(f"the draft model's vocabulary is not the model's: {problem}")
+    check_draft(store, model.digest, drafts[0].digest)
     return [ly for ly in layers if ly.media_type != mt.DRAFT] + drafts
 
 

@@ -12,7 +12,10 @@ differently).
 
 from __future__ import annotations
 
-from corral.registry.gguf import Vocabulary
+from corral.errors import InvalidModelFile, ModelfileError
+from corral.registry.gguf import Vocabulary, read_vocabulary
+from corral.registry.projector import is_projector
+from corral.registry.store import Store
 
 MAX_SIZE_DIFFERENCE = 128
 CHECK_FROM = 5
@@ -42,3 +45,18 @@ def vocabulary_problem(model: Vocabulary, draft: Vocabulary) -> str | None:
             return (f"its token {i} is {draft.tokens[i][:40]!r} where the model's is "
                     f"{model.tokens[i][:40]!r}")
     return None
+
+
+def check_draft(store: Store, model_digest: str, draft_digest: str) -> None:
+    """A stored draft blob against the model blob it drafts for, at create and at pull:
+    ModelfileError (a 400) naming the first difference, InvalidModelFile where the draft
+    is no GGUF."""
+    try:
+        if is_projector(store.gguf_info(draft_digest)):
+            raise ModelfileError("the draft model is a vision projector, not a model")
+        problem = vocabulary_problem(read_vocabulary(store.blob_path(model_digest)),
+                                     read_vocabulary(store.blob_path(draft_digest)))
+    except InvalidModelFile:
+        raise InvalidModelFile("the draft model was not in GGUF format") from None
+    if problem:
+        raise ModelfileError(f"the draft model's vocabulary is not the model's: {problem}")

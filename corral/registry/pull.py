@@ -17,9 +17,12 @@ from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
 
-from corral.errors import BadRequest, CorralError, Unauthorized
+from corral.errors import BadRequest, CorralError, InvalidModelFile, Unauthorized
+from corral.registry import manifest as mt
 from corral.registry.download import Download, Downloader, wait
-from corral.registry.manifest import MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES, parse_manifest
+from corral.registry.draft import check_draft
+from corral.registry.manifest import (MANIFEST_MEDIA_TYPE, MAX_MANIFEST_BYTES, Manifest,
+                                      parse_manifest)
 from corral.registry.names import Name, parse_name
 from corral.registry.progress import Progress
 from corral.registry.store import Store
@@ -137,11 +140,26 @@ class Puller:
             for layer in layers:
                 self._layer(registry, name, layer.digest, layer.size, progress, cancelled)
             progress({"status": "verifying sha256 digest"})
+            self._check_draft(manifest)
             progress({"status": "writing manifest"})
             existing = self.store.resolve(name)
             self.store.write_manifest(existing or name, data)
             progress({"status": "success"})
             return existing or name
+
+    def _check_draft(self, manifest: Manifest) -> None:
+        """A pulled DRAFT layer gets create's vocabulary check (registry/draft.py): a
+        mismatch fails the pull, before its manifest is written. Where the model's layer is
+        no GGUF there is no vocabulary to hold it to (and the model will not load)."""
+        drafts = [ly for ly in manifest.layers if ly.media_type == mt.DRAFT]
+        models = [ly for ly in manifest.layers if ly.media_type == mt.MODEL]
+        if not drafts or not models:
+            return
+        try:
+            self.store.gguf_info(models[0].digest)
+        except InvalidModelFile:
+            return
+        check_draft(self.store, models[0].digest, drafts[0].digest)
 
     def _manifest(self, registry: Registry, name: Name) -> bytes:
         try:

@@ -33,6 +33,18 @@ class Estimate:
         return self.weights + self.kv + self.compute
 
 
+# Sequences' worth of cells a draft model's context holds (runner.speculative.draftmodel).
+DRAFT_STREAMS = 4
+
+
+def draft_bytes(info: GGUFInfo, file_size: int, num_ctx: int, n_slots: int,
+                kv_type: str = "f16") -> int:
+    """What a draft model loaded beside a model holds: its weights, and the KV of its
+    cells (`num_ctx` tokens for each of up to DRAFT_STREAMS sequences)."""
+    cells = num_ctx * min(n_slots, DRAFT_STREAMS)
+    return file_size + cells * kv_bytes_per_token(info, kv_type)
+
+
 def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
     layers = info.block_count or 0
     heads_kv = info.head_count_kv or info.head_count or 0

@@ -192,6 +192,7 @@ class LoadReport:
     n_ctx_train: int = 0
     vision: bool = False
     draft: int = 0  # of `weights`, a draft model's bytes and its KV's (0: none drafts)
+    draft_error: str = ""  # why the model's draft model did not load ("": it did, or none)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rpc_servers": list(self.rpc_servers)}

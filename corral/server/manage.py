@@ -98,6 +98,15 @@ def draft_info(services: Services, record: ModelRecord) -> dict[str, Any]:
     return out
 
 
+def _draft_error(services: Services, record: ModelRecord) -> dict[str, str]:
+    """Where the model is loaded and its draft model did not load with it: why."""
+    for entry in services.scheduler.running():
+        if entry.record.digest == record.digest and entry.runner is not None \
+                and entry.runner.report.draft_error:
+            return {"error": entry.runner.report.draft_error}
+    return {}
+
+
 def show(services: Services) -> Any:
     def route(req: Request, handler: Handler) -> None:
         body = parse(wire.ShowRequest, req.json())
@@ -131,7 +140,7 @@ def show(services: Services) -> Any:
         if record.projector_digest is not None:
             out["projector_info"] = projector_info(services.store.gguf_info(record.projector_digest))
         if record.draft_digest is not None:  # a Corral extension, as Ollama shows none yet
-            out["draft"] = draft_info(services, record)
+            out["draft"] = draft_info(services, record) | _draft_error(services, record)
         if system:
             out["system"] = system
         if record.licenses:
@@ -235,10 +244,13 @@ def prompt_cache(health: Health | None) -> dict[str, int]:
 def _draft(entry: Resident, report: LoadReport) -> dict[str, Any]:
     """A Corral extension in ps: the draft model drafting for this one, if one does."""
     record = entry.record
-    if not report.draft or record.draft_digest is None:
+    if record.draft_digest is None or not (report.draft or report.draft_error):
         return {}
-    return {"draft": {"model": record.draft_from or "", "digest": record.draft_digest,
-                      "size": report.draft}}
+    draft = {"model": record.draft_from or "", "digest": record.draft_digest,
+             "size": report.draft}
+    if report.draft_error:  # it did not load: the model answers from its own weights
+        draft["error"] = report.draft_error
+    return {"draft": draft}
 
 
 def ps(services: Services) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corral.process import limit_malloc_arenas
-from corral.errors import BadRequest
+from corral.errors import BadRequest, CorralError
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.runner import fitestimate
 from corral.runner.llama import native
@@ -48,6 +48,7 @@ class LoadedModel:
     vision: "Vision | None" = None
     draft: "DraftModel | None" = None
     draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV (0: none)
+    draft_error: str = ""  # why the model's draft model did not load ("": it did, or none)
 
 
 def load(config: LoadConfig) -> LoadedModel:
@@ -65,9 +66,8 @@ def load(config: LoadConfig) -> LoadedModel:
     adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
     if config.projector:
         adapters += os.path.getsize(config.projector)
-    drafting = config.draft is not None and config.speculative
+    draft_bytes, draft_error = _draft_size(config, per_slot)
     draft_cells = per_slot * min(config.n_slots, STREAMS)
-    draft_bytes = _draft_bytes(config, draft_cells) if drafting else 0
     adapters += draft_bytes
     # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
     # asks; the estimate (and so `ps`) must say so too.
@@ -99,14 +99,36 @@ def load(config: LoadConfig) -> LoadedModel:
             raise
     try:
         draft = _load_draft(config, llama, est, draft_cells) \
-            if drafting and llama.can_rollback else None
+            if draft_bytes and llama.can_rollback else None
+    except CorralError as exc:  # an architecture llama.cpp cannot run, no memory for its KV
+        draft, draft_error = None, _without_draft(exc)
     except BaseException:
         llama.free()
         if vision is not None:
             vision.close()
         raise
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
-                       vision, draft, draft_bytes if draft is not None else 0)
+                       vision, draft, draft_bytes if draft is not None else 0, draft_error)
+
+
+def _draft_size(config: LoadConfig, per_slot: int) -> tuple[int, str]:
+    """What the draft model will hold, its weights and KV (0: none loads), or why it
+    cannot load (a pulled DRAFT layer that is no GGUF, say)."""
+    if config.draft is None or not config.speculative:
+        return 0, ""
+    try:
+        return fitestimate.draft_bytes(inspect_gguf(config.draft), os.path.getsize(config.draft),
+                                       per_slot, config.n_slots, config.kv_cache_type), ""
+    except (CorralError, OSError) as exc:
+        return 0, _without_draft(exc)
+
+
+def _without_draft(exc: CorralError | OSError) -> str:
+    """A draft model can only help: one that does not load leaves the model loaded without
+    it, saying why (the log, and `ps`)."""
+    message = exc.message if isinstance(exc, CorralError) else str(exc)
+    log.warning("the draft model did not load; the model runs without it: %s", message)
+    return message
 
 
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
@@ -125,14 +147,6 @@ def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
         context.free()
         return None
     return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict)
-
-
-def _draft_bytes(config: LoadConfig, cells: int) -> int:
-    """What a draft model holds: its weights, and the KV of `cells` tokens."""
-    assert config.draft is not None
-    info = inspect_gguf(config.draft)
-    return os.path.getsize(config.draft) + cells * fitestimate.kv_bytes_per_token(
-        info, config.kv_cache_type)
 
 
 class Pending:

@@ -218,7 +218,8 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
         start_slots=len(engine.slots), kv_per_slot=est.kv // max(config.n_slots, 1),
         n_threads=llama.n_threads, load_seconds=engine.load_seconds,
         bos=bos, eos=eos, can_shift=llama.can_shift, n_ctx_train=llama.n_ctx_train,
-        vision=loaded.vision is not None, draft=loaded.draft_bytes)
+        vision=loaded.vision is not None, draft=loaded.draft_bytes,
+        draft_error=loaded.draft_error)
     return RunnerService(engine, report, loaded.vision)
 
 

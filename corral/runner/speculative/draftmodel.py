@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
+from corral.runner.fitestimate import DRAFT_STREAMS
 from corral.runner.speculative.ngram import History
 
 P_MIN = 0.75
@@ -29,7 +30,7 @@ N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
 # Sequences' worth of cells the draft context holds (allocated whole at load): at more
 # streams than this, each step's drafting sequences evict the others' cells, and a busy
 # batch drafts little anyway (runner.speculative.policy).
-STREAMS = 4
+STREAMS = DRAFT_STREAMS
 
 Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
 Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose

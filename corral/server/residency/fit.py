@@ -48,10 +48,21 @@ class MemoryFit:
             return 1
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self.cache_ram()
-        if record.draft is not None and self.settings.speculative:  # loaded beside it
-            budget -= record.draft.stat().st_size if record.draft.is_file() else 0
+        budget -= self._draft(record, int(opts.num_ctx or 0), cap)
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                      self.settings.kv_cache_type)
+
+    def _draft(self, record: ModelRecord, num_ctx: int, slots: int) -> int:
+        """A draft model's weights and KV, loaded beside the model (0: none, or it does
+        not load: the runner then goes on without it)."""
+        if record.draft is None or not self.settings.speculative or not record.draft.is_file():
+            return 0
+        try:
+            info = inspect_gguf(record.draft)
+        except CorralError:
+            return 0
+        return fitestimate.draft_bytes(info, record.draft.stat().st_size, num_ctx, slots,
+                                       self.settings.kv_cache_type)
 
     def pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
         """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
