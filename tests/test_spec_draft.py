@@ -241,3 +241,19 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     other = History(list(range(200, 250)))
     model.propose([(1, other, 4)])
     assert 0 not in model.held and (0, 0) in decoder.removed and 1 in model.held
+
+
+def test_a_token_past_the_draft_models_vocabulary_ends_that_sequences_drafting_only() -> None:
+    """Vocabularies may differ by 128 in size: a sequence holding a token the draft model
+    does not have is not fed to it (llama.cpp would refuse the batch, and every drafting
+    sequence would be read again from its start); the others draft on."""
+    from corral.runner.speculative.draftmodel import DraftModel
+
+    decoder = CountingDecoder()
+    model = DraftModel(decoder, n_vocab=1000, cells=64, n_max=4, n_own=900)
+    fine, beyond = History([10, 11, 12]), History([20, 950, 21])
+    model.propose([(0, fine, 4), (1, beyond, 4)])
+    assert model.draft(fine, 4) == [13, 14, 15, 16]
+    assert model.draft(beyond, 4) == []
+    assert all(seq == 0 for rows in decoder.rows for _, _, seq, _ in rows)
+    assert 1 not in model.held

@@ -146,7 +146,8 @@ def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
         log.warning("the draft model's memory is recurrent: it does not draft")
         context.free()
         return None
-    return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict)
+    return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict,
+                      context.n_vocab)
 
 
 class Pending:

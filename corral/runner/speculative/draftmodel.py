@@ -49,10 +49,13 @@ class Decoder(Protocol):
 
 
 class DraftModel:
-    def __init__(self, context: Decoder, n_vocab: int, cells: int, n_max: int = 0) -> None:
+    def __init__(self, context: Decoder, n_vocab: int, cells: int, n_max: int = 0,
+                 n_own: int = 0) -> None:
         """`n_vocab`: the model's vocabulary size (a token past it is never proposed);
-        `cells`: the draft context's."""
+        `cells`: the draft context's; `n_own`: the draft model's own vocabulary size
+        (0: the model's), which a sequence holding a token past it cannot be fed to."""
         self.context, self.n_target, self.n_max = context, n_vocab, n_max or N_MAX
+        self.n_own = n_own or n_vocab
         self.cells = cells
         self.held: dict[int, list[int]] = {}  # sequence -> the tokens its cells hold
         self._proposals: dict[int, tuple[History, int, list[int]]] = {}
@@ -77,7 +80,7 @@ class DraftModel:
         """A continuation for each wanting sequence, for the next step to take."""
         self._proposals.clear()
         wants = self._fitting([(seq, h, min(n, self.n_max)) for seq, h, n in wants
-                               if n > 0 and h.tokens and min(h.tokens) >= 0])  # an image's: no
+                               if n > 0 and self._readable(h.tokens)])
         if not wants:
             return
         t0 = time.perf_counter()
@@ -100,6 +103,13 @@ class DraftModel:
                 self.held[seq].append(token)
         self._proposals = {id(h): (h, len(h.tokens), drafts[seq]) for seq, h, _ in wants}
         self.seconds += time.perf_counter() - t0
+
+    def _readable(self, tokens: list[int]) -> bool:
+        """Whether the draft model can read every token: not an image's placeholder
+        (negative), nor a token past its own vocabulary (the two may differ by 128 in
+        size). Such a sequence does not draft; a batch holding one would be refused whole,
+        and every drafting sequence read again from its start."""
+        return bool(tokens) and min(tokens) >= 0 and max(tokens) < self.n_own
 
     def _fitting(self, wants: list[Want]) -> list[Want]:
         """The wants whose tokens and proposals fit in the cells together, shortest
