@@ -95,10 +95,42 @@ def test_a_grammar_constrained_request_drafts_and_stays_in_its_grammar(
     assert on[1].stats.draft_count > 0
 
 
-def test_stop_strings_and_limits_cut_inside_a_draft(engines: dict[bool, Engine]) -> None:
-    for job in ({"stop": ["self.history"]}, {"num_predict": 7}, {"num_predict": 30}):
-        same(run(engines[True], REPETITIVE, **dict(job)),
-             run(engines[False], REPETITIVE, **dict(job)))
+class Reach(NgramIndex):
+    """The n-gram index, noting how far each draft it gave reached (the sequence's length
+    had every token of it been kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reach: list[int] = []
+
+    def draft(self, history: History, n: int) -> list[int]:
+        out = super().draft(history, n)
+        if out:
+            self.reach.append(len(history.tokens) + len(out))
+        return out
+
+
+def test_stop_strings_and_limits_cut_inside_a_draft(starter_gguf: Path,
+                                                    engines: dict[bool, Engine]) -> None:
+    """The output is plain decoding's. A stop string cuts inside a draft: one did reach
+    past where the sequence ended (else this checks nothing); a limit bounds the draft
+    before it is made, so none reaches past it, and at 30 drafts are kept."""
+    index = Reach()
+    engine = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048, deterministic=True),
+                    index=index)
+    engine.start()
+    try:
+        for job in ({"stop": ["self.history"]}, {"num_predict": 7}, {"num_predict": 30}):
+            index.reach.clear()
+            on = run(engine, REPETITIVE, **dict(job))
+            same(on, run(engines[False], REPETITIVE, **dict(job)))
+            if "stop" in job:
+                assert max(index.reach) > len(on[1].stats.context)
+            else:
+                assert max(index.reach, default=0) <= len(on[1].stats.context), job
+        assert on[1].stats.draft_accepted_count > 0
+    finally:
+        engine.stop()
 
 
 class Wrong(NgramIndex):
@@ -146,11 +178,14 @@ def test_two_choices_at_once_draft_from_each_other(engines: dict[bool, Engine]) 
     prompt = e.tokenize(REPETITIVE, add_special=True)
     jobs = [e.submit(Job(prompt=list(prompt), params=SamplingParams(temperature=0, seed=1),
                          num_predict=N)) for _ in range(2)]
-    outs = []
+    outs, kept = [], []
     for job in jobs:
         text = ""
         while isinstance(event := job.events.get(timeout=300), Token):
             text += event.text
+        assert isinstance(event, Done), event
         outs.append(text)
+        kept.append(event.stats.draft_accepted_count)
     alone = "".join(t.text for t in run(engines[False], REPETITIVE)[0])
     assert outs == [alone, alone]
+    assert all(k > 0 for k in kept), kept  # both drafted, and kept drafts

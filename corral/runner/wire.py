@@ -133,8 +133,9 @@ class DoneLine:
     eval_duration: int = 0
     queue_duration: int = 0
     context: tuple[int, ...] = ()  # prompt and output tokens (native /api/generate)
-    # Speculative decoding: tokens drafted for this sequence and verified, and of those
-    # the ones the sampler accepted (each accepted one is also in eval_count).
+    # Speculative decoding: tokens drafted for this sequence (each took a row of a
+    # verifying batch), and of those the ones the sampler accepted (each also in
+    # eval_count): llama-server's draft_n and draft_n_accepted.
     draft_count: int = 0
     draft_accepted_count: int = 0
 

@@ -153,13 +153,12 @@ class Postprocess:
             slot.cached.append(token)
             accepted += 1
             self._sample(slot, row + 1 + i, self.llama.batch)
-        # What was compared: the kept tokens and the first the sampler did not pick; the
-        # rest were never judged, nor any once the sequence ended (a stop, the limit).
-        ended = slot.sequence is not seq
-        compared = accepted if ended else min(accepted + 1, len(draft))
-        seq.draft.verified(compared, accepted)
+        # Counted as llama-server counts them (draft_n, draft_n_accepted): every drafted
+        # token, each of which took a row of the batch, and the kept ones. The cost model
+        # so prices the rows paid against the tokens kept.
+        seq.draft.verified(len(draft), accepted)
         if self.cost is not None:
-            self.cost.verified(compared, accepted)
+            self.cost.verified(len(draft), accepted)
         filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
         if len(slot.cached) < filled:
             self._rejected.append(Trim(slot.seq_id, len(slot.cached)))
