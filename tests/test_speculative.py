@@ -14,6 +14,7 @@ import pytest
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import EngineConfig
+from corral.runner.slots.slot import SlotState
 from corral.runner.speculative.ngram import History, NgramIndex
 
 CODE = '''class Account:
@@ -189,3 +190,26 @@ def test_two_choices_at_once_draft_from_each_other(engines: dict[bool, Engine]) 
     alone = "".join(t.text for t in run(engines[False], REPETITIVE)[0])
     assert outs == [alone, alone]
     assert all(k > 0 for k in kept), kept  # both drafted, and kept drafts
+
+
+def test_undeletable_draft_cells_of_a_slot_that_just_ended_leave_it_empty(
+        engines: dict[bool, Engine]) -> None:
+    """The guard for a rejected draft's cells that would not go (run.trim says which):
+    a slot whose sequence ended in the same step is IDLE already; it is left holding
+    nothing, and the engine goes on (failing it again was an illegal transition that
+    ended the engine thread)."""
+    e = engines[True]
+    run(e, REPETITIVE, num_predict=4)
+    wait_for_rest(e)
+    slot = e.slots[0]
+    assert slot.state is SlotState.IDLE
+    e._stuck({slot.seq_id})
+    assert slot.cached == [] and slot.state is SlotState.IDLE
+    assert run(e, REPETITIVE, num_predict=4)[1].stats.eval_count == 4
+
+
+def wait_for_rest(e: Engine) -> None:
+    from tests.support import wait_for
+
+    wait_for(lambda: e.status()["busy_slots"] == 0 and e.status()["waiting"] == 0
+             and e.watch.running_for() == 0, 300)

@@ -304,7 +304,9 @@ class Engine:
         they hold nothing."""
         for slot in [s for s in self.slots if s.seq_id in seq_ids]:
             slot.cached, slot.tainted = [], False
-            self.post.fail(slot, RunnerError("a rejected draft's cells could not be removed"))
+            if slot.sequence is not None:  # else it ended this step: already IDLE
+                self.post.fail(slot, RunnerError("a rejected draft's cells could not be "
+                                                 "removed"))
 
     def _idle(self) -> bool:
         return not self.placer.waiting and not self._embeds and all(
