@@ -182,12 +182,12 @@ SPECS: tuple[Spec, ...] = (
          "most slots auto mode gives a model (0: 16 on the CPU, 32 on a GPU)", _parse_count),
     Spec("KV_POOL", "kv_pool", False, "false",
          "slots share one KV pool; num_ctx caps a sequence instead of reserving it",
-         parse_bool),
+         parse_switch),
     Spec("KV_POOL_TOKENS", "kv_pool_tokens", 0, "auto",
          "KV pool size in tokens (0: MAX_SLOTS x num_ctx, as memory allows)", _parse_count),
     Spec("DETERMINISTIC", "deterministic", False, "false",
          "batch-invariant kernels: greedy output never depends on what shares the batch",
-         parse_bool),
+         parse_switch),
     Spec("SPECULATIVE", "speculative", True, "on", "speculative decoding: draft tokens from "
          "the context, verify them in the batch (exact; off: one token per step)",
          parse_switch),
@@ -199,11 +199,11 @@ SPECS: tuple[Spec, ...] = (
     Spec("ORIGINS", "origins", (), "", "extra allowed CORS origins, comma separated",
          _parse_origins),
     Spec("FLASH_ATTENTION", "flash_attention", None, "auto", "force flash attention on or off",
-         parse_bool),
+         parse_switch),
     Spec("KV_CACHE_TYPE", "kv_cache_type", "f16", "f16", "KV cache type: f16, q8_0, q4_0",
          _parse_kv_type),
-    Spec("NOPRUNE", "noprune", False, "false", "do not prune unused blobs on start", parse_bool),
-    Spec("NOHISTORY", "nohistory", False, "false", "do not save REPL history", parse_bool),
+    Spec("NOPRUNE", "noprune", False, "false", "do not prune unused blobs on start", parse_switch),
+    Spec("NOHISTORY", "nohistory", False, "false", "do not save REPL history", parse_switch),
     Spec("DEBUG", "debug", 0, "0", "debug logging (1) and tracebacks; 2 for trace", _parse_debug),
     Spec("LOAD_TIMEOUT", "load_timeout", 300.0, "5m",
          "give up on a model load after this long (negative: never)", parse_duration),
@@ -245,6 +245,10 @@ SPECS: tuple[Spec, ...] = (
     Spec("CACHE_DISK", "cache_disk", 0, "0", "disk for the prompt cache under the state "
          "directory, so prompts stay warm across unloads and restarts (0: off)", parse_size),
 )
+
+
+# Switches that Ollama has too (envconfig.Bool): their OLLAMA_ names follow its rule.
+OLLAMA_SWITCHES = frozenset({"FLASH_ATTENTION", "NOPRUNE", "NOHISTORY"})
 
 
 @dataclass(frozen=True)
@@ -310,11 +314,15 @@ def load_settings(environ: Mapping[str, str] | None = None, warn: bool = True) -
                 raw, source = env[prefix + spec.name], prefix + spec.name
                 break
         value = spec.default
+        # A switch reads one way (parse_switch: anything else warns), but under the name of
+        # one of Ollama's own settings by Ollama's rule: a setup made for it means the same.
+        parse = parse_bool if spec.name in OLLAMA_SWITCHES and source.startswith("OLLAMA_") \
+            else spec.parse
         if raw is not None:
             text = raw.strip().strip('"').strip("'")
             if text:
                 try:
-                    value = spec.parse(text)
+                    value = parse(text)
                 except (ValueError, OverflowError) as exc:
                     problems.append(f"invalid {source}={raw!r} ({exc}); using {spec.shown_default}")
         values[spec.attr] = value

@@ -24,6 +24,11 @@ HEAD = """\
 
 Every setting is read once, from `CORRAL_<NAME>` or, as a fallback, `OLLAMA_<NAME>`
 (so `OLLAMA_HOST` and the rest of an Ollama setup keep working). An invalid value logs a warning and the default is used.
+A switch (`true`/`false` below) takes `on`, `yes`, `1`, `t`, `true` or `off`, `no`, `0`,
+`f`, `false`, and any other value is invalid. Under the `OLLAMA_` name of a setting Ollama
+has too (`FLASH_ATTENTION`, `NOPRUNE`, `NOHISTORY`) it follows Ollama's rule instead (Go's
+`strconv.ParseBool`, and any value that does not parse counts as true), so that
+`OLLAMA_FLASH_ATTENTION=enabled` means what it means to Ollama.
 `corral serve --help` prints this table too.
 
 | variable | default | meaning |

@@ -114,3 +114,25 @@ def test_no_other_module_reads_the_environment() -> None:
             if "os.environ" in text or "os.getenv" in text:
                 offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+def test_a_switch_reads_one_way_under_corrals_names_and_ollamas_way_under_its() -> None:
+    from corral.config import load_settings
+
+    on = {"CORRAL_DETERMINISTIC": "on", "CORRAL_KV_POOL": "yes", "CORRAL_NOPRUNE": "1",
+          "CORRAL_SPECULATIVE": "true"}
+    s = load_settings(on, warn=False)
+    assert (s.deterministic, s.kv_pool, s.noprune, s.speculative) == (True, True, True, True)
+    off = {"CORRAL_DETERMINISTIC": "off", "CORRAL_KV_POOL": "no", "CORRAL_NOPRUNE": "0",
+           "CORRAL_SPECULATIVE": "false"}
+    s = load_settings(off, warn=False)
+    assert (s.deterministic, s.kv_pool, s.noprune, s.speculative) == (False, False, False,
+                                                                      False)
+    bad = load_settings({"CORRAL_FLASH_ATTENTION": "enabled"}, warn=False)
+    assert bad.flash_attention is None and "CORRAL_FLASH_ATTENTION" in bad.warnings[0]
+    # Ollama's rule for its own settings' names: ParseBool, and what does not parse is
+    # true; a Corral switch under an OLLAMA_ name still reads Corral's way.
+    ollama = load_settings({"OLLAMA_FLASH_ATTENTION": "enabled", "OLLAMA_NOPRUNE": "false",
+                            "OLLAMA_NOHISTORY": "off", "OLLAMA_KV_POOL": "off"}, warn=False)
+    assert (ollama.flash_attention, ollama.noprune, ollama.nohistory, ollama.kv_pool) == (
+        True, False, True, False)
