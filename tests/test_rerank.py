@@ -173,7 +173,8 @@ def daemon(starter_store: Store, reranker_gguf: Path, plain_gguf: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     from tests.support import start_daemon
 
-    d = start_daemon(starter_store, tmp_path_factory.mktemp("rerank"), MAX_EMBED_INPUTS="16")
+    d = start_daemon(starter_store, tmp_path_factory.mktemp("rerank"), MAX_EMBED_INPUTS="16",
+                     MAX_EMBED_TOKENS="4000")
     client = ollama.Client(host=d.url)
     for name, path in ((RERANKER, reranker_gguf), (PLAIN, plain_gguf)):
         digest = client.create_blob(path)
@@ -241,6 +242,17 @@ def test_bad_input_is_a_status_in_each_shape(daemon: Daemon, body: dict[str, Any
     assert jina.status_code == status and words in jina.json()["error"]["message"]
     co = post(daemon, "/v2/rerank", body)
     assert co.status_code == status and words in co.json()["message"]
+
+
+def test_the_documents_prompts_together_have_a_bound(daemon: Daemon) -> None:
+    """As an embed's inputs: over CORRAL_MAX_EMBED_TOKENS in all is a 400 that names the
+    limit, and the runner goes on scoring."""
+    long = ["the quick brown fox jumps over the lazy dog " * 30] * 16  # ~16 x 400 tokens
+    r = post(daemon, "/v1/rerank", {"model": RERANKER, "query": "fox", "documents": long})
+    assert r.status_code == 400 and "CORRAL_MAX_EMBED_TOKENS" in r.json()["error"]["message"]
+    ok = post(daemon, "/v1/rerank", {"model": RERANKER, "query": "fox",
+                                     "documents": long[:2]})
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_reranker_neither_generates_nor_embeds(daemon: Daemon) -> None:

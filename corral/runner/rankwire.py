@@ -18,9 +18,11 @@ class RerankJob:
     query: str
     documents: tuple[str, ...]
     id: str = ""  # for /cancel
+    max_tokens: int = 0  # every document's prompt together (0: no limit), as an embed's
 
     def to_json(self) -> dict[str, Any]:
-        return {"query": self.query, "documents": list(self.documents), "id": self.id}
+        return {"query": self.query, "documents": list(self.documents), "id": self.id,
+                "max_tokens": self.max_tokens}
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> "RerankJob":
@@ -29,7 +31,10 @@ class RerankJob:
             raise BadRequest("query must be a string")
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise BadRequest("documents must be a list of strings")
-        return cls(query, tuple(documents), str(body.get("id") or ""))
+        limit = body.get("max_tokens") or 0
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise BadRequest("max_tokens must be a whole number, 0 or more")
+        return cls(query, tuple(documents), str(body.get("id") or ""), limit)
 
 
 @dataclass(frozen=True)

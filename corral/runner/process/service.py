@@ -174,6 +174,10 @@ class RunnerService:
             if len(tokens) > engine.llama.num_ctx:
                 raise BadRequest(f"document {i} is too long: its prompt is {len(tokens)} "
                                  f"tokens, over the context of {engine.llama.num_ctx} (num_ctx)")
+        total = sum(len(t) for t in prompts)
+        if job.max_tokens and total > job.max_tokens:
+            raise BadRequest(f"too many tokens: the documents' prompts hold {total}, over the "
+                             f"limit of {job.max_tokens} (CORRAL_MAX_EMBED_TOKENS)")
         outputs = self._pooled(Embed(prompts, truncate=False, id=job.id))
         return Ranked([out[0] for out in outputs], sum(len(t) for t in prompts))
 

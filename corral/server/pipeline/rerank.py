@@ -36,7 +36,8 @@ def rerank(services: Services, view: ModelView, query: str, documents: list[str]
         # A client that leaves stops the batch at the runner's next slice.
         watcher = on_disconnect(lambda: runner.cancel(job_id)) if on_disconnect else None
         try:
-            ranked = runner.rerank(RerankJob(query, tuple(documents), job_id))
+            ranked = runner.rerank(RerankJob(query, tuple(documents), job_id,
+                                             services.settings.max_embed_tokens))
         finally:
             if watcher is not None:
                 watcher.set()
