@@ -238,6 +238,26 @@ def test_changed_load_option_reloads_after_active_requests(tmp_path: Path, clock
     s.stop()
 
 
+def test_draft_num_predict_reloads_only_a_model_with_a_draft(tmp_path: Path,
+                                                              clock: Clock) -> None:
+    """It bounds a draft model's proposals: on a model without one, no value of it is a
+    reason to load the model again."""
+    import dataclasses
+
+    s = make(clock)
+    plain = record(tmp_path, "a")
+    first = acquire(s, plain, draft_num_predict=4)
+    s.release(first)
+    assert acquire(s, plain, draft_num_predict=8) is first
+    s.release(first)
+    drafted = dataclasses.replace(record(tmp_path, "b"), draft=plain.model_path)
+    one = acquire(s, drafted, draft_num_predict=4)
+    s.release(one)
+    other = acquire(s, drafted, draft_num_predict=8)
+    assert other is not one and other.options.draft_num_predict == 8
+    s.stop()
+
+
 def test_crashed_runner_is_replaced_on_next_request(tmp_path: Path, clock: Clock) -> None:
     s = make(clock)
     rec = record(tmp_path, "a")

@@ -91,7 +91,7 @@ class Scheduler:
     def acquire(self, ticket: "Ticket", record: ModelRecord, options: Options,
                 keep_alive: float | None) -> Resident:
         """Return a READY model with this request counted in; loads or reloads as needed."""
-        load_opts = self._load_options(options)
+        load_opts = self._load_options(options, record)
         try:
             while True:
                 with self.cond:
@@ -258,11 +258,13 @@ class Scheduler:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def _load_options(self, options: Options) -> Options:
+    def _load_options(self, options: Options, record: ModelRecord) -> Options:
         opts = options.load()
-        # auto (-1) never forces a reload
+        # auto (-1) never forces a reload; nor does draft_num_predict on a model that has
+        # no draft model for it to bound
         return replace(opts, num_ctx=opts.num_ctx or self.settings.context_length,
-                       num_gpu=None if opts.num_gpu == -1 else opts.num_gpu)
+                       num_gpu=None if opts.num_gpu == -1 else opts.num_gpu,
+                       draft_num_predict=opts.draft_num_predict if record.draft else None)
 
     def _make_room(self, record: ModelRecord) -> bool:
         """Evict idle models (shortest keep-alive first) until the new one may load."""
