@@ -258,6 +258,27 @@ def test_draft_num_predict_reloads_only_a_model_with_a_draft(tmp_path: Path,
     s.stop()
 
 
+class StuckRunner(FakeRunner):
+    """A runner whose stop never returns (a process stuck in a driver, past SIGKILL)."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        threading.Event().wait()
+
+
+def test_a_stop_that_never_returns_blocks_no_later_load(tmp_path: Path, clock: Clock) -> None:
+    settings = load_settings({"CORRAL_NUM_PARALLEL": "1", "CORRAL_MAX_LOADED_MODELS": "1"})
+    s = Scheduler(settings, StuckRunner, clock=clock, free_memory=lambda: 1 << 40,
+                  free_vram=lambda: 0, unload_deadline=0.2)
+    first = acquire(s, record(tmp_path, "a"))
+    s.release(first)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(acquire(s, record(tmp_path, "b"))))
+    t.start()  # "a" is evicted for it; its stop hangs for good
+    t.join(timeout=30)
+    assert got and got[0].state is ModelState.READY and got[0].record.name.model == "b"
+    s.stop()
+
+
 def test_crashed_runner_is_replaced_on_next_request(tmp_path: Path, clock: Clock) -> None:
     s = make(clock)
     rec = record(tmp_path, "a")

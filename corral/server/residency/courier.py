@@ -58,3 +58,13 @@ def in_parallel(calls: list[Callable[[], None]], deadline: float) -> None:
     end = time.monotonic() + deadline + 1.0
     for thread in threads:
         thread.join(max(0.0, end - time.monotonic()))
+
+
+def stop_within(stop: Callable[[], None], deadline: float) -> bool:
+    """Run a runner's `stop` (its own deadlines: a disk tier's write, then SIGKILL) and
+    wait at most `deadline` seconds for it; False where it never returned (a process stuck
+    in a driver, past even SIGKILL), so that the caller can go on without it."""
+    stopper = threading.Thread(target=stop, name="runner-stop", daemon=True)
+    stopper.start()
+    stopper.join(deadline)
+    return not stopper.is_alive()

@@ -17,7 +17,7 @@ from functools import partial
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from corral.config import FOREVER, Settings, state_dir
+from corral.config import FOREVER, Settings
 from corral.errors import CorralError, RunnerError, ServerBusy
 from corral.options import Options
 from corral.process import physical_cores, physical_memory_available, physical_memory_total
@@ -25,7 +25,8 @@ from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.registry.models import ModelRecord
 from corral.runner import fitestimate
 from corral.runner.loadconfig import LoadConfig
-from corral.server.residency.courier import Courier, in_parallel
+from corral.server.residency.loadplan import load_config
+from corral.server.residency.courier import Courier, in_parallel, stop_within
 from corral.server.residency.fit import MemoryFit, cache_bytes
 from corral.server.residency.resident import Resident, ModelState, Runner, Ticket
 from corral.server.residency.threads import shares
@@ -40,6 +41,9 @@ HEALTH_DEADLINE = 5.0  # for the watch's own checks: an answer slower than this 
 FRESH_DEADLINE = 0.5  # for `ps` and the like: past this they show the last answer
 
 
+UNLOAD_DEADLINE = 120.0  # a runner's stop: a minute for its disk tier, then SIGKILL
+
+
 class Scheduler:
     def __init__(self, settings: Settings,
                  runner_factory: Callable[[LoadConfig], Runner],
@@ -48,8 +52,9 @@ class Scheduler:
                  free_vram: Callable[[], int] = fitestimate.daemon_free_gpu_memory,
                  total_memory: Callable[[], int] = physical_memory_total,
                  inspect: Callable[[ModelRecord], GGUFInfo] = lambda r: inspect_gguf(r.model_path),
-                 cores: int = 0) -> None:
+                 cores: int = 0, unload_deadline: float = 0.0) -> None:
         self.settings = settings
+        self.unload_deadline = unload_deadline or UNLOAD_DEADLINE
         self.runner_factory = runner_factory
         self.clock = clock
         self.fit = MemoryFit(settings, free_memory, free_vram, total_memory, inspect)
@@ -291,23 +296,7 @@ class Scheduler:
 
     def _load(self, entry: Resident) -> None:
         with self._load_lock:  # one load at a time
-            config = LoadConfig.from_options(
-                str(entry.record.model_path), entry.options, n_slots=entry.slots,
-                flash_attn=self.settings.flash_attention,
-                kv_cache_type=self.settings.kv_cache_type, template=entry.record.template,
-                kv_pool=self.fit.pool_tokens(entry.record, entry.options, entry.slots),
-                # Auto mode is elastic: one slot's KV while idle, growing to the memory
-                # fit as requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start.
-                start_slots=1 if self.settings.num_parallel <= 0 and not self.settings.kv_pool
-                else 0,
-                deterministic=self.settings.deterministic,
-                speculative=self.settings.speculative,
-                adapters=tuple((str(path), 1.0) for path in entry.record.adapters),
-                projector=str(entry.record.projector) if entry.record.projector else None,
-                draft=str(entry.record.draft) if entry.record.draft else None,
-                cache_ram=self.fit.cache_ram(), cache_disk=self.settings.cache_disk,
-                cache_dir=str(state_dir() / "kvcache"), step_timeout=self.settings.step_timeout,
-                rpc_servers=LoadConfig.rpc_from(entry.options, self.settings.rpc_servers))
+            config = load_config(entry, self.settings, self.fit)
             runner = self.runner_factory(config)
             try:
                 runner.start(self.settings.load_timeout)
@@ -333,8 +322,13 @@ class Scheduler:
         threading.Thread(target=self._finish_unload, args=(entry,), daemon=True).start()
 
     def _finish_unload(self, entry: Resident) -> None:
-        if entry.runner is not None:
-            entry.runner.stop()
+        """The runner stops (its own deadlines: a disk tier's write, then SIGKILL); a stop
+        that never returns (a process stuck in a driver, past even SIGKILL) is given up on
+        after `unload_deadline`, so the entry goes and later loads are not blocked."""
+        if entry.runner is not None and not stop_within(entry.runner.stop,
+                                                        self.unload_deadline):
+            log.error("%s: the runner did not stop within %.0f s, even killed; its memory "
+                      "may still be held", entry.record.name.display(), self.unload_deadline)
         with self.cond:
             if self.loaded.get(entry.key) is entry:
                 del self.loaded[entry.key]
@@ -391,9 +385,9 @@ class Scheduler:
             self._stopping = True
             entries = list(self.loaded.values())
             self.cond.notify_all()
-        for entry in entries:
+        for entry in entries:  # a stop that never returns holds no shutdown either
             if entry.runner is not None:
-                entry.runner.stop(timeout=5)
+                stop_within(partial(entry.runner.stop, timeout=5), self.unload_deadline)
         with self.cond:
             self.loaded.clear()
 
