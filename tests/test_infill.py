@@ -214,6 +214,18 @@ def test_suffix_uses_fim_tokens_where_the_template_cannot(daemon: Daemon) -> Non
         assert "smollm2:135m does not support insert" in r.text
 
 
+def test_a_generate_suffix_takes_the_whole_prefix_and_suffix(daemon: Daemon) -> None:
+    """/infill's budgets (llama-server's: three quarters of a batch of prefix) are its
+    own: /api/generate's prompt and suffix go in whole, as Ollama sends them."""
+    prefix = "def f(x):\n    return x\n\n" * 160  # ~2,000 tokens: over /infill's 1,536
+    body = {"model": "fim", "prompt": prefix, "suffix": SUFFIX, "stream": False,
+            "options": {"temperature": 0, "num_predict": 1}}
+    r = post(daemon, "/api/generate", body)
+    assert r.status_code == 200, r.text
+    whole = len(daemon_tokens(daemon, prefix)) + len(daemon_tokens(daemon, SUFFIX))
+    assert r.json()["prompt_eval_count"] >= whole
+
+
 def test_show_lists_insert_for_fim_models_only(daemon: Daemon) -> None:
     def caps(model: str) -> list[str]:
         return post(daemon, "/api/show", {"model": model}).json()["capabilities"]

@@ -62,10 +62,14 @@ class Infill:
     suffix: str = ""
     extra: tuple[tuple[str, str], ...] = ()  # (filename, text) of other files
     prompt: str = ""  # after the prefix
+    # /infill's budgets of prefix and suffix (llama-server's); /api/generate's suffix takes
+    # them whole, as Ollama does, and a prompt over the context is then truncated as any.
+    budgets: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "suffix": self.suffix, "prompt": self.prompt,
-                "extra": [{"filename": f, "text": t} for f, t in self.extra]}
+                "extra": [{"filename": f, "text": t} for f, t in self.extra],
+                "budgets": self.budgets}
 
     @classmethod
     def from_json(cls, body: Any) -> Infill:
@@ -77,8 +81,11 @@ class Infill:
                 not all(isinstance(c, dict) and isinstance(c.get("filename", ""), str)
                         and isinstance(c.get("text"), str) for c in extra):
             raise BadRequest("infill must hold strings and {filename, text} chunks")
+        budgets = body.get("budgets", True)
+        if not isinstance(budgets, bool):
+            raise BadRequest("infill budgets must be a boolean")
         return cls(texts[0], texts[1], tuple((c.get("filename", "tmp"), c["text"])
-                                             for c in extra), texts[2])
+                                             for c in extra), texts[2], budgets)
 
 
 def infill_tokens(infill: Infill, fim: FimTokens, tokenize: Tokenize, n_ctx: int,
@@ -89,8 +96,9 @@ def infill_tokens(infill: Infill, fim: FimTokens, tokenize: Tokenize, n_ctx: int
     prefix, suffix = tokenize(infill.prefix, False), tokenize(infill.suffix, False)
     prompt = tokenize(infill.prompt, True)
     extra = _extra(infill.extra, fim, tokenize)
-    take_prefix = min(len(prefix), 3 * (n_batch // 4))
-    take_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
+    take_prefix = min(len(prefix), 3 * (n_batch // 4)) if infill.budgets else len(prefix)
+    take_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt)))) \
+        if infill.budgets else len(suffix)
     take_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra))
     head = [fim.pre] + prefix[len(prefix) - take_prefix:] + prompt
     tail = [fim.suf] + suffix[:take_suffix]

@@ -178,7 +178,7 @@ def infill_of(plan: Plan) -> Infill | None:
     if request.infill is not None:
         return request.infill
     if request.suffix and not _renders_suffix(plan):
-        return Infill(prefix=request.prompt, suffix=request.suffix)
+        return Infill(prefix=request.prompt, suffix=request.suffix, budgets=False)
     return None
 
 
