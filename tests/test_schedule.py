@@ -273,3 +273,26 @@ def test_the_schedule_needs_no_llama_cpp() -> None:
             "corral.runner.engine.plan, corral.runner.engine.imagefeed; "
             "sys.exit('llama_cpp' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_insertion_search_tries_a_bounded_number_of_starts() -> None:
+    """A cached suffix that is one token over and over (blank lines), behind typed text
+    that keeps nearly matching it: each position tries at most MAX_STARTS starts, not
+    every occurrence, and the search still finds where the run starts again."""
+    from corral.runner.engine import kvplan
+
+    calls = 0
+
+    def counted(cached: list[int], c: int, tokens: list[int], p: int, end: int) -> int:
+        nonlocal calls
+        calls += 1
+        return kvplan._run(cached, c, tokens, p, end)
+
+    least = 16
+    cached = [1, 2] + [5] * 3000 + [9]
+    # Typed: runs of 5 one short of `least`, broken by 7, then the suffix again.
+    typed = ([5] * (least - 1) + [7]) * 20
+    tokens = [1, 2, 3, *typed, *([5] * 3000), 9, 4]
+    found = kvplan._insertion(cached, 2, tokens, 2, len(tokens) - 1, least, run=counted)
+    assert found is not None and found[0] == 3 + len(typed) and found[2] >= least
+    assert calls <= kvplan.MAX_STARTS * (len(typed) + 1)

@@ -5,7 +5,7 @@ slots' bookkeeping in step with them."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine.placer import Placement, Source
@@ -112,6 +112,11 @@ def reuse_moves(seq_id: int, cached: list[int], tokens: list[int], n_prefix: int
 # Tokens typed before a cached run that are looked at for where it starts again: an
 # editor sends a few per keystroke; past this many the run is not worth the search.
 MAX_INSERT = 512
+# Where a token starts cached runs this many times, only its first starts are tried: a
+# suffix of one repeated token (blank lines, indentation) would otherwise cost positions
+# x occurrences x run length in Python on every placement. The earliest start has the
+# longest run in such a suffix, so little is lost.
+MAX_STARTS = 8
 
 
 def _run(cached: list[int], c: int, tokens: list[int], p: int, end: int) -> int:
@@ -123,14 +128,19 @@ def _run(cached: list[int], c: int, tokens: list[int], p: int, end: int) -> int:
 
 
 def _insertion(cached: list[int], head_c: int, tokens: list[int], head_p: int, end: int,
-               least: int) -> tuple[int, int, int] | None:
+               least: int, run: Callable[[list[int], int, list[int], int, int], int] = _run
+               ) -> tuple[int, int, int] | None:
     """The nearest prompt position q past `head_p` where a run of at least `least` of the
-    cached tokens (from c, past `head_c`) starts again: (q, c, its length), or None."""
+    cached tokens (from c, past `head_c`) starts again: (q, c, its length), or None.
+    At most MAX_INSERT positions, and MAX_STARTS starts a token, are tried (`run`: a
+    test's count of the work)."""
     starts: dict[int, list[int]] = {}
     for c in range(head_c, len(cached) - least + 1):
-        starts.setdefault(cached[c], []).append(c)
+        found = starts.setdefault(cached[c], [])
+        if len(found) < MAX_STARTS:
+            found.append(c)
     for q in range(head_p + 1, min(end - least + 1, head_p + 1 + MAX_INSERT)):
-        best = max(((_run(cached, c, tokens, q, end), c) for c in starts.get(tokens[q], ())),
+        best = max(((run(cached, c, tokens, q, end), c) for c in starts.get(tokens[q], ())),
                    default=(0, 0))
         if best[0] >= least:
             return q, best[1], best[0]
