@@ -70,10 +70,14 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     # The prompt cache's RAM (a quarter of what is free, at most) counts in the fit.
     cache = fitestimate.prompt_cache_budget(None, 64 << 30, small)
     assert cache == small // 4
+    # So does the n-gram index of speculative decoding, at its bound, where it is on.
+    index = fitestimate.NGRAM_INDEX_BYTES
     assert scheduler(small).fit.slots(r, opts) == fitestimate.slots_that_fit(
-        INFO, 4096, small - cache, 16)
+        INFO, 4096, small - cache - index, 16)
     assert scheduler(small, CACHE_RAM="0").fit.slots(r, opts) == fitestimate.slots_that_fit(
-        INFO, 4096, small, 16)
+        INFO, 4096, small - index, 16)
+    assert scheduler(small, CACHE_RAM="0", SPECULATIVE="off").fit.slots(r, opts) == \
+        fitestimate.slots_that_fit(INFO, 4096, small, 16)
     assert scheduler(small).fit.slots(r, opts) < 16
     assert scheduler(big, MAX_SLOTS="6").fit.slots(r, opts) == 6
     assert scheduler(big, NUM_PARALLEL="3").fit.slots(r, opts) == 3  # fixed means fixed

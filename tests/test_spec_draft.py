@@ -257,3 +257,15 @@ def test_a_token_past_the_draft_models_vocabulary_ends_that_sequences_drafting_o
     assert model.draft(beyond, 4) == []
     assert all(seq == 0 for rows in decoder.rows for _, _, seq, _ in rows)
     assert 1 not in model.held
+
+
+def test_the_index_says_what_it_holds_and_its_bound_is_the_fits() -> None:
+    from corral.runner import fitestimate
+    from corral.runner.speculative import ngram
+
+    index = NgramIndex(k=3)
+    assert index.bytes() == 0
+    index.add(History(list(range(100))))
+    assert index.bytes() == len(index) * ngram.KEY_BYTES + 100 * ngram.TOKEN_BYTES > 0
+    assert fitestimate.NGRAM_INDEX_BYTES == ngram.LIMIT * ngram.KEY_BYTES \
+        + ngram.TOKENS * ngram.TOKEN_BYTES

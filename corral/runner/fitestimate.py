@@ -35,6 +35,9 @@ class Estimate:
 
 # Sequences' worth of cells a draft model's context holds (runner.speculative.draftmodel).
 DRAFT_STREAMS = 4
+# The most the n-gram index of speculative decoding holds (runner.speculative.ngram: its
+# LIMIT keys at KEY_BYTES and TOKENS tokens at TOKEN_BYTES; a test holds the two equal).
+NGRAM_INDEX_BYTES = (1 << 18) * 100 + (1 << 21) * 40
 
 
 def draft_bytes(info: GGUFInfo, file_size: int, num_ctx: int, n_slots: int,

@@ -221,14 +221,16 @@ def _sizes(entry: Resident, health: Health | None) -> dict[str, int]:
     """ps' memory fields. `size` is what the model holds now (LoadReport.held): the
     weights and compute buffer, the KV committed (elastic KV holds one slot's worth while
     idle and grows as requests run at once; the reserve's streams cost only the cells
-    written: runner.kv.growth) and the prompt cache's RAM. Not the runner's RSS, which adds
-    the interpreter and, on a GPU, the driver's host memory, and would show a fully
-    offloaded model partly on the CPU; on a CPU the two stay within 20% (test_ps_size).
+    written: runner.kv.growth), the prompt cache's RAM and the n-gram index. Not the
+    runner's RSS, which adds the interpreter and, on a GPU, the driver's host memory,
+    and would show a fully offloaded model partly on the CPU; on a CPU the two stay
+    within 20% (test_ps_size).
     `size_cap` is what the model may grow to, which fitting other models reckons with.
     Without a health answer yet: as loaded."""
     report = entry.runner.report if entry.runner is not None else LoadReport()
     kv = health.kv_bytes if health is not None else report.kv_per_slot * report.start_slots
-    cache = health.cache.bytes if health is not None else 0
+    # The prompt cache's RAM, and speculative decoding's n-gram index beside it.
+    cache = health.cache.bytes + health.index_bytes if health is not None else 0
     size, vram, rpc = report.held(kv, cache)
     out = {"size": size, "size_vram": vram, "size_cap": max(report.size + cache, size)}
     if report.size_rpc:  # a Corral extension: bytes on RPC workers

@@ -211,7 +211,9 @@ class Engine:
             "kv_used": sum(s.n_past for s in slots), "kv_reserved": self.llama.n_ctx,
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
             "sampled": self.sampled, **self.caches.describe(),
-            "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0}
+            "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0,
+            "index_bytes": index.bytes() if isinstance(index := self.schedule.index,
+                                                       NgramIndex) else 0}
 
     def kv_held(self, kv_cap: int) -> int:
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:

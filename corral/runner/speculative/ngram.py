@@ -30,6 +30,7 @@ LIMIT = 1 << 18
 # whole history, so requests over one long document with short questions would keep
 # every one of them alive (about 40 bytes a token).
 TOKENS = 1 << 21
+KEY_BYTES, TOKEN_BYTES = 100, 40  # what each costs in the interpreter, as measured
 
 
 class History:
@@ -60,6 +61,11 @@ class NgramIndex:
 
     def __len__(self) -> int:
         return len(self._next)
+
+    def bytes(self) -> int:
+        """About what the index holds now (ps counts it beside the prompt cache); at most
+        LIMIT keys and TOKENS tokens' worth (runner.fitestimate.NGRAM_INDEX_BYTES)."""
+        return len(self._next) * KEY_BYTES + self._held * TOKEN_BYTES
 
     def add(self, history: History) -> None:
         """Index the K-grams of `history` whose continuation is known now (each ends before

@@ -49,6 +49,8 @@ class MemoryFit:
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self.cache_ram()
         budget -= self._draft(record, int(opts.num_ctx or 0), cap)
+        if self.settings.speculative and record.draft is None:  # the n-gram index, at most
+            budget -= fitestimate.NGRAM_INDEX_BYTES
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                      self.settings.kv_cache_type)
 
