@@ -56,6 +56,20 @@ class Batch:
     def slots(self) -> list[Slot]:
         return self.decoding + [slot for slot, _ in self.prefill]
 
+    def without(self, seq_ids: set[int]) -> "Batch":
+        """The same batch less every row of `seq_ids` (placements that failed at run): the
+        other streams' rows, logits and drafts unchanged, their rows renumbered."""
+        out = Batch(decoding=[s for s in self.decoding if s.seq_id not in seq_ids],
+                    prefill=[(s, n) for s, n in self.prefill if s.seq_id not in seq_ids],
+                    drafts={k: v for k, v in self.drafts.items() if k not in seq_ids})
+        moved = {}
+        for i, row in enumerate(self.rows):
+            if row.seq_id not in seq_ids:
+                moved[i] = len(out.rows)
+                out.rows.append(row)
+        out.sample_at = {k: moved[i] for k, i in self.sample_at.items() if k not in seq_ids}
+        return out
+
 
 # Asked for a decoding slot's draft: the slot, and how many slots decode this step.
 Drafter = Callable[[Slot, int], list[int]]

@@ -281,10 +281,11 @@ class Engine:
             if self.draft is not None:  # proposals for the next step, which takes them
                 self.draft.propose(self.schedule.draft_wants(self.slots))
             drafting = self.schedule.index is not None  # off: nothing reads the fit
-            if drafting and out.ok and plan.batch.decoding and not plan.batch.prefill:
-                self.cost.observe(len(plan.batch.rows), out.native)  # every row has logits
+            if drafting and out.ok and out.batch.decoding and not out.batch.prefill:
+                self.cost.observe(len(out.batch.rows), out.native)  # every row has logits
             self.native_time += out.native
-            if plan.image is not None and out.ok:  # after the batch is sampled: see run.py
+            if plan.image is not None and out.ok \
+                    and plan.image.slot.seq_id not in out.skipped():  # after the batch: run.py
                 out = self.run.image(plan.image, self.slots)
                 self.post.image(plan.image, out)
                 self.native_time += out.native

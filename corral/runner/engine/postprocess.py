@@ -74,8 +74,8 @@ class Postprocess:
     def step(self, plan: StepPlan, out: Outcome) -> None:
         """The rest of a step that ran: its token batch."""
         self._put_right(out)
-        if out.ok and plan.batch.rows:
-            self._apply(plan.batch)
+        if out.ok and out.batch.rows:
+            self._apply(out.batch)
 
     def image(self, image: ImageSlice, out: Outcome) -> None:
         """The image slice decoded after the batch (runner.engine.run Run.image)."""

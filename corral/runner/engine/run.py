@@ -26,6 +26,7 @@ from corral.errors import BadRequest
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine import kvops
 from corral.runner.engine.kvops import KVOps
+from corral.runner.engine.batchplan import Batch
 from corral.runner.engine.kvplan import save_op
 from corral.runner.engine.plan import ImageSlice, Placed, StepPlan, Trim
 from corral.runner.llama import native
@@ -45,10 +46,16 @@ class Outcome:
 
     failed: list[Placed] = field(default_factory=list)  # their prefix did not go in place
     refused: list[tuple[Placed, BadRequest]] = field(default_factory=list)  # no sampler
+    # What was decoded: the plan's batch, less the rows of placements that failed here
+    batch: Batch = field(default_factory=Batch)
     decoded: bool = False  # the decode ran (rc says how)
     rc: int = 0
     lost: list[Slot] = field(default_factory=list)  # a failed decode recovery could not save
     native: float = 0.0  # seconds in llama_decode
+
+    def skipped(self) -> set[int]:
+        """The sequences whose placement failed: left out of this step's decodes."""
+        return {p.slot.seq_id for p in self.failed} | {p.slot.seq_id for p, _ in self.refused}
 
     @property
     def ok(self) -> bool:
@@ -67,23 +74,23 @@ class Run:
 
     def step(self, plan: StepPlan, slots: list[Slot]) -> Outcome:
         """The plan's ops, new samplers, and the token batch."""
-        out = Outcome()
+        out = Outcome(batch=plan.batch)
         failed = self.ops(plan)
         out.failed = [p for p in plan.placed if p.slot.seq_id in failed]
         out.refused = self._samplers(plan.placed)
-        if out.failed or out.refused:
-            log.debug("a placement failed (%d prefixes, %d samplers): the step is planned again",
+        if out.failed or out.refused:  # their rows are wrong: the other streams go on
+            log.debug("a placement failed (%d prefixes, %d samplers): planned again",
                       len(out.failed), len(out.refused))
-            return out
+            out.batch = plan.batch.without(out.skipped())
         out.decoded = True
         llama = self.llama
-        if plan.batch.rows:
-            native.fill_batch(llama.batch, plan.batch.rows, llama.n_batch)
+        if out.batch.rows:
+            native.fill_batch(llama.batch, out.batch.rows, llama.n_batch)
             t0 = self.clock()
             out.rc = int(L.llama_decode(llama.ctx, llama.batch))
             out.native += self.clock() - t0
             if out.rc != 0:
-                out.lost = self._recover(out.rc, plan.slots, slots)
+                out.lost = self._recover(out.rc, out.batch.slots, slots)
         return out
 
     def ops(self, plan: StepPlan) -> set[int]:
