@@ -165,6 +165,18 @@ def test_a_decoding_slot_drafts_what_followed_its_last_tokens() -> None:
     assert [r.pos for r in rows] == list(range(70, 79)) and all(r.logits for r in rows)
 
 
+def test_a_draft_model_is_asked_only_for_drafts_the_next_step_takes() -> None:
+    """With a KV stream per slot every draft is cut to the shortest: while one decoding
+    slot will not draft (here its policy waits after misses), nothing is proposed."""
+    s = schedule(index=NgramIndex(k=2))
+    drafting, ending = decoding(0, A[:60] + A[:10]), decoding(1, B[:30])
+    ending.sequence.draft.wait = 2  # type: ignore[union-attr]
+    assert s.draft_wants([drafting]) == [(0, drafting.sequence.history, 8)]  # type: ignore[union-attr]
+    assert s.draft_wants([drafting, ending]) == []
+    pooled = schedule(index=NgramIndex(k=2), pool=KVPool(NUM_CTX))  # one stream: no cut
+    assert [w[0] for w in pooled.draft_wants([drafting, ending])] == [0]
+
+
 def test_a_full_pool_goes_without_drafts_before_it_evicts_or_preempts() -> None:
     """Draft rows are guesses given back the same step: nothing is evicted for them."""
     index = NgramIndex(k=2)

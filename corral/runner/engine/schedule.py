@@ -154,15 +154,25 @@ class Schedule:
     def draft_wants(self, slots: list[Slot]) -> list[tuple[int, "History", int]]:
         """What a draft model (runner.speculative.draftmodel) should propose after this
         step, read without changing anything: each decoding sequence that will draft at
-        the next one, and as many tokens as its policy may then ask."""
+        the next one, and as many tokens as its policy may then ask, within the rows the
+        batch leaves each (batchplan.plan_step's `spare`). Where every slot has a KV stream
+        of its own, plan_step cuts all drafts to the shortest: then none is proposed while
+        one decoding slot will not draft, and none longer than the shortest want."""
         decoding = [s for s in slots if s.state is SlotState.DECODE and s.sequence is not None]
+        spare = (self.n_batch - len(decoding)) // max(len(decoding), 1)
+        even = self._even(slots)
         out = []
         for slot in decoding:
             seq = slot.sequence
             assert seq is not None
-            n = seq.draft.ready(len(decoding), self._room(slot))
+            n = min(seq.draft.ready(len(decoding), self._room(slot)), spare)
             if n > 0 and self._pays(slot, len(decoding)):
                 out.append((slot.seq_id, seq.history, n))
+            elif even:
+                return []  # its empty draft would cut every other one to nothing
+        if even and out:
+            least = min(n for _, _, n in out)
+            out = [(seq_id, history, least) for seq_id, history, _ in out]
         return out
 
     def _room(self, slot: Slot) -> int:
