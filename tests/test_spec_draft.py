@@ -269,3 +269,24 @@ def test_the_index_says_what_it_holds_and_its_bound_is_the_fits() -> None:
     assert index.bytes() == len(index) * ngram.KEY_BYTES + 100 * ngram.TOKEN_BYTES > 0
     assert fitestimate.NGRAM_INDEX_BYTES == ngram.LIMIT * ngram.KEY_BYTES \
         + ngram.TOKENS * ngram.TOKEN_BYTES
+
+
+def test_a_long_history_is_read_a_bounded_number_of_rows_a_step() -> None:
+    """A new request's long prompt is read into the draft context CATCH_UP rows a step,
+    like a prefill, while a short one beside it drafts at once; once read, it drafts."""
+    from corral.runner.speculative import draftmodel
+    from corral.runner.speculative.draftmodel import DraftModel
+
+    decoder = CountingDecoder()
+    model = DraftModel(decoder, n_vocab=100_000, cells=4096, n_max=4)
+    short, long = History([10, 11, 12]), History([20 + i % 70 for i in range(600)])
+    steps = 0
+    while model.draft(long, 4) == []:
+        calls = len(decoder.rows)
+        model.propose([(0, short, 4), (1, long, 4)])
+        assert len(decoder.rows[calls]) <= draftmodel.CATCH_UP  # the catch-up's decode
+        assert model.draft(short, 4) == [13, 14, 15, 16]
+        steps += 1
+        assert steps < 10
+    assert steps == -(-(600 + 3) // draftmodel.CATCH_UP)  # 603 rows in all, 256 a step
+    assert model.draft(long, 4) == [60, 61, 62, 63]

@@ -26,6 +26,10 @@ from corral.runner.fitestimate import DRAFT_STREAMS
 from corral.runner.speculative.ngram import History
 
 P_MIN = 0.75
+# Rows of catching up (a new request's prompt, a restored prefix) the draft model decodes
+# per step, all sequences together: a long prompt is read over several steps, like a
+# prefill, so that no stream waits seconds on it; a sequence drafts once it is read.
+CATCH_UP = 256
 N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
 # Sequences' worth of cells the draft context holds (allocated whole at load): at more
 # streams than this, each step's drafting sequences evict the others' cells, and a busy
@@ -85,7 +89,9 @@ class DraftModel:
             return
         t0 = time.perf_counter()
         self._make_room(wants)
-        picks = self._decode(self._catch_up(wants))
+        rows, ready = self._catch_up(wants)
+        wants = [want for want in wants if want[0] in ready]
+        picks = self._decode(rows)
         drafts: dict[int, list[int]] = {seq: [] for seq, _, _ in wants}
         while picks:
             rows: list[Row] = []
@@ -134,11 +140,13 @@ class DraftModel:
             self.context.remove(seq, 0)
             del self.held[seq]
 
-    def _catch_up(self, wants: Sequence[Want]) -> list[Row]:
+    def _catch_up(self, wants: Sequence[Want]) -> tuple[list[Row], set[int]]:
         """The rows that bring each sequence's cells to its tokens (past what they hold
         that it shares), the last with logits: at least that one, whose logits were not
-        kept."""
+        kept. At most CATCH_UP rows in all, shortest sequences first; the sequences read
+        to their end, which propose now."""
         rows: list[Row] = []
+        ready, budget = set(), CATCH_UP
         for seq, history, _ in wants:
             tokens, held = history.tokens, self.held.get(seq, [])
             keep = 0
@@ -146,10 +154,13 @@ class DraftModel:
             while keep < limit and held[keep] == tokens[keep]:
                 keep += 1
             self.context.remove(seq, keep)
-            self.held[seq] = list(tokens)
-            rows += [(tokens[pos], pos, seq, pos == len(tokens) - 1)
-                     for pos in range(keep, len(tokens))]
-        return rows
+            end = min(len(tokens), keep + budget)
+            budget -= end - keep
+            self.held[seq] = list(tokens[:end])
+            rows += [(tokens[pos], pos, seq, pos == len(tokens) - 1) for pos in range(keep, end)]
+            if end == len(tokens):
+                ready.add(seq)
+        return rows, ready
 
     def _decode(self, rows: list[Row]) -> dict[int, tuple[int, float]]:
         """The draft model's picks after `rows`; none when there are none, or when the
