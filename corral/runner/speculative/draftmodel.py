@@ -89,9 +89,9 @@ class DraftModel:
             return
         t0 = time.perf_counter()
         self._make_room(wants)
-        rows, ready = self._catch_up(wants)
+        catch_up, ready = self._catch_up(wants)
         wants = [want for want in wants if want[0] in ready]
-        picks = self._decode(rows)
+        picks = self._decode(catch_up)
         drafts: dict[int, list[int]] = {seq: [] for seq, _, _ in wants}
         while picks:
             rows: list[Row] = []
