@@ -103,11 +103,13 @@ class Reach(NgramIndex):
     def __init__(self) -> None:
         super().__init__()
         self.reach: list[int] = []
+        self.drafted = 0  # tokens given, all verified at one slot (nothing cuts them)
 
     def draft(self, history: History, n: int) -> list[int]:
         out = super().draft(history, n)
         if out:
             self.reach.append(len(history.tokens) + len(out))
+            self.drafted += len(out)
         return out
 
 
@@ -123,8 +125,11 @@ def test_stop_strings_and_limits_cut_inside_a_draft(starter_gguf: Path,
     try:
         for job in ({"stop": ["self.history"]}, {"num_predict": 7}, {"num_predict": 30}):
             index.reach.clear()
+            index.drafted = 0
             on = run(engine, REPETITIVE, **dict(job))
             same(on, run(engines[False], REPETITIVE, **dict(job)))
+            # Every drafted token counts, the last draft's too (its sample ended it).
+            assert on[1].stats.draft_count == index.drafted, job
             if "stop" in job:
                 assert max(index.reach) > len(on[1].stats.context)
             else:

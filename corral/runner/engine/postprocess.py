@@ -146,17 +146,20 @@ class Postprocess:
         and all after it, are not, nor any after the sequence ended. Their cells go
         (`rejected`: run removes them at the end of the step)."""
         draft = batch.drafts[slot.seq_id]
+        # Counted as llama-server counts them (draft_n, draft_n_accepted): every drafted
+        # token, each of which took a row of the batch, and the kept ones, as they are
+        # kept (a kept one's sample may end the sequence and send its counts). The cost
+        # model so prices the rows paid against the tokens kept.
+        seq.draft.counting(len(draft))
         accepted = 0
         for i, token in enumerate(draft):
             if slot.sequence is not seq or seq.last_token != token:
                 break  # ended (an end token, a stop, the limit), or the text went elsewhere
             slot.cached.append(token)
             accepted += 1
+            seq.draft.kept()
             self._sample(slot, row + 1 + i, self.llama.batch)
-        # Counted as llama-server counts them (draft_n, draft_n_accepted): every drafted
-        # token, each of which took a row of the batch, and the kept ones. The cost model
-        # so prices the rows paid against the tokens kept.
-        seq.draft.verified(len(draft), accepted)
+        seq.draft.verified(len(draft), accepted, counted=True)
         if self.cost is not None:
             self.cost.verified(len(draft), accepted)
         filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it

@@ -60,12 +60,23 @@ class DraftPolicy:
             return 0
         return max(0, min(self.length, ROWS // max(decoding, 1), room))
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """A draft of `drafted` tokens was verified and `accepted` of them kept."""
+    def counting(self, drafted: int) -> None:
+        """A draft of `drafted` tokens goes to verification: they count now, since
+        sampling them may end the sequence, whose final counts are read then."""
+        self.drafted += drafted
+
+    def kept(self) -> None:
+        """One token of the draft being verified was kept (counted as it is)."""
+        self.accepted += 1
+
+    def verified(self, drafted: int, accepted: int, counted: bool = False) -> None:
+        """A draft of `drafted` tokens was verified and `accepted` of them kept (`counted`:
+        `counting` and `kept` have told the counts already; the length adapts here)."""
         if drafted <= 0:
             return
-        self.drafted += drafted
-        self.accepted += accepted
+        if not counted:
+            self.drafted += drafted
+            self.accepted += accepted
         if accepted == drafted:
             self.length = min(self.length * 2, MAX)
         else:
