@@ -61,14 +61,20 @@ class StderrTail:
         self._thread.start()
 
     def _pump(self, stream: IO[bytes], log_file: IO[bytes] | None) -> None:
+        """Read to the end whatever the log does: a pipe nobody reads fills, and then the
+        runner blocks on its next line to stderr."""
         with contextlib.suppress(OSError, ValueError):
             for raw in iter(stream.readline, b""):
                 if log_file is not None:
-                    log_file.write(raw)
-                    log_file.flush()
+                    try:
+                        log_file.write(raw)
+                        log_file.flush()
+                    except (OSError, ValueError):  # a full disk, a closed log: lines go
+                        log_file = None
                 text = raw.decode("utf-8", "replace").strip()
                 if text:
                     self.lines.append(text[:500])
+            stream.close()
 
     def last_words(self, wait: float = 2.0) -> str:
         """The last lines, once the stream ended (or `wait` seconds passed)."""

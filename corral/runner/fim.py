@@ -90,7 +90,8 @@ class Infill:
 
 def infill_tokens(infill: Infill, fim: FimTokens, tokenize: Tokenize, n_ctx: int,
                   n_batch: int = FIM_BATCH, n_predict: int = FIM_PREDICT) -> list[int]:
-    """The prompt llama-server's /infill evaluates for `infill` in a slot of `n_ctx`."""
+    """The prompt llama-server's /infill evaluates for `infill` in a slot of `n_ctx`; with
+    `infill.budgets` off (/api/generate's suffix), the prefix and suffix whole."""
     if fim.missing():
         raise BadRequest(f"Infill is not supported by this model: {fim.missing()}")
     prefix, suffix = tokenize(infill.prefix, False), tokenize(infill.suffix, False)

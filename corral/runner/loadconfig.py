@@ -44,7 +44,7 @@ class LoadConfig:
     cache_dir: str = ""
     # Seconds the engine may spend inside one step (CORRAL_STEP_TIMEOUT; runner.process.main):
     # one step is at most n_batch prompt tokens or a row per slot, which a slow laptop's
-    # CPU takes minutes over only for the largest models; negative: no bound.
+    # CPU takes minutes over only for the largest models; 0 or negative: no bound.
     step_timeout: float = 300.0
 
     @classmethod

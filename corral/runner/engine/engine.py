@@ -249,11 +249,13 @@ class Engine:
                 if self._stopping:
                     break
                 self.watch.enter()
-                if self._embeds:
-                    self._embeds.step(self.embed_ctx)
-                    self._embedded_at, self._transient = self.clock(), True
-                self._step()
-                self.watch.leave()
+                try:
+                    if self._embeds:
+                        self._embeds.step(self.embed_ctx)
+                        self._embedded_at, self._transient = self.clock(), True
+                    self._step()
+                finally:
+                    self.watch.leave()
         except Exception as exc:  # a bug here must not leave any client hanging
             log.exception("engine thread failed")
             self.failure = EngineFailed(f"the model's engine failed: {exc}")

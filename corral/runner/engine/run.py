@@ -7,8 +7,9 @@ that batch (a decode overwrites the logits of the one before), the image slice t
 the embeddings batch, which postprocess finishes in turn. A placement whose Trim,
 Restore or Branch fails (a state llama.cpp refuses, a partial removal a recurrent memory
 cannot make, a branch from a donor that failed) leaves its slot's planned rows wrong,
-and so does a sampler that cannot be made: then the remaining ops still run, the
-decodes are skipped, and postprocess puts those slots right; the next step plans again.
+and so does a sampler that cannot be made: then the remaining ops still run, the other
+streams' rows decode without theirs (Batch.without), and postprocess puts those slots
+right; the next step plans them again.
 A failed decode is recovered here (kvops.recover); what recovery cannot save,
 postprocess fails.
 """

@@ -3,8 +3,11 @@
 A thread blocked in native code (llama_decode waiting on an RPC worker that stopped
 answering, a hung GPU driver, a draft model's decode) looks alive forever, and the
 HTTP thread that answers /health would go on saying so. The engine thread marks each
-step it enters and leaves; the runner's watchdog thread (runner.process.main) reads the
-mark, and past the bound (CORRAL_STEP_TIMEOUT) declares the engine stalled."""
+step it enters and leaves (an embedding slice and a decode step, with the draft model's
+proposals and the image slice: every call into llama.cpp that serves a request); the
+runner's watchdog thread (runner.process.main) reads the mark, and past the bound
+(CORRAL_STEP_TIMEOUT) declares the engine stalled. Housekeeping between steps (a resize
+moving onto a new context, the reserve's pages) is not watched."""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from corral.process import limit_malloc_arenas
-from corral.errors import BadRequest, CorralError
+from corral.errors import BadRequest, CorralError, RunnerError
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.runner import fitestimate
 from corral.runner.llama import native
@@ -98,15 +98,16 @@ def load(config: LoadConfig) -> LoadedModel:
             llama.free()
             raise
     try:
-        draft = _load_draft(config, llama, est, draft_cells) \
-            if draft_bytes and llama.can_rollback else None
-    except CorralError as exc:  # an architecture llama.cpp cannot run, no memory for its KV
-        draft, draft_error = None, _without_draft(exc)
+        draft, why = _with_draft(config, llama, est, draft_cells) if draft_bytes else (None, "")
+        draft_error = draft_error or why
     except BaseException:
         llama.free()
         if vision is not None:
             vision.close()
         raise
+    if draft is None and draft_bytes:  # estimated, and not held after all
+        est = replace(est, weights=est.weights - draft_bytes,
+                      cpu_bytes=max(est.cpu_bytes - draft_bytes, 0))
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
                        vision, draft, draft_bytes if draft is not None else 0, draft_error)
 
@@ -131,10 +132,21 @@ def _without_draft(exc: CorralError | OSError) -> str:
     return message
 
 
+def _with_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
+                cells: int) -> "tuple[DraftModel | None, str]":
+    """The draft model, or None and why not ("": the model cannot verify drafts)."""
+    if not llama.can_rollback:
+        return None, ""
+    try:
+        return _load_draft(config, llama, est, cells), ""
+    except CorralError as exc:  # an architecture llama.cpp cannot run, no memory for its KV
+        return None, _without_draft(exc)
+
+
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
-                cells: int) -> "DraftModel | None":
+                cells: int) -> "DraftModel":
     """The draft model: on the GPU where the whole model is, else beside it on the CPU.
-    None where its memory cannot cut back a rejected proposal (recurrent, hybrid)."""
+    RunnerError where its memory cannot cut back a rejected proposal (recurrent, hybrid)."""
     from corral.runner.llama.draftcontext import DraftContext
     from corral.runner.speculative.draftmodel import DraftModel
 
@@ -143,9 +155,9 @@ def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
                            -1 if est.gpu_layers >= est.layers > 0 else 0, llama.kv_type,
                            llama.flash_attn_type)
     if not context.can_rollback:
-        log.warning("the draft model's memory is recurrent: it does not draft")
         context.free()
-        return None
+        raise RunnerError("the draft model's memory is recurrent: it cannot drop a rejected "
+                          "proposal")
     return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict,
                       context.n_vocab)
 

@@ -49,7 +49,7 @@ class Courier:
             return len(self._notes) + self._delivering
 
 
-def in_parallel(calls: list[Callable[[], None]], deadline: float) -> None:
+def in_parallel(calls: list[Callable[[], object]], deadline: float) -> None:
     """Make each call on its own thread and return when all are done, or `deadline` (plus
     a second) has passed: one runner that does not answer delays nobody but this caller."""
     threads = [threading.Thread(target=call, daemon=True) for call in calls]

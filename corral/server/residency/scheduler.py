@@ -385,9 +385,10 @@ class Scheduler:
             self._stopping = True
             entries = list(self.loaded.values())
             self.cond.notify_all()
-        for entry in entries:  # a stop that never returns holds no shutdown either
-            if entry.runner is not None:
-                stop_within(partial(entry.runner.stop, timeout=5), self.unload_deadline)
+        # All at once, and a stop that never returns holds no shutdown either.
+        in_parallel([partial(stop_within, partial(e.runner.stop, timeout=5),
+                             self.unload_deadline) for e in entries if e.runner is not None],
+                    self.unload_deadline)
         with self.cond:
             self.loaded.clear()
 
