@@ -96,8 +96,10 @@ def test_a_keystroke_cancelled_while_parked_frees_the_scratch(
                          ids=["one-slot", "pool"])
 def test_random_editor_sessions_leave_only_claimed_cells(
         fim_ggufs: dict[str, Path], config: dict[str, int]) -> None:  # noqa: F811
-    """Seeded editor sessions: type, cancel while parked, move to another line, paste; the
-    KV is read after each keystroke."""
+    """Seeded editor sessions, 500 keystrokes in all: type, cancel while parked, move to
+    another line, paste. Where there are two slots, every other session runs beside a
+    long request in the other one. The KV is read at rest: after each keystroke of a
+    session alone, after the session where the other slot was busy."""
     rng = random.Random(53)
     hook = CancelWhenParked()
     engine = Engine(str(fim_ggufs["fim"]), EngineConfig(num_ctx=1024, **config),
@@ -108,21 +110,32 @@ def test_random_editor_sessions_leave_only_claimed_cells(
              (" girl", " who", " lived", " in", " a", " house", " by", " the", " river")]
     suffixes = [engine.tokenize(t, add_special=False) for t in
                 (STORY_END, " The end.\n", "\n\ndef main():\n    pass\n")]
+    story = engine.tokenize("The storm had been raging for three days", add_special=True)
     try:
         body = engine.tokenize("Once upon a time there was a little", add_special=False)
         suffix = suffixes[0]
-        for _ in range(120):
-            action = rng.choice(["type", "type", "cancel", "move", "paste"])
-            if action in ("type", "cancel"):
-                body = body + rng.choice(words)
-            elif action == "paste":
-                body = body + [t for _ in range(3) for t in rng.choice(words)]
-            else:
-                suffix = rng.choice(suffixes)
-                body = body[:rng.randrange(1, len(body))]
-            hook.job = None
-            run(engine, hook if action == "cancel" else None, body, suffix,
-                n=rng.randint(1, 3))
-            held(engine)
+        for session in range(50):
+            busy = None
+            if config["n_slots"] > 1 and session % 2:
+                busy = engine.submit(Job(prompt=list(story), num_predict=48,
+                                         params=SamplingParams(temperature=0)))
+            for _ in range(10):
+                action = rng.choice(["type", "type", "cancel", "move", "paste"])
+                if action in ("type", "cancel"):
+                    body = body + rng.choice(words)
+                elif action == "paste":
+                    body = body + [t for _ in range(3) for t in rng.choice(words)]
+                else:
+                    suffix = rng.choice(suffixes)
+                    body = body[:rng.randrange(1, max(len(body), 2))]
+                hook.job = None
+                run(engine, hook if action == "cancel" else None, body[-300:], suffix,
+                    n=rng.randint(1, 3))
+                if busy is None:
+                    held(engine)
+            if busy is not None:
+                while isinstance(busy.events.get(timeout=DEADLINE), Token):
+                    pass
+                held(engine)
     finally:
         engine.stop()
