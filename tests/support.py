@@ -73,3 +73,41 @@ def embed(engine: Any, inputs: list[list[int]], truncate: bool = True) -> list[l
     from corral.runner.jobs import Embed
 
     return list(engine.run_embed(Embed(inputs, truncate)))
+
+
+# The real runner process with a step hook that does `action` at the 4th step of the
+# first runner only: the marker file goes with it, so the runner loaded after it works.
+STAND_IN = '''#!{python}
+import sys
+import threading
+from pathlib import Path
+
+from corral.runner.llama import capi
+capi.install()
+from corral.runner.process.loading import Pending
+from corral.runner.process.main import main
+
+marker, steps = Path({marker!r}), []
+
+def hook(plan):
+    steps.append(plan)
+    if len(steps) == 4 and marker.exists():
+        marker.unlink()
+        {action}
+
+sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
+'''
+
+
+def stand_in_runner(tmp_path: Path, action: str) -> tuple[Path, Path]:
+    """The stand-in runner's script and its marker, armed: the first runner's 4th step
+    runs `action` (one line of Python: raise, or block)."""
+    import sys
+
+    marker = tmp_path / "once"
+    marker.touch()
+    script = tmp_path / "runner"
+    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker),
+                                      action=action))
+    script.chmod(0o755)
+    return script, marker

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -30,7 +29,7 @@ from corral.runner.process.main import Handler
 from corral.runner.process.service import RunnerService
 from corral.runner.wire import CompletionJob, LoadReport
 from corral.server.daemon import Daemon
-from tests.support import start_daemon, wait_for
+from tests.support import stand_in_runner, start_daemon, wait_for
 
 MODEL, CHAT = "gemma3:270m-base", "smollm2:135m"
 DEADLINE = 120.0
@@ -91,37 +90,9 @@ def test_a_failed_engine_ends_every_job_and_refuses_new_ones(starter_gguf: Path)
         engine.stop()
 
 
-# The real runner process, with a step hook that fails one step of the first runner only:
-# the marker file goes with the failure, so the runner loaded after it works.
-STAND_IN = '''#!{python}
-import sys
-from pathlib import Path
-
-from corral.runner.llama import capi
-capi.install()
-from corral.runner.process.loading import Pending
-from corral.runner.process.main import main
-
-marker, steps = Path({marker!r}), []
-
-def hook(plan):
-    steps.append(plan)
-    if len(steps) == 4 and marker.exists():
-        marker.unlink()
-        raise RuntimeError("a bug in the step")
-
-sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
-'''
-
-
 def stand_in(tmp_path: Path) -> tuple[Path, Path]:
-    """The stand-in runner's script and its marker, armed: the first runner fails."""
-    marker = tmp_path / "fail-once"
-    marker.touch()
-    script = tmp_path / "runner"
-    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
-    script.chmod(0o755)
-    return script, marker
+    """The first runner's 4th step raises, as a bug would (tests/support.py: STAND_IN)."""
+    return stand_in_runner(tmp_path, 'raise RuntimeError("a bug in the step")')
 
 
 @pytest.mark.model

@@ -10,7 +10,6 @@ worker."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import CompletionJob, EmbedJob
-from tests.support import start_daemon, wait_for
+from tests.support import stand_in_runner, start_daemon, wait_for
 
 MODEL = "gemma3:270m-base"
 DEADLINE = 120.0
@@ -32,37 +31,10 @@ DEADLINE = 120.0
 # milliseconds), so that only the held step trips it.
 BOUND = 10.0
 
-# The real runner process, with a step hook that holds the 4th step of the first runner
-# for good: the marker file goes with the stall, so the runner loaded after it works.
-STAND_IN = '''#!{python}
-import sys
-import threading
-from pathlib import Path
-
-from corral.runner.llama import capi
-capi.install()
-from corral.runner.process.loading import Pending
-from corral.runner.process.main import main
-
-marker, steps = Path({marker!r}), []
-
-def hook(plan):
-    steps.append(plan)
-    if len(steps) == 4 and marker.exists():
-        marker.unlink()
-        threading.Event().wait()  # never set: a call that never returns
-
-sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
-'''
-
 
 def stand_in(tmp_path: Path) -> tuple[Path, Path]:
-    marker = tmp_path / "stall-once"
-    marker.touch()
-    script = tmp_path / "runner"
-    script.write_text(STAND_IN.format(python=sys.executable, marker=str(marker)))
-    script.chmod(0o755)
-    return script, marker
+    """The first runner's 4th step never returns (tests/support.py: STAND_IN)."""
+    return stand_in_runner(tmp_path, "threading.Event().wait()")
 
 
 @pytest.mark.model
