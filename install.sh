@@ -156,7 +156,7 @@ fi
 # pip's own cache ignores CMAKE_ARGS, so a wheel built for other flags could be
 # reused silently; our cache is keyed by exactly what changes the binary.
 # What this script changes in the sources before building; part of the cache key.
-RECIPE="no-common-1"
+RECIPE="no-common-1+cpu-use-ref-1"
 KEY="$(printf '%s|%s|%s|%s' "$LLAMA_CPP_VERSION" "$FLAGS" "$OS $ARCH" "$RECIPE" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
 WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
 find_wheel() { ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -n1; }
@@ -179,6 +179,18 @@ if [ -z "$WHEEL" ]; then
     sed -i.orig "s/${common//\//\\/}/set(LLAMA_BUILD_COMMON OFF CACHE BOOL \"\" FORCE)/" "$SRC/CMakeLists.txt"
   else
     echo "Warning: llama-cpp-python's CMakeLists changed; building llama.cpp's common library too" >&2
+  fi
+  # Deterministic mode (CORRAL_DETERMINISTIC) needs ggml's CPU reference kernels: its
+  # flash attention otherwise splits one token's KV across threads, and tiles a batch of
+  # 64 queries, so a row's result depends on the batch it is in (on AVX2 the greedy
+  # answer changes). ggml has the switch (use_ref) but no way to set it from llama.cpp:
+  # this reads it from GGML_CPU_USE_REF, which Corral sets in deterministic mode only.
+  cpu_src="$SRC/vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.cpp"
+  use_ref='    ctx->use_ref             = false;'
+  if grep -qF "$use_ref" "$cpu_src"; then
+    sed -i.orig 's|^    ctx->use_ref             = false;$|    ctx->use_ref             = getenv("GGML_CPU_USE_REF") != nullptr;|' "$cpu_src"
+  else
+    echo "Warning: ggml's CPU backend changed; deterministic mode may vary with the batch" >&2
   fi
   build_start=$SECONDS
   if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$PYTHON" -m pip wheel \

@@ -14,14 +14,18 @@ import os
 def apply_native_defaults(deterministic: bool = False) -> None:
     """Environment knobs read by ggml itself, set before the first model loads.
 
-    ggml's tiled matmul takes over from 8 rows per batch, so a sequence's logits
-    depend on how many other tokens share its batch. Deterministic mode turns it
-    off (and the engine skips the repacked weight layouts, for the same reason):
-    greedy output is then the same alone or batched, at 4-13% of throughput on
-    the CPUs measured here (benchmarks/RESULTS.md).
+    ggml's tiled matmul takes over from 8 rows per batch, and its flash attention
+    splits one token's KV across threads and tiles 64 queries at a time, so a
+    sequence's logits depend on how many other tokens share its batch. Deterministic
+    mode turns the tiled matmul off and asks for ggml's reference kernels
+    (GGML_CPU_USE_REF, which install.sh's build of llama.cpp reads; the engine also
+    skips the repacked weight layouts, for the same reason): greedy output is then
+    the same alone or batched, drafted or not, on AVX2 as on AVX-512, at a cost in
+    throughput (benchmarks/RESULTS.md).
     """
     if deterministic:
         os.environ["GGML_CPU_TILED_MM"] = "0"
+        os.environ["GGML_CPU_USE_REF"] = "1"
 
 
 def quiet_native_aborts() -> None:
