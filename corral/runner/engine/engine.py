@@ -120,7 +120,7 @@ class Engine:
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, index,
                                 self.cost)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
-                                          llama.adapters)
+                                          llama.adapters, alone=config.deterministic)
 
     def _drafts_from(self, config: EngineConfig, llama: LlamaContext,
                      index: DraftSource | None, draft: DraftModel | None) -> DraftSource | None:

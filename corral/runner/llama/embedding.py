@@ -35,8 +35,12 @@ class EmbeddingContext:
     """
 
     def __init__(self, model: Any, num_ctx: int, n_threads: int,
-                 adapters: tuple[Any, Any, int] | None = None) -> None:
+                 adapters: tuple[Any, Any, int] | None = None, alone: bool = False) -> None:
         self.model = model
+        # One input a decode (deterministic mode): a matmul's rows are not computed alike
+        # at every batch size on every CPU (llamafile's tiles on AVX2), so an input
+        # embeds the same alone or sent with others only when it is always alone.
+        self.per_decode = 1 if alone else SEQS
         self.adapters = adapters  # (handles, scales, count), as set on the main context
         self.num_ctx = num_ctx
         self.n_threads = n_threads
@@ -111,7 +115,7 @@ class EmbeddingContext:
         inputs = [tokens[: self.num_ctx] for tokens in inputs]
         self._ensure(max(len(t) for t in inputs))
         out: list[list[float]] = []
-        for group in _groups(inputs, self.capacity):
+        for group in _groups(inputs, self.capacity, self.per_decode):
             out.extend(self._pool(group))
         return out
 
@@ -142,12 +146,12 @@ class EmbeddingContext:
         self.capacity = 0
 
 
-def _groups(inputs: list[list[int]], cells: int) -> list[list[list[int]]]:
-    """`inputs` in order, cut into runs of at most SEQS whose tokens fit `cells`."""
+def _groups(inputs: list[list[int]], cells: int, most: int = SEQS) -> list[list[list[int]]]:
+    """`inputs` in order, cut into runs of at most `most` whose tokens fit `cells`."""
     groups: list[list[list[int]]] = []
     used = cells
     for tokens in inputs:
-        if used + len(tokens) > cells or len(groups[-1]) == SEQS:
+        if used + len(tokens) > cells or len(groups[-1]) == most:
             groups.append([])
             used = 0
         groups[-1].append(tokens)
