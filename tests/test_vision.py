@@ -59,7 +59,7 @@ def llava(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def gemma(starter_gguf: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[RunnerService]:
     proj = write_projector(tmp_path_factory.mktemp("proj") / "gemma3.gguf", "gemma3", 640)
-    service = serve(starter_gguf, proj, n_slots=2, num_ctx=512)
+    service = serve(starter_gguf, proj, n_slots=2, num_ctx=512, deterministic=True)
     yield service
     service.engine.stop()
 
