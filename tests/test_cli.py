@@ -258,6 +258,9 @@ def test_repl(daemon: Daemon, tmp_path: Path) -> None:
     child.sendintr()
     child.expect(">>> ", timeout=30)
     child.sendline("/set parameter num_predict 3")
+    # Its own reply first: a prompt the interrupted stream still printed is not this one,
+    # and the next expect must not take it for the answer to "Hi".
+    child.expect("Set parameter 'num_predict' to '3'")
     child.expect(">>> ")
     child.sendline("Hi")
     child.expect(">>> ")
