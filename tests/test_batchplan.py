@@ -95,7 +95,7 @@ def test_tails_over_a_long_context_go_a_few_per_step_short_prompts_all_at_once()
 def test_a_batch_without_some_sequences_keeps_the_others_rows_and_logits() -> None:
     slots = [slot(0, SlotState.DECODE, cached=5), slot(1, SlotState.PREFILL, pending=3),
              slot(2, SlotState.DECODE, cached=9), slot(3, SlotState.PREFILL, pending=2)]
-    plan = plan_step(slots, n_batch=16, draft=lambda s, n: [1, 2] if s.seq_id == 2 else [])
+    plan = plan_step(slots, n_batch=16, drafts={2: [1, 2]})
     rest = plan.without({0, 1})
     assert rest.rows == [r for r in plan.rows if r.seq_id in (2, 3)]
     assert rest.sample_at == {2: 0, 3: 4} and rest.drafts == {2: [1, 2]}

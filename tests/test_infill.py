@@ -305,7 +305,7 @@ def test_text_typed_before_a_cached_suffix_evaluates_only_itself(
             assert typed > len(suffix)
         else:
             assert 2 <= typed <= 4  # " girl who", and the last token again
-            assert engine.schedule.parked is None  # joined, and the scratch sequence free
+            assert engine.schedule.parking.run is None  # joined, and the scratch sequence free
         # The joined KV holds the whole prompt at its positions: the same request again
         # evaluates only its last token.
         assert run("Once upon a time there was a little girl who")[0] == 1

@@ -17,7 +17,7 @@ import llama_cpp as L
 import pytest
 
 from corral.runner.engine.engine import Engine
-from corral.runner.engine.plan import StepPlan
+from corral.runner.engine.plan import Park, StepPlan
 from corral.runner.jobs import Done, Failed, Job, SamplingParams, Token
 from corral.runner.llama.context import EngineConfig
 from tests.support import wait_for
@@ -36,7 +36,7 @@ class CancelWhenParked:
         self.cancelled = 0
 
     def __call__(self, plan: StepPlan) -> None:
-        if self.engine is not None and self.engine.schedule.parked is not None \
+        if self.engine is not None and self.engine.schedule.parking.run is not None \
                 and self.job is not None and not self.job.cancelled.is_set():
             self.job.cancel()
             self.cancelled += 1
@@ -45,21 +45,22 @@ class CancelWhenParked:
 def held(engine: Engine) -> dict[str, int]:
     """What the KV holds (the last position + 1) and what the slots claim, at rest."""
     wait_for(lambda: engine.status()["busy_slots"] == 0 and engine.status()["waiting"] == 0
-             and engine.watch.running_for() == 0, DEADLINE)
+             and engine.watch.running_for() == 0
+             and not engine.schedule.parking.pending(), DEADLINE)
     mem = engine.llama.mem
     seen = {f"slot{s.seq_id}": L.llama_memory_seq_pos_max(mem, s.seq_id) + 1
             for s in engine.slots}
     claimed = {f"slot{s.seq_id}": s.n_past for s in engine.slots}
     if engine.llama.scratch is not None:
         seen["scratch"] = L.llama_memory_seq_pos_max(mem, engine.llama.scratch) + 1
-        claimed["scratch"] = 0 if engine.schedule.parked is None else -1
+        claimed["scratch"] = 0 if engine.schedule.parking.run is None else -1
     assert seen == claimed, (seen, claimed)
     return seen
 
 
 def run(engine: Engine, hook: CancelWhenParked | None, body: list[int], suffix: list[int],
-        n: int = 4) -> Any:
-    job = Job(prompt=[7, *body, 8, *suffix, 9], reuse_chunk=16,
+        n: int = 4, grammar: str | None = None) -> Any:
+    job = Job(prompt=[7, *body, 8, *suffix, 9], reuse_chunk=16, grammar=grammar,
               params=SamplingParams(temperature=0), num_predict=n)
     if hook is not None:
         hook.job = job
@@ -88,6 +89,30 @@ def test_a_keystroke_cancelled_while_parked_frees_the_scratch(
         run(engine, hook, line + more, suffix)  # typed; cancelled while its run is parked
         assert hook.cancelled == 1
         assert held(engine)["scratch"] == 0
+    finally:
+        engine.stop()
+
+
+def test_a_keystroke_refused_its_sampler_frees_the_scratch(
+        fim_ggufs: dict[str, Path]) -> None:  # noqa: F811
+    """The run is parked in the step that makes the sampler, which a grammar that does
+    not parse refuses: postprocess ends the sequence, and with nothing else to do the
+    engine still plans once more, whose Drop frees the scratch sequence."""
+    parks: list[StepPlan] = []
+    engine = Engine(str(fim_ggufs["fim"]), EngineConfig(num_ctx=1024, n_slots=1),
+                    step_hook=lambda plan: parks.extend(
+                        [plan] if any(isinstance(op, Park) for op in plan.ops) else []))
+    engine.start()
+    try:
+        suffix = engine.tokenize(STORY_END, add_special=False)
+        line = engine.tokenize("Once upon a time there was a little", add_special=False)
+        more = engine.tokenize(" girl who lived", add_special=False)
+        run(engine, None, line, suffix)
+        failed = run(engine, None, line + more, suffix, grammar="root ::= (")
+        assert isinstance(failed, Failed) and len(parks) == 1  # parked, then refused
+        assert held(engine)["scratch"] == 0
+        done = run(engine, None, line + more, suffix)  # and the next keystroke is served
+        assert isinstance(done, Done) and held(engine)["scratch"] == 0
     finally:
         engine.stop()
 

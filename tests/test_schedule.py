@@ -21,7 +21,8 @@ from corral.runner.engine.schedule import Schedule
 from corral.runner.jobs import ImageSpan, Job
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
-from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.ngram import History, NgramIndex
+from corral.runner.speculative.speculation import Speculation
 
 A = list(range(100, 300))  # 200 tokens
 B = list(range(500, 700))
@@ -34,7 +35,18 @@ def schedule(caches: PrefixCaches | None = None, pool: KVPool | None = None,
     clock = count(1)
     caches = caches or PrefixCaches(PromptCache(budget=0))
     return Schedule(Placer(NUM_CTX, caches, pool), caches, pool, NUM_CTX, n_batch, can_shift,
-                    lambda: float(next(clock)), scratch=scratch, index=index)
+                    lambda: float(next(clock)), scratch=scratch,
+                    spec=Speculation(index) if index is not None else None)
+
+
+def drafted(s: Schedule, slots: list[Slot]) -> dict[int, list[int]]:
+    """What speculation drafts for the next step of `slots` (as the engine asks it after
+    a step), as the step's batch plans it."""
+    assert s.spec is not None
+    ask = s.ask(slots)
+    assert ask is not None
+    s.spec.prepare(ask)
+    return s.plan(slots).batch.drafts
 
 
 def decoding(seq_id: int, tokens: list[int], started: float = 0.0, **job: object) -> Slot:
@@ -123,7 +135,9 @@ def test_text_typed_before_a_cached_run_parks_it_then_joins_it() -> None:
     seq = submit(s, prompt, reuse_chunk=16)
     plan = s.plan([slot])
     assert plan.ops == [Park(2, scratch=4, keep=50, src=50, dst=53, n=40), Trim(2, 50)]
-    assert slot.cached == A[:50] and slot.tainted and (slot.join_at, slot.parked) == (53, 40)
+    run = s.parking.run
+    assert slot.cached == A[:50] and slot.tainted and run is not None
+    assert (run.slot, run.seq, run.join_at, run.cells) == (slot, seq, 53, 40)
     assert [r.token for r in plan.batch.rows] == typed  # up to the join, no logits
     assert not any(r.logits for r in plan.batch.rows)
     slot.cached += typed  # what postprocess does once the batch decoded
@@ -132,7 +146,7 @@ def test_text_typed_before_a_cached_run_parks_it_then_joins_it() -> None:
     assert plan.ops == [Join(2, scratch=4, at=53, n=40)]
     assert slot.cached == A[:50] + typed + suffix and seq.pending == [9]
     assert [r.token for r in plan.batch.rows] == [9] and plan.batch.rows[0].pos == 93
-    assert seq.n_prompt_eval == 4 and s.parked is None and slot.join_at == -1
+    assert seq.n_prompt_eval == 4 and s.parking.run is None
 
 
 def test_a_parked_run_goes_with_its_sequence_and_without_a_scratch_none_parks() -> None:
@@ -144,8 +158,19 @@ def test_a_parked_run_goes_with_its_sequence_and_without_a_scratch_none_parks() 
     s.plan([slot])
     seq.job.cancelled.set()
     plan = s.plan([slot])
-    assert Drop(4) in plan.ops and s.parked is None  # the scratch sequence is free again
+    assert Drop(4) in plan.ops and s.parking.run is None  # the scratch sequence is free again
     assert slot.state is SlotState.IDLE
+    s = schedule(can_shift=True, scratch=4, pool=KVPool(NUM_CTX))  # parked, then preempted
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=list(cached))
+    preempted = submit(s, prompt, reuse_chunk=16)
+    s.plan([slot])
+    assert s.parking.run is not None and s.parking.cells == 40 and s.parking.free() is None
+    plan = StepPlan()
+    s._preempt(slot, plan)  # the pool's relief, as _fit calls it
+    assert plan.ops == [Drop(0), Drop(4)] and s.parking.run is None
+    assert preempted.state is SeqState.PREEMPTED
+    s.moved(5)  # a resize: the new context has its own scratch sequence
+    assert s.parking.free() == 5
     s = schedule(can_shift=True)  # per-slot streams: no scratch sequence
     slot = Slot(seq_id=0, num_ctx=NUM_CTX, cached=list(cached))
     submit(s, prompt, reuse_chunk=16)
@@ -158,23 +183,48 @@ def test_a_decoding_slot_drafts_what_followed_its_last_tokens() -> None:
     s = schedule(index=index)
     slot = decoding(0, A[:60] + A[:10])  # it has just written A[:10] again
     index.add(slot.sequence.history)  # type: ignore[union-attr]
+    assert s.plan([slot]).batch.drafts == {}  # none made yet: the step before makes them
+    assert drafted(s, [slot]) == {0: A[10:18]}  # eight, the policy's first
+    slot.sequence.history.tokens.append(A[10])  # type: ignore[union-attr]
+    assert s.plan([slot]).batch.drafts == {}  # made for the tokens it held then, only
+    slot.sequence.history.tokens.pop()  # type: ignore[union-attr]
+    s.spec.prepare(s.ask([slot]))  # type: ignore[union-attr,arg-type]
     plan = s.plan([slot])
-    assert plan.batch.drafts == {0: A[10:18]}  # eight, the policy's first
     rows = plan.batch.rows
     assert [r.token for r in rows] == [A[9]] + A[10:18]
     assert [r.pos for r in rows] == list(range(70, 79)) and all(r.logits for r in rows)
 
 
-def test_a_draft_model_is_asked_only_for_drafts_the_next_step_takes() -> None:
+class Proposer(NgramIndex):
+    """The n-gram index, noting what each step asked of it (as a draft model is asked)."""
+
+    def __init__(self) -> None:
+        super().__init__(k=2)
+        self.asked: list[tuple[int, int]] = []  # (the history's length, tokens)
+
+    def draft(self, history: History, n: int) -> list[int]:
+        self.asked.append((len(history.tokens), n))
+        return super().draft(history, n)
+
+
+def test_drafts_are_decided_once_for_the_rows_the_next_step_takes() -> None:
     """With a KV stream per slot every draft is cut to the shortest: while one decoding
-    slot will not draft (here its policy waits after misses), nothing is proposed."""
-    s = schedule(index=NgramIndex(k=2))
-    drafting, ending = decoding(0, A[:60] + A[:10]), decoding(1, B[:30])
-    ending.sequence.draft.wait = 2  # type: ignore[union-attr]
-    assert s.draft_wants([drafting]) == [(0, drafting.sequence.history, 8)]  # type: ignore[union-attr]
-    assert s.draft_wants([drafting, ending]) == []
-    pooled = schedule(index=NgramIndex(k=2), pool=KVPool(NUM_CTX))  # one stream: no cut
-    assert [w[0] for w in pooled.draft_wants([drafting, ending])] == [0]
+    slot will not draft (here its policy waits after misses), none is made. A step of
+    the wait counts once a step; a busy batch gives each what its rows leave."""
+    index = Proposer()
+    s = schedule(index=index)
+    drafting, waiting = decoding(0, A[:60] + A[:10]), decoding(1, B[:30])
+    index.add(drafting.sequence.history)  # type: ignore[union-attr]
+    waiting.sequence.draft.wait = 2  # type: ignore[union-attr]
+    assert drafted(s, [drafting, waiting]) == {} and index.asked == []
+    assert waiting.sequence.draft.wait == 1  # type: ignore[union-attr]
+    assert drafted(s, [drafting]) == {0: A[10:18]} and index.asked == [(70, 8)]
+    pooled = schedule(index=index, pool=KVPool(NUM_CTX))  # one stream: no cut
+    assert drafted(pooled, [drafting, waiting]) == {0: A[10:18]}
+    assert waiting.sequence.draft.wait == 0  # type: ignore[union-attr]
+    narrow = schedule(index=index, n_batch=4)  # two decode: one row spare each
+    assert drafted(narrow, [drafting, waiting]) == {}  # a row spare each; B's text has none
+    assert index.asked[-2:] == [(70, 1), (30, 1)]
 
 
 def test_a_full_pool_goes_without_drafts_before_it_evicts_or_preempts() -> None:
@@ -184,6 +234,7 @@ def test_a_full_pool_goes_without_drafts_before_it_evicts_or_preempts() -> None:
     slot = decoding(0, A[:60] + A[:10])
     index.add(slot.sequence.history)  # type: ignore[union-attr]
     idle = Slot(seq_id=1, num_ctx=NUM_CTX, cached=B[:45])  # 70 + 45 of 120 cells used
+    s.spec.prepare(s.ask([slot, idle]))  # type: ignore[union-attr,arg-type]
     plan = s.plan([slot, idle])
     assert plan.batch.drafts == {} and len(plan.batch.rows) == 1
     assert plan.ops == [] and idle.cached == B[:45]

@@ -14,7 +14,7 @@ ATTEND_BUDGET.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -71,28 +71,19 @@ class Batch:
         return out
 
 
-# Asked for a decoding slot's draft: the slot, and how many slots decode this step.
-Drafter = Callable[[Slot, int], list[int]]
-
-
-def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None,
-              even: bool = False) -> Batch:
-    """The batch; `draft` (speculative decoding, runner.speculative) gives a decoding slot the
-    tokens to verify after its next one, within what the batch leaves every other
-    decoding slot. `even`: the context keeps a KV stream per slot, where llama.cpp
-    splits a batch into micro-batches that take as many tokens from each sequence
-    (llama_batch_allocr::split_equal), so decoding slots whose drafts differ in length
-    cost a pass over the weights for each length: then every decoding slot drafts as
-    many as the one that drafts least (none, when one has no draft)."""
-    plan = Batch()
+def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | None = None,
+              joins: dict[int, int] | None = None) -> Batch:
+    """The batch: each decoding slot's next token and its draft (`drafts`, slot seq -> the
+    tokens to verify after it: speculation sized them for this step,
+    runner.speculative.speculation), then prompt chunks, oldest request first. `joins`:
+    slot seq -> the position where a parked run joins it (runner.engine.parking), where
+    its prefill stops for the step."""
+    plan, drafts, joins = Batch(), drafts or {}, joins or {}
     decoding = [s for s in slots if s.state is SlotState.DECODE][:n_batch]
     spare = (n_batch - len(decoding)) // max(len(decoding), 1)
-    drafts = [draft(slot, len(decoding))[:spare] if draft is not None else []
-              for slot in decoding]
-    if even and drafts:
-        shortest = min(len(d) for d in drafts)
-        drafts = [d[:shortest] for d in drafts]
-    for slot, tokens in zip(decoding, drafts):
+    # A bound, not a decision: the rows a draft may take never overflow the batch.
+    drafted = [drafts.get(slot.seq_id, [])[:spare] for slot in decoding]
+    for slot, tokens in zip(decoding, drafted):
         plan.sample_at[slot.seq_id] = len(plan.rows)
         plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
         plan.decoding.append(slot)
@@ -106,8 +97,8 @@ def plan_step(slots: list[Slot], n_batch: int, draft: Drafter | None = None,
         if len(plan.rows) >= n_batch or attended >= ATTEND_BUDGET:
             break
         room = n_batch - len(plan.rows)
-        if slot.join_at >= 0:  # a parked run joins there (a Join, runner.engine.schedule)
-            room = min(room, slot.join_at - slot.n_past)
+        if slot.seq_id in joins:  # a parked run joins there (a Join, runner.engine.parking)
+            room = min(room, joins[slot.seq_id] - slot.n_past)
         take = text_run(slot.pending, room)
         if take == 0:
             continue  # an image comes next: it goes through its own batch (plan.ImageSlice)

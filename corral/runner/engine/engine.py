@@ -39,7 +39,7 @@ from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placer
 from corral.runner.engine.plan import StepPlan
 from corral.runner.engine.postprocess import Postprocess
-from corral.runner.engine.run import Run
+from corral.runner.engine.run import Outcome, Run
 from corral.runner.engine.schedule import Schedule
 from corral.runner.engine.watch import StepWatch
 from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRead, Resized,
@@ -52,9 +52,9 @@ from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
-from corral.runner.speculative.cost import RowCost
 from corral.runner.speculative.draftmodel import DraftModel
-from corral.runner.speculative.ngram import DraftSource, NgramIndex
+from corral.runner.speculative.ngram import DraftSource
+from corral.runner.speculative.speculation import Speculation
 
 log = logging.getLogger("corral.engine")
 
@@ -110,31 +110,29 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        index = self._drafts_from(config, llama, index, draft)
-        self.cost = RowCost()  # what a draft's rows cost here (runner.speculative.cost)
+        self.spec = self._speculation(config, llama, index, draft)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, index, self.cost)
+                                 llama.scratch, self.spec)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
-        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, index,
-                                self.cost)
+        self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters, alone=config.deterministic)
 
-    def _drafts_from(self, config: EngineConfig, llama: LlamaContext,
-                     index: DraftSource | None, draft: DraftModel | None) -> DraftSource | None:
-        """Where speculative decoding's drafts come from (runner.speculative): a draft model
-        (a Modelfile's DRAFT: it proposes after each step, on this thread), else the
-        n-gram index (or a test's); None where it is off or the model's memory cannot take
-        back the cells of a rejected draft (recurrent state has no positions)."""
-        on = config.speculative and llama.can_rollback
-        self.draft = draft if on else None
-        if draft is not None and not on:
+    @staticmethod
+    def _speculation(config: EngineConfig, llama: LlamaContext, index: DraftSource | None,
+                     draft: DraftModel | None) -> Speculation | None:
+        """Speculative decoding (runner.speculative.speculation), its drafts from a draft
+        model (a Modelfile's DRAFT: it proposes after each step, on this thread), else
+        from the n-gram index (or a test's `index`); None where it is off or the model's
+        memory cannot take back the cells of a rejected draft (recurrent state has no
+        positions)."""
+        if config.speculative and llama.can_rollback:
+            return Speculation(index, draft)
+        if draft is not None:
             draft.free()  # loaded for nothing: the model cannot verify drafts
-        if not on:
-            return None
-        return self.draft or (index if index is not None else NgramIndex())
+        return None
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -212,8 +210,7 @@ class Engine:
             "preemptions": self.pool.preemptions if self.pool is not None else 0,
             "sampled": self.sampled, **self.caches.describe(),
             "reserve_streams": self.resizer.reserve_streams() if self.resizer else 0,
-            "index_bytes": index.bytes() if isinstance(index := self.schedule.index,
-                                                       NgramIndex) else 0}
+            "index_bytes": self.spec.bytes() if self.spec is not None else 0}
 
     def kv_held(self, kv_cap: int) -> int:
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
@@ -269,8 +266,8 @@ class Engine:
 
     def _step(self) -> None:
         """schedule -> run -> postprocess (and run again for the cells of drafts postprocess
-        rejected; a draft model proposes; then the image slice); then elastic KV hears the
-        demand."""
+        rejected; then the image slice); speculation makes the next step's drafts and
+        prices this one's rows; then elastic KV hears the demand."""
         plan = self.schedule.plan(self.slots)
         self.post.ends(plan)
         if plan.busy:
@@ -280,17 +277,14 @@ class Engine:
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
             self._stuck(self.run.trim(self.post.rejected()))
-            if self.draft is not None:  # proposals for the next step, which takes them
-                self.draft.propose(self.schedule.draft_wants(self.slots))
-            drafting = self.schedule.index is not None  # off: nothing reads the fit
-            if drafting and out.ok and out.batch.decoding and not out.batch.prefill:
-                self.cost.observe(len(out.batch.rows), out.native)  # every row has logits
             self.native_time += out.native
             if plan.image is not None and out.ok \
                     and plan.image.slot.seq_id not in out.skipped():  # after the batch: run.py
-                out = self.run.image(plan.image, self.slots)
-                self.post.image(plan.image, out)
-                self.native_time += out.native
+                image = self.run.image(plan.image, self.slots)
+                self.post.image(plan.image, image)
+                self.native_time += image.native
+            if self.spec is not None:
+                self._speculate(out)
             self.step_time += self.clock() - t0
             self.steps += 1
         elif plan.ops:  # nothing decodes, but what ended may hold cells: they go now
@@ -303,6 +297,17 @@ class Engine:
             demand = plan.demand
             self.resizer.tick(demand.busy, demand.waiting, demand.now, demand.warm)
 
+    def _speculate(self, out: Outcome) -> None:
+        """The next step's drafts, made now for the sequences it will decode (a draft
+        model decodes here, on this thread); a step that only decoded prices its rows
+        (every one has logits)."""
+        assert self.spec is not None
+        ask = self.schedule.ask(self.slots)
+        if ask is not None:
+            self.spec.prepare(ask)
+        if out.ok and out.batch.decoding and not out.batch.prefill:
+            self.spec.observe(len(out.batch.rows), out.native)
+
     def _stuck(self, seq_ids: set[int]) -> None:
         """Slots whose rejected draft's cells would not go (run dropped all their cells):
         their next token would sit beside the rejected ones, so their requests fail, and
@@ -314,8 +319,10 @@ class Engine:
                                                  "removed"))
 
     def _idle(self) -> bool:
+        """Nothing to do: no request waits or runs, and no parked run waits for its Drop
+        (its owner failed in postprocess: the next plan frees its cells)."""
         return not self.placer.waiting and not self._embeds and all(
-            s.state is SlotState.IDLE for s in self.slots)
+            s.state is SlotState.IDLE for s in self.slots) and not self.schedule.parking.pending()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -334,8 +341,8 @@ class Engine:
             elif isinstance(item, SetThreads):  # the daemon's share of the cores
                 self.llama.set_threads(item.n)
                 self.embed_ctx.set_threads(item.n)
-                if self.draft is not None:
-                    self.draft.set_threads(item.n)
+                if self.spec is not None:
+                    self.spec.set_threads(item.n)
             elif isinstance(item, ClearCache):
                 self._transient = self._transient or self.caches.ram.clear() > 0
             try:
@@ -385,8 +392,8 @@ class Engine:
             self.caches.flush([(t, d) for t, d in states if d is not None])
         self.embed_ctx.free()
         self.run.feed.free()
-        if self.draft is not None:
-            self.draft.free()
+        if self.spec is not None:
+            self.spec.free()
         if self.resizer is not None:
             self.resizer.free()
         self.llama.free()

@@ -37,9 +37,10 @@ class KVPool:
     pressure: bool = False
 
     @staticmethod
-    def used(slots: Iterable[Slot]) -> int:
-        """Cells holding KV now, idle slots' cached prefixes and parked runs included."""
-        return sum(s.n_past + s.parked for s in slots)
+    def used(slots: Iterable[Slot], parked: int = 0) -> int:
+        """Cells holding KV now: idle slots' cached prefixes included, and `parked`, the
+        cells of a run parked on the scratch sequence (runner.engine.parking)."""
+        return sum(s.n_past for s in slots) + parked
 
     @staticmethod
     def committed(slots: Iterable[Slot]) -> int:
@@ -54,9 +55,9 @@ class KVPool:
             return False
         return committed + min(n_prompt + self.reserve, self.size) <= self.size
 
-    def shortfall(self, slots: list[Slot], growth: int) -> int:
+    def shortfall(self, slots: list[Slot], growth: int, parked: int = 0) -> int:
         """Cells missing for a step that adds `growth` tokens; <= 0 when it fits."""
-        return self.used(slots) + growth - self.size
+        return self.used(slots, parked) + growth - self.size
 
     @staticmethod
     def evictable(slots: list[Slot]) -> list[Slot]:
@@ -73,11 +74,11 @@ class KVPool:
             return None  # one sequence alone always fits: num_ctx <= the pool
         return max(busy, key=lambda s: (s.t_start, s.seq_id))
 
-    def relief(self, slots: list[Slot], growth: int) -> Relief | None:
+    def relief(self, slots: list[Slot], growth: int, parked: int = 0) -> Relief | None:
         """What goes next so that a step adding `growth` cells fits: an idle cache first
         (least recently used), then the newest running sequence; None when it fits, or
         nothing more can go. The caller frees it, then asks again."""
-        if self.shortfall(slots, growth) <= 0:
+        if self.shortfall(slots, growth, parked) <= 0:
             return None
         idle = KVPool.evictable(slots)
         if idle:

@@ -37,8 +37,7 @@ from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import LlamaContext
-    from corral.runner.speculative.cost import RowCost
-    from corral.runner.speculative.ngram import DraftSource
+    from corral.runner.speculative.speculation import Speculation
 
 
 @dataclass
@@ -55,13 +54,12 @@ class Postprocess:
 
     def __init__(self, llama: "LlamaContext", feed: ImageFeed, placer: Placer,
                  pool: KVPool | None, clock: Callable[[], float],
-                 index: "DraftSource | None" = None, cost: "RowCost | None" = None) -> None:
-        """`index`: speculative decoding's n-gram index, which each sampled token extends
-        (runner.speculative.ngram), and `cost`, which hears how drafts fared; None when
-        it is off."""
+                 spec: "Speculation | None" = None) -> None:
+        """`spec`: speculative decoding (runner.speculative.speculation), which hears each
+        sampled token and how each draft fared; None when it is off."""
         self.llama, self.feed, self.placer, self.pool, self.clock = (llama, feed, placer,
                                                                      pool, clock)
-        self.index, self.cost = index, cost
+        self.spec = spec
         self._changes = Changes()
         self._rejected: list[Trim] = []
 
@@ -145,23 +143,22 @@ class Postprocess:
         it (llama.cpp's common_sampler_sample_and_accept_n); the first it does not pick,
         and all after it, are not, nor any after the sequence ended. Their cells go
         (`rejected`: run removes them at the end of the step)."""
-        draft = batch.drafts[slot.seq_id]
+        draft, spec = batch.drafts[slot.seq_id], self.spec
+        assert spec is not None
         # Counted as llama-server counts them (draft_n, draft_n_accepted): every drafted
         # token, each of which took a row of the batch, and the kept ones, as they are
         # kept (a kept one's sample may end the sequence and send its counts). The cost
         # model so prices the rows paid against the tokens kept.
-        seq.draft.counting(len(draft))
+        spec.counting(seq.draft, len(draft))
         accepted = 0
         for i, token in enumerate(draft):
             if slot.sequence is not seq or seq.last_token != token:
                 break  # ended (an end token, a stop, the limit), or the text went elsewhere
             slot.cached.append(token)
             accepted += 1
-            seq.draft.kept()
+            spec.kept(seq.draft)
             self._sample(slot, row + 1 + i, self.llama.batch)
-        seq.draft.verified(len(draft), accepted, counted=True)
-        if self.cost is not None:
-            self.cost.verified(len(draft), accepted)
+        spec.verified(seq.draft, len(draft), accepted)
         filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
         if len(slot.cached) < filled:
             self._rejected.append(Trim(slot.seq_id, len(slot.cached)))
@@ -199,9 +196,8 @@ class Postprocess:
             self._finish(slot, DoneReason.STOP)
             return
         seq.generated.append(token)
-        if self.index is not None:
-            seq.history.tokens.append(token)
-            self.index.add(seq.history)
+        if self.spec is not None:
+            self.spec.extended(seq.history, token)
         text = seq.utf8.feed(native.token_bytes(vocab, token, seq.job.special))
         result = seq.stops.feed(text)
         if result.text:

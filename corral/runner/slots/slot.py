@@ -41,10 +41,6 @@ class Slot:
     sequence: Sequence | None = None
     last_used: float = 0.0
     tainted: bool = False  # a context shift changed the KV under the cached tokens
-    # An infill's cached suffix, `parked` cells on the scratch sequence that join this
-    # slot's KV once its prompt has reached position `join_at` (runner.engine.kvops).
-    join_at: int = -1
-    parked: int = 0
 
     def reusable(self, approximate: bool = False) -> list[int]:
         """The cached tokens a new request may keep: none once a context shift ran,
@@ -90,7 +86,6 @@ class Slot:
         """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""
         sequence, self.sequence = self.sequence, None
         self.transition(SlotState.IDLE)
-        self.join_at, self.parked = -1, 0  # the engine frees what it parked
         self.last_used = now
         return sequence
 

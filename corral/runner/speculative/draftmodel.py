@@ -4,11 +4,11 @@ Where the n-gram index (runner.speculative.ngram) finds only what the context al
 holds, a draft model with the model's vocabulary (registry/draft.py checked it at create
 time) guesses free text too. Its context (runner.llama.draftcontext) lives beside the
 model's and, like it, only the engine thread touches it: after each step, for every
-decoding sequence that will draft next (runner.engine.schedule.Schedule.draft_wants),
-this brings the sequence's copy there up to date and proposes a continuation greedily,
-one batch for all of them per token; the next step's schedule takes as much of it as the
-policy asks (`draft`) and verifies it as it would an n-gram draft: exact, whatever the
-draft model proposes.
+decoding sequence speculation decided drafts at the next one, and as many tokens as it
+decided (runner.speculative.speculation), this brings the sequence's copy there up to
+date and proposes a continuation greedily, one batch for all of them per token; the
+next step verifies it as it would an n-gram draft: exact, whatever the draft model
+proposes.
 
 A proposal stops at `n_max` tokens (the `draft_num_predict` option), at a token the
 draft model gives less than P_MIN of its probability (llama.cpp's --draft-p-min: past

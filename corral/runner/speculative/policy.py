@@ -20,7 +20,8 @@ nothing. So:
 - A sequence whose drafts are not kept often enough to pay for their rows, as this
   machine's own steps price them, does not draft (runner.speculative.cost); each drafts once
   before that is judged. Where every slot has a KV stream of its own, the decoding
-  slots of a step draft as many tokens each (runner.engine.batchplan).
+  slots of a step draft as many tokens each. Speculation (runner.speculative.speculation)
+  applies these rules, once a step for each decoding sequence.
 """
 
 from __future__ import annotations
@@ -50,13 +51,6 @@ class DraftPolicy:
         (what the sequence may still generate, less the token it decodes anyway)."""
         if self.wait > 0:
             self.wait -= 1
-            return 0
-        return self.ready(decoding, room)
-
-    def ready(self, decoding: int, room: int) -> int:
-        """What `want` would ask now, without counting a step of the wait (a draft model
-        proposes ahead of the step that asks: runner.speculative.draftmodel)."""
-        if self.wait > 0:
             return 0
         return max(0, min(self.length, ROWS // max(decoding, 1), room))
 

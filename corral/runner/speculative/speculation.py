@@ -1,0 +1,149 @@
+"""Speculative decoding's one owner, as llama.cpp's common_speculative is one object.
+
+It holds where drafts come from (the n-gram index, or a draft model's proposals), what a
+row costs on this machine (runner.speculative.cost) and the rules of each sequence's
+policy (runner.speculative.policy; a sequence carries its own policy's state, which
+moves with it when it is preempted). The engine talks to it at three points of a step:
+
+- after a step (`prepare`): the decision what each decoding sequence drafts at the next
+  step is made here, once, with every constraint together (its policy, what it may
+  still generate, the rows the batch leaves it, the even cut of per-slot streams,
+  whether its drafts pay for their rows), and the drafts are made then: looked up in
+  the index, or proposed by the draft model in one batch for all of them;
+- schedule (`drafts`): takes the drafts made for sequences that are still where they
+  were (same tokens), and plans them as rows;
+- postprocess (`counting`, `kept`, `verified`, `extended`): hears what was drafted and
+  kept, which the policy and the cost learn from, and each sampled token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from corral.runner.speculative.cost import RowCost
+from corral.runner.speculative.draftmodel import DraftModel
+from corral.runner.speculative.ngram import DraftSource, History, NgramIndex
+from corral.runner.speculative.policy import DraftPolicy
+
+
+class Candidate(NamedTuple):
+    """A sequence that decodes at the next step (runner.engine.schedule lists them)."""
+
+    seq_id: int
+    policy: DraftPolicy
+    history: History
+    room: int  # what it may still generate, less the token it decodes anyway
+
+
+class Ask(NamedTuple):
+    """What the next step can take: its decoding sequences, and how it lays them out."""
+
+    candidates: list[Candidate]
+    n_batch: int
+    even: bool  # a KV stream per slot: every decoding slot drafts as many (batchplan)
+
+
+class Speculation:
+    def __init__(self, source: DraftSource | None = None, model: DraftModel | None = None,
+                 cost: RowCost | None = None) -> None:
+        """`model`: a draft model (a Modelfile's DRAFT), which is then the source; else
+        `source`, the n-gram index by default (or a test's)."""
+        self.model = model
+        # (not `or`: an empty index has no length, and is falsy)
+        self.source: DraftSource = model if model is not None else \
+            source if source is not None else NgramIndex()
+        self.cost = cost or RowCost()
+        self._made: dict[int, tuple[History, int, list[int]]] = {}  # seq -> what it drafts
+
+    # ---- after a step: the next step's drafts -------------------------------------------
+
+    def prepare(self, ask: Ask) -> None:
+        """Decide what each candidate drafts at the next step, and make those drafts."""
+        self._made.clear()
+        decided = self._decide(ask)
+        if self.model is not None:
+            self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
+        made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
+        if ask.even and made:  # one slot drafting less cuts every other one to it
+            least = min(len(made.get(c.seq_id, [])) for c in ask.candidates)
+            made = {seq: tokens[:least] for seq, tokens in made.items()}
+        self._made = {seq: (decided[seq][0].history, len(decided[seq][0].history.tokens),
+                            tokens) for seq, tokens in made.items() if tokens}
+
+    def _decide(self, ask: Ask) -> dict[int, tuple[Candidate, int]]:
+        """How many tokens each candidate drafts: as many as its policy asks (a step of
+        its wait counts here, once a step), within its room and the rows the batch leaves
+        each; none where its drafts are not kept often enough to pay for their rows.
+        Where every slot has a KV stream of its own, none drafts while one will not, and
+        none more than the least."""
+        cands = ask.candidates
+        spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
+        out = {}
+        for c in cands:
+            n = min(c.policy.want(len(cands), c.room), spare)
+            if n > 0 and self._pays(c.policy, len(cands)):
+                out[c.seq_id] = (c, n)
+        if ask.even and len(out) < len(cands):
+            return {}
+        if ask.even and out:
+            least = min(n for _, n in out.values())
+            out = {seq: (c, least) for seq, (c, _) in out.items()}
+        return out
+
+    def _pays(self, policy: DraftPolicy, decoding: int) -> bool:
+        """Whether a sequence's drafts are kept often enough to pay for their rows. Each
+        drafts once before the odds decide: its own text may be a copy where the
+        runner's last requests were not."""
+        return not policy.drafted or self.cost.expects(policy) >= self.cost.needed(decoding)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def drafts(self, histories: dict[int, History]) -> dict[int, list[int]]:
+        """The drafts made for the sequences decoding now (seq id -> its tokens), each only
+        while it holds the tokens it was made for."""
+        return {seq: tokens for seq, (history, length, tokens) in self._made.items()
+                if histories.get(seq) is history and len(history.tokens) == length}
+
+    # ---- postprocess ---------------------------------------------------------------------
+
+    def started(self, history: History) -> None:
+        """A new sequence's prompt: what it most likely quotes."""
+        self.source.add(history)
+
+    def extended(self, history: History, token: int) -> None:
+        history.tokens.append(token)
+        self.source.add(history)
+
+    @staticmethod
+    def counting(policy: DraftPolicy, drafted: int) -> None:
+        """A draft goes to verification: every drafted token counts, as llama-server's
+        draft_n does, now (a kept one's sample may end the sequence and send its counts)."""
+        policy.counting(drafted)
+
+    @staticmethod
+    def kept(policy: DraftPolicy) -> None:
+        policy.kept()
+
+    def verified(self, policy: DraftPolicy, drafted: int, accepted: int) -> None:
+        """A draft's verdict: its policy adapts, and the cost prices the rows paid
+        against the tokens kept."""
+        policy.verified(drafted, accepted, counted=True)
+        self.cost.verified(drafted, accepted)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows, each with logits, took `seconds`."""
+        self.cost.observe(rows, seconds)
+
+    # ---- the engine ----------------------------------------------------------------------
+
+    def bytes(self) -> int:
+        """What the n-gram index holds (ps counts it); the draft model's is its load's."""
+        return self.source.bytes() if isinstance(self.source, NgramIndex) else 0
+
+    def set_threads(self, n: int) -> None:
+        if self.model is not None:
+            self.model.set_threads(n)
+
+    def free(self) -> None:
+        if self.model is not None:
+            self.model.free()
