@@ -22,7 +22,7 @@ from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.jobs import ImageSpan
 from corral.server.chat.images import check_images, from_data_uri, measure
-from tests.vision_model import bmp_bytes, png_bomb, png_bytes
+from tests.vision_model import bmp_bytes, corrupt_webp, png_bomb, png_bytes, webp_bytes
 
 SETTINGS = load_settings({})
 
@@ -41,7 +41,8 @@ def test_headers_give_format_and_size() -> None:
 @pytest.mark.parametrize("data,words", [
     (png_bytes(40, 30)[:100], "truncated or corrupt PNG"),
     (b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", "truncated or corrupt JPEG"),
-    (b"RIFF\x00\x00\x00\x00WEBPVP8 ", "WebP"),
+    (b"RIFF\x00\x00\x00\x00WEBPVP8 ", "truncated or corrupt WebP"),
+    (webp_bytes(40, 30)[:-20], "truncated or corrupt WebP"),
     (b"  <?xml version='1.0'?><svg/>", "SVG"),
     (b"PK\x03\x04 a zip", "not a supported image"),
 ])
@@ -68,6 +69,41 @@ def test_limits_are_checked_before_decoding() -> None:
         check_images("abc", SETTINGS)
     good = enc(png_bytes(40, 30))
     assert check_images([good], SETTINGS) == [good]
+
+
+def _webp_bomb() -> bytes:
+    """An extended-format WebP header claiming a 30000 x 30000 canvas, and no pixels."""
+    chunk = b"VP8X" + (10).to_bytes(4, "little") + bytes(4) + (29999).to_bytes(3, "little") * 2
+    return b"RIFF" + (4 + len(chunk) + 20).to_bytes(4, "little") + b"WEBP" + chunk + bytes(20)
+
+
+def test_webp_is_measured_checked_and_handed_on_as_the_same_pixels() -> None:
+    """Lossy, lossless and animated WebP: sized from the header, limited before any pixel
+    is decoded, and given to the runner as a PNG of the first frame, the same every time."""
+    import io
+
+    from PIL import Image
+
+    for lossless in (True, False):
+        assert measure(webp_bytes(37, 21, lossless=lossless)) == ("webp", 37, 21)
+    frames = [Image.new("RGB", (50, 40), (40 * k, 0, 0)) for k in range(3)]
+    animated = io.BytesIO()
+    frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:],
+                   lossless=True)
+    assert measure(animated.getvalue()) == ("webp", 50, 40)
+    out = check_images([enc(webp_bytes(40, 30, seed=1))], SETTINGS)
+    assert out == check_images([enc(webp_bytes(40, 30, seed=1))], SETTINGS)
+    png = base64.b64decode(out[0])
+    assert measure(png) == ("png", 40, 30)
+    with Image.open(io.BytesIO(png)) as a, Image.open(io.BytesIO(png_bytes(40, 30, 1))) as b:
+        assert a.convert("RGB").tobytes() == b.convert("RGB").tobytes()
+    first = check_images([enc(animated.getvalue())], SETTINGS)[0]
+    with Image.open(io.BytesIO(base64.b64decode(first))) as frame:
+        assert frame.getpixel((0, 0)) == (0, 0, 0)
+    with pytest.raises(BadRequest, match="30000x30000 pixels, over the limit"):
+        check_images([enc(_webp_bomb())], SETTINGS)
+    with pytest.raises(BadRequest, match="image 0 is a WebP that could not be decoded"):
+        check_images([enc(corrupt_webp())], SETTINGS)
 
 
 def test_data_uris_only() -> None:

@@ -22,7 +22,8 @@ import pytest
 from corral.registry.store import Store
 from corral.server.daemon import Daemon
 from tests.test_cli import CORRAL, corral, env_for
-from tests.vision_model import bmp_bytes, png_bomb, png_bytes, write_projector
+from tests.vision_model import (bmp_bytes, corrupt_webp, png_bomb, png_bytes, webp_bytes,
+                                 write_projector)
 
 pytestmark = pytest.mark.model
 
@@ -195,11 +196,33 @@ BAD = {
     "decompression bomb": (base64.b64encode(png_bomb()).decode(), "30000x30000 pixels"),
     "not an image": (base64.b64encode(b"hello, this is text").decode(), "not a supported"),
     "SVG": (base64.b64encode(b'<svg xmlns="http://www.w3.org/2000/svg"/>').decode(), "SVG"),
-    "WebP": (base64.b64encode(b"RIFF\x10\x00\x00\x00WEBPVP8 ").decode(), "WebP"),
+    "truncated WebP": (base64.b64encode(webp_bytes(40, 30)[:-20]).decode(),
+                       "truncated or corrupt WebP"),
+    "corrupt WebP": (base64.b64encode(corrupt_webp()).decode(), "WebP that could not be decoded"),
     "empty string": ("", "empty"),
     "invalid base64": ("!!not*base64!!", "not valid base64"),
     "corrupt pixels": (base64.b64encode(_corrupt_png()).decode(), "could not be decoded"),
 }
+
+
+def test_a_webp_is_answered_as_the_png_of_its_pixels(daemon: Daemon, vision: str,
+                                                     pictures: dict[str, Path]) -> None:
+    """A lossless WebP of one.png's pixels: the same greedy answer on Ollama's API and
+    OpenAI's; asked again, its image's tokens come from the prompt cache."""
+    webp = base64.b64encode(webp_bytes(40, 30, seed=1)).decode()
+    png, got = chat(daemon, vision, [b64(pictures["one.png"])]), chat(daemon, vision, [webp])
+    assert png.status_code == got.status_code == 200, got.text
+    assert got.json()["message"]["content"] == png.json()["message"]["content"]
+    again = chat(daemon, vision, [webp])
+    assert again.json()["message"]["content"] == png.json()["message"]["content"]
+    assert again.json()["prompt_eval_count"] < got.json()["prompt_eval_count"]
+    r = httpx.post(daemon.url + "/v1/chat/completions", timeout=120, json={
+        "model": vision, "temperature": 0, "seed": 1, "max_tokens": 8, "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/webp;base64," + webp}}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == png.json()["message"]["content"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -129,3 +129,21 @@ def bmp_bytes(width: int, height: int, seed: int = 0) -> bytes:
     rows = b"".join(pixels[y].tobytes() + b"\x00" * pad for y in reversed(range(height)))
     header = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(rows), 2835, 2835, 0, 0)
     return b"BM" + struct.pack("<IHHI", 14 + 40 + len(rows), 0, 0, 54) + header + rows
+
+
+def webp_bytes(width: int, height: int, seed: int = 0, lossless: bool = True) -> bytes:
+    """The pixels of png_bytes(width, height, seed) as a WebP (lossless: the same pixels)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    with Image.open(io.BytesIO(png_bytes(width, height, seed))) as image:
+        image.save(out, format="WEBP", lossless=lossless)
+    return out.getvalue()
+
+
+def corrupt_webp() -> bytes:
+    """A lossless WebP whose header is whole and whose image data is not."""
+    good = webp_bytes(40, 30, seed=4)
+    return good[:26] + (b"\xff\x00" * len(good))[:len(good) - 26]

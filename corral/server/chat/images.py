@@ -6,13 +6,18 @@ header alone, so a decompression bomb (a few kilobytes claiming 30000 x 30000
 pixels) is refused before anything allocates its pixels, and a truncated or
 foreign file gets a 400 naming the image rather than a failure in native code.
 The runner's decoder (stb_image, inside llama.cpp's mtmd) reads PNG, JPEG, GIF
-and BMP; anything else is refused here by name.
+and BMP. WebP, which browsers and phones produce and Ollama takes, is measured from
+its header like the others, then decoded here by Pillow (libwebp) and handed on as a
+lossless PNG of its first frame, which the runner reads; the same WebP always gives the
+same PNG, so a follow-up about it reuses its cached tokens. Anything else is refused
+here by name.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import io
 import re
 import struct
 from typing import Any
@@ -58,7 +63,7 @@ def check_images(images: Any, settings: Settings, seen: int = 0) -> list[str]:
         if width * height > settings.max_image_pixels:
             raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
                              f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
-        out.append(image)
+        out.append(_png_from_webp(data, i) if kind == "webp" else image)
     return out
 
 
@@ -96,11 +101,49 @@ def measure(data: bytes, i: int = 0) -> tuple[str, int, int]:
         width, height = struct.unpack("<ii", data[18:26])
         return "bmp", width, abs(height)
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        raise BadRequest(f"image {i} is WebP, which is not supported: send PNG, JPEG, GIF or BMP")
+        width, height = _webp_size(data, i)
+        return "webp", width, height
     head = data[:256].lstrip().lower()
     if head.startswith((b"<svg", b"<?xml")) or b"<svg" in head:
-        raise BadRequest(f"image {i} is SVG, which is not supported: send PNG, JPEG, GIF or BMP")
-    raise BadRequest(f"image {i} is not a supported image (PNG, JPEG, GIF or BMP)")
+        raise BadRequest(f"image {i} is SVG, which is not supported: send PNG, JPEG, GIF,"
+                         " BMP or WebP")
+    raise BadRequest(f"image {i} is not a supported image (PNG, JPEG, GIF, BMP or WebP)")
+
+
+def _webp_size(data: bytes, i: int) -> tuple[int, int]:
+    """The canvas from the first chunk (VP8X: the extended format's canvas; VP8L:
+    lossless; VP8: lossy key frame), once the RIFF size says the file is whole."""
+    corrupt = BadRequest(f"image {i} is a truncated or corrupt WebP")
+    if len(data) < 30 or struct.unpack("<I", data[4:8])[0] + 8 > len(data):
+        raise corrupt
+    chunk, body = data[12:16], data[20:]
+    if chunk == b"VP8X" and len(body) >= 10:
+        return (1 + int.from_bytes(body[4:7], "little"),
+                1 + int.from_bytes(body[7:10], "little"))
+    if chunk == b"VP8L" and len(body) >= 5 and body[0] == 0x2F:
+        bits = int.from_bytes(body[1:5], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 " and len(body) >= 10 and body[3:6] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", body[6:10])
+        return width & 0x3FFF, height & 0x3FFF
+    raise corrupt
+
+
+def _png_from_webp(data: bytes, i: int) -> str:
+    """A checked WebP's first frame as a base64 PNG, for the runner's decoder. Its size
+    was checked from the header already, so Pillow allocates only what the limits allow;
+    a file libwebp cannot decode still is this image's 400."""
+    from PIL import Image  # only a request with a WebP pays for the import
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["WEBP"]) as im:
+            im.seek(0)
+            frame = im.convert("RGBA" if im.mode in ("RGBA", "LA", "P") else "RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise BadRequest(f"image {i} is a WebP that could not be decoded") from None
+    out = io.BytesIO()
+    frame.save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode("ascii")
 
 
 def _jpeg_size(data: bytes, i: int) -> tuple[int, int]:
