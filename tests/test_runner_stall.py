@@ -62,6 +62,48 @@ def test_a_stalled_step_ends_the_runners_requests_and_the_runner(starter_gguf: P
     runner.kill()
 
 
+@pytest.mark.model
+def test_a_daemon_told_of_the_stall_first_still_gets_each_streams_error(
+        starter_gguf: Path, tmp_path: Path) -> None:
+    """/health may tell the daemon before a stream's error line has gone out (a fast
+    machine did, in CI): the daemon then ends the runner, which must not cut the stream
+    short. The runner fails its streams before it answers /health with the failure, and
+    the daemon gives a failed runner the time to exit by itself."""
+    script, marker = stand_in(tmp_path)
+    runner = RunnerProcess(LoadConfig(model=str(starter_gguf), num_ctx=256, n_slots=1,
+                                      step_timeout=BOUND), python=str(script))
+    runner.start(timeout=DEADLINE)
+    assert runner.proc is not None
+    lines = runner.completion(CompletionJob("Once upon a time",
+                                            options=Options(temperature=0, num_predict=50)))
+    next(lines)
+    ended: list[Exception] = []
+    reader = threading.Thread(target=lambda: ended.append(_drain(lines)))
+    reader.start()  # as a request's thread reads its stream in the daemon
+    wait_for(lambda: not marker.exists(), DEADLINE)
+    wait_for(lambda: _failed(runner), DEADLINE)  # told: the daemon forgets it now
+    runner.end()
+    assert runner.proc.returncode == 1  # it exited by itself, unkilled
+    reader.join(DEADLINE)
+    assert isinstance(ended[0], EngineFailed) and "stalled" in str(ended[0])
+
+
+def _drain(lines: Any) -> Exception:
+    try:
+        list(lines)
+    except Exception as exc:
+        return exc
+    return AssertionError("the stream ended without an error")
+
+
+def _failed(runner: RunnerProcess) -> bool:
+    try:
+        runner.health(5.0)
+    except EngineFailed:
+        return True
+    return False
+
+
 def _embed(runner: RunnerProcess) -> Any:
     try:
         return runner.embed(EmbedJob(input=["a"]))

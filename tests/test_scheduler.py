@@ -40,7 +40,7 @@ class FakeRunner:
     def stop(self, timeout: float = 10.0) -> None:
         self.running, self.stopped = False, True
 
-    def kill(self) -> None:
+    def end(self) -> None:
         self.running = False
 
     def alive(self) -> bool:

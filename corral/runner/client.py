@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 DISK_FLUSH_WAIT = 60.0
 CONTROL_DEADLINE = 2.0  # /threads, /cache/clear, /cancel, /shutdown: a note, not work
 CALL_DEADLINE = 30.0  # /tokenize, /detokenize, /count: work, but bounded by one text
+# How long a runner whose engine failed is given to exit by itself before it is killed:
+# it waits up to 5 s (runner.process.main STREAM_DRAIN) for its streams' error lines.
+FAILED_EXIT = 10.0
 
 
 def _httpx() -> ModuleType:
@@ -93,6 +96,8 @@ class RunnerProcess:
         self.report = LoadReport()
         self._http: httpx.Client | None = None
         self._failed = False  # its engine failed (errors.EngineFailed): it is on its way out
+        self._streams = 0  # completions being read: `end` lets them read their last lines
+        self._streamed = threading.Condition()
         self._stderr: StderrTail | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -181,6 +186,21 @@ class RunnerProcess:
                 self.kill()
         self._close()
 
+    def end(self) -> None:
+        """Stop a runner the daemon forgets. One whose engine failed is on its way out by
+        itself, once its streams have sent their error lines (runner.process.main waits
+        STREAM_DRAIN for them): it gets FAILED_EXIT to go, and the streams being read
+        here the same time to read those lines, so that /health, which may tell the daemon
+        first, never cuts a stream short of its error. Any other is killed."""
+        if self._failed and self.proc is not None:
+            deadline = time.monotonic() + FAILED_EXIT
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=FAILED_EXIT)
+            with self._streamed:
+                self._streamed.wait_for(lambda: self._streams == 0,
+                                        timeout=max(deadline - time.monotonic(), 0.0))
+        self.kill()
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -218,6 +238,16 @@ class RunnerProcess:
 
     def completion(self, job: CompletionJob) -> Iterator[TokenLine | DoneLine]:
         """Stream the runner's lines, typed; ends with a DoneLine or raises RunnerError."""
+        with self._streamed:
+            self._streams += 1
+        try:
+            yield from self._lines(job)
+        finally:
+            with self._streamed:
+                self._streams -= 1
+                self._streamed.notify_all()
+
+    def _lines(self, job: CompletionJob) -> Iterator[TokenLine | DoneLine]:
         try:
             with self._client().stream("POST", "/completion", json=job.to_json()) as resp:
                 if resp.status_code >= 400:

@@ -175,12 +175,13 @@ class Engine:
             raise result.error
         return result
 
-    def stall(self, seconds: float, bound: float) -> None:
+    def stall(self, seconds: float, bound: float,
+              first: Callable[[EngineFailed], None] | None = None) -> None:
         """The watchdog's word (runner.process.main): the engine thread has been inside one
         step for `seconds`, past `bound`, in native code that does not return. As final as
-        a failure, from outside: every job held or sent later ends with it (their streams
-        read `failure` while they wait), and the process exits, since nothing can stop
-        the thread itself."""
+        a failure, from outside: every job held or sent later ends with it (`first` ends
+        the held ones before anyone is told the engine failed), and the process exits,
+        since nothing can stop the thread itself."""
         if self.failure is None:
             self.failure = EngineFailed(
                 f"the model's engine stalled: one step has run for {seconds:.0f} s, past "
@@ -189,6 +190,8 @@ class Engine:
             log.error("%s", self.failure)
         self._stopping = True
         self._commands.close(self.failure)
+        if first is not None:
+            first(self.failure)
         self.failed.set()
 
     def running(self) -> bool:

@@ -244,15 +244,16 @@ def exit_with_parent(parent: int, shutdown: Callable[[], None], poll: float = 0.
     shutdown()
 
 
-def watch_steps(engine: Engine, bound: float, every: float = 1.0) -> None:
+def watch_steps(service: RunnerService, bound: float, every: float = 1.0) -> None:
     """Progress, not presence: an engine thread inside one step for longer than `bound`
-    (CORRAL_STEP_TIMEOUT) is stalled in native code, and is declared so. Its streams then
-    end with the error, /health answers it, and the process exits as after a failure;
-    the daemon replaces it as it does a crash."""
+    (CORRAL_STEP_TIMEOUT) is stalled in native code, and is declared so. Its streams
+    end with the error first, then /health answers it, and the process exits as after a
+    failure; the daemon replaces it as it does a crash."""
+    engine = service.engine
     while not engine.failed.wait(min(every, bound / 4)):
         seconds = engine.watch.running_for()
         if seconds > bound:
-            engine.stall(seconds, bound)
+            engine.stall(seconds, bound, first=service.fail_streams)
 
 
 def _exit_on_failure(service: RunnerService, server: ThreadingHTTPServer) -> None:
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
                      daemon=True).start()
     threading.Thread(target=_exit_on_failure, args=(service, server), daemon=True).start()
     if loaded.config.step_timeout > 0:
-        threading.Thread(target=watch_steps, args=(service.engine, loaded.config.step_timeout),
+        threading.Thread(target=watch_steps, args=(service, loaded.config.step_timeout),
                          daemon=True, name="step-watch").start()
     print(json.dumps({"port": server.server_address[1], "pid": os.getpid(),
                       "report": service.report.to_json()}), flush=True)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp as L
 
-from corral.errors import BadRequest
+from corral.errors import BadRequest, CorralError
 from corral.runner.engine.engine import Engine
 from corral.runner.fim import FIM_REUSE, NULL, FimTokens, Infill, infill_tokens
-from corral.runner.jobs import Embed, ImageSpan, Job, SamplingParams
+from corral.runner.jobs import Embed, Failed, ImageSpan, Job, SamplingParams
 from corral.runner.llama import native
 from corral.runner.rankwire import Ranked, RerankJob
 from corral.runner.llama.rerank import is_reranker, prompt_tokens, rerank_template
@@ -139,6 +139,15 @@ class RunnerService:
     def forget(self, job: Job | Embed) -> None:
         with self.lock:
             self.jobs.pop(job.id, None)
+
+    def fail_streams(self, error: CorralError) -> None:
+        """End every completion held with `error` now, from outside the engine thread (a
+        stalled one never will): each stream sends its error line at once, before the
+        process exits and before the daemon, told by /health, stops it."""
+        with self.lock:
+            held = [job for job in self.jobs.values() if isinstance(job, Job)]
+        for job in held:
+            job.events.put(Failed(error))
 
     def cancel(self, job_id: str) -> bool:
         with self.lock:

@@ -340,8 +340,8 @@ class Scheduler:
         entry.state = ModelState.UNLOADING
         if self.loaded.get(entry.key) is entry:
             del self.loaded[entry.key]
-        if entry.runner is not None:
-            threading.Thread(target=entry.runner.kill, daemon=True).start()
+        if entry.runner is not None:  # a failed engine's runner first ends its streams
+            threading.Thread(target=entry.runner.end, daemon=True).start()
         self.cond.notify_all()
 
     def unload(self, record: ModelRecord) -> None:
