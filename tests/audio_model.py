@@ -1,0 +1,111 @@
+"""Test helpers for audio (issue 54): a tiny "qwen2a" projector GGUF and WAV clips.
+
+No small audio model ships on PyPI, so the tests make one: a projector GGUF with
+random weights from a fixed seed, of llama.cpp's "qwen2a" type (Qwen2-Audio): a
+Whisper encoder (two 1-D convolutions, a pre-norm transformer with learned positions,
+2x average pooling, a final layer norm) and one linear projection into the text model's
+embedding width (576 for the chat starter, SmolLM2-135M).
+
+What llama.cpp's mtmd asks of it (tools/mtmd/clip.cpp, models/whisper-enc.cpp):
+
+- every clip is cut or padded into 30 s windows of 3000 mel frames; each window is one
+  audio chunk of 3000 / 2 (stride-2 conv) / 2 (avg pool) = 750 tokens, so the position
+  table must hold 1500 rows, whatever the clip's length;
+- conv biases are [1, n_embd] in ggml (numpy (n_embd, 1)) so they broadcast over time;
+- attn_k has no bias (the graph asserts so); q, v and out have one.
+
+The answers it produces are meaningless; the pipeline that produces them is real.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+N_MEL = 128  # Qwen2-Audio's Whisper (large-v3 style) uses 128 mel bins
+N_CTX = 1500  # positions after the stride-2 conv: 3000 mel frames = 30 s
+N_EMBD, N_FF, N_HEAD, N_LAYER = 64, 128, 4, 2
+SAMPLE_RATE = 16000
+TOKENS_PER_WINDOW = N_CTX // 2  # 750 embeddings per 30 s window
+
+
+def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
+                          leave_out: tuple[str, ...] = ()) -> Path:
+    """A loadable "qwen2a" audio projector whose output is `text_embd` wide;
+    `leave_out` names tensors to omit, for one that must fail to load."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int, std: float = 0.1) -> np.ndarray:
+        return rng.normal(0.0, std, shape).astype(np.float32)
+
+    K = gguf.Keys
+    w = gguf.GGUFWriter(str(path), "clip")
+
+    def add(name: str, data: np.ndarray) -> None:
+        if name not in leave_out:
+            w.add_tensor(name, data)  # float16 arrays are stored as F16, float32 as F32
+
+    w.add_string(K.General.NAME, "corral test audio projector (qwen2a)")
+    w.add_bool(K.Clip.HAS_VISION_ENCODER, False)
+    w.add_bool(K.Clip.HAS_AUDIO_ENCODER, True)
+    w.add_string(K.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN2A)  # "qwen2a"
+    w.add_uint32(K.ClipAudio.EMBEDDING_LENGTH, N_EMBD)
+    w.add_uint32(K.ClipAudio.FEED_FORWARD_LENGTH, N_FF)
+    w.add_uint32(K.ClipAudio.BLOCK_COUNT, N_LAYER)
+    w.add_uint32(K.ClipAudio.PROJECTION_DIM, text_embd)
+    w.add_uint32(K.ClipAudio.Attention.HEAD_COUNT, N_HEAD)
+    w.add_float32(K.ClipAudio.Attention.LAYERNORM_EPS, 1e-5)
+    w.add_uint32(K.ClipAudio.NUM_MEL_BINS, N_MEL)
+
+    # numpy shapes are ggml's reversed: a [n_in, n_out] matrix is (n_out, n_in) here,
+    # a conv1d kernel [K, C_in, C_out] is (C_out, C_in, K).
+    # conv kernels are F16, as convert_hf_to_gguf.py stores Whisper's
+    add("a.conv1d.1.weight", rand(N_EMBD, N_MEL, 3, std=0.2).astype(np.float16))
+    add("a.conv1d.1.bias", rand(N_EMBD, 1))
+    add("a.conv1d.2.weight", rand(N_EMBD, N_EMBD, 3, std=0.1).astype(np.float16))
+    add("a.conv1d.2.bias", rand(N_EMBD, 1))
+    add("a.position_embd.weight", rand(N_CTX, N_EMBD, std=0.5))
+    for il in range(N_LAYER):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            add(f"a.blk.{il}.{name}.weight", rand(N_EMBD, N_EMBD))
+            if name != "attn_k":  # Whisper's k projection has no bias; the graph asserts it
+                add(f"a.blk.{il}.{name}.bias", rand(N_EMBD))
+        for name in ("ln1", "ln2"):
+            add(f"a.blk.{il}.{name}.weight", 1.0 + rand(N_EMBD))
+            add(f"a.blk.{il}.{name}.bias", rand(N_EMBD))
+        add(f"a.blk.{il}.ffn_up.weight", rand(N_FF, N_EMBD))
+        add(f"a.blk.{il}.ffn_up.bias", rand(N_FF))
+        add(f"a.blk.{il}.ffn_down.weight", rand(N_EMBD, N_FF))
+        add(f"a.blk.{il}.ffn_down.bias", rand(N_EMBD))
+    add("a.post_ln.weight", 1.0 + rand(N_EMBD))
+    add("a.post_ln.bias", rand(N_EMBD))
+    add("mm.a.fc.weight", rand(text_embd, N_EMBD))
+    add("mm.a.fc.bias", rand(text_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def wav_bytes(seconds: float, rate: int = SAMPLE_RATE, seed: int = 0, tone: float | None = None
+              ) -> bytes:
+    """A 16-bit mono PCM WAV: white noise from `seed`, or a sine at `tone` Hz."""
+    n = int(round(seconds * rate))
+    if tone is not None:
+        signal = 0.5 * np.sin(2 * np.pi * tone * np.arange(n) / rate)
+    else:
+        signal = np.random.default_rng(seed).uniform(-0.5, 0.5, n)
+    pcm = (signal * 32767).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(pcm.tobytes())
+    return out.getvalue()
