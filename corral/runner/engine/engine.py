@@ -54,7 +54,7 @@ from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.draftmodel import DraftModel
 from corral.runner.speculative.ngram import DraftSource
-from corral.runner.speculative.speculation import Speculation
+from corral.runner.speculative.speculation import speculation
 
 log = logging.getLogger("corral.engine")
 
@@ -110,7 +110,9 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
-        self.spec = self._speculation(config, llama, index, draft)
+        # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
+        # state has no positions): None, and a loaded draft model is freed.
+        self.spec = speculation(config.speculative and llama.can_rollback, index, draft)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
@@ -119,20 +121,6 @@ class Engine:
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters, alone=config.deterministic)
-
-    @staticmethod
-    def _speculation(config: EngineConfig, llama: LlamaContext, index: DraftSource | None,
-                     draft: DraftModel | None) -> Speculation | None:
-        """Speculative decoding (runner.speculative.speculation), its drafts from a draft
-        model (a Modelfile's DRAFT: it proposes after each step, on this thread), else
-        from the n-gram index (or a test's `index`); None where it is off or the model's
-        memory cannot take back the cells of a rejected draft (recurrent state has no
-        positions)."""
-        if config.speculative and llama.can_rollback:
-            return Speculation(index, draft)
-        if draft is not None:
-            draft.free()  # loaded for nothing: the model cannot verify drafts
-        return None
 
     # ---- public API, safe from any thread ---------------------------------------------
 

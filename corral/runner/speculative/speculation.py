@@ -147,3 +147,16 @@ class Speculation:
     def free(self) -> None:
         if self.model is not None:
             self.model.free()
+
+
+def speculation(on: bool, source: DraftSource | None = None,
+                model: DraftModel | None = None) -> Speculation | None:
+    """Speculative decoding for an engine, its drafts from a draft model (a Modelfile's
+    DRAFT: it proposes after each step, on the engine thread), else from the n-gram index
+    (or a test's `source`); None where it is off, and then a draft model loaded for
+    nothing is freed."""
+    if on:
+        return Speculation(source, model)
+    if model is not None:
+        model.free()
+    return None
