@@ -16,9 +16,10 @@ Each step reads schedule -> run -> postprocess, and its plan is data (engine/pla
   postprocess  ends what schedule ended; prompt chunks become cached, slots with logits
                sample and stream (engine/postprocess.py)
 then the image slice, if any, is a second run and postprocess of the same plan: a decode
-overwrites the logits of the one before, so the batch is sampled first. With a draft
-model (a Modelfile's DRAFT), it then proposes the next step's drafts from its own
-context, which this thread owns too (runner.speculative.draftmodel).
+overwrites the logits of the one before, so the batch is sampled first. Then speculation
+decides and makes the next step's drafts (runner.speculative.speculation): from the
+n-gram index, or from a draft model (a Modelfile's DRAFT), whose context this thread
+owns too.
 After it, elastic KV's policy hears the step's demand (runner.kv.growth). Every batch and
 index is checked before native code, which aborts the whole process on misuse.
 """
