@@ -26,6 +26,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tests.vision_model import add_blocks
+
 N_MEL = 128  # Qwen2-Audio's Whisper (large-v3 style) uses 128 mel bins
 N_CTX = 1500  # positions after the stride-2 conv: 3000 mel frames = 30 s
 N_EMBD, N_FF, N_HEAD, N_LAYER = 64, 128, 4, 2
@@ -70,18 +72,7 @@ def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
     add("a.conv1d.2.weight", rand(N_EMBD, N_EMBD, 3, std=0.1).astype(np.float16))
     add("a.conv1d.2.bias", rand(N_EMBD, 1))
     add("a.position_embd.weight", rand(N_CTX, N_EMBD, std=0.5))
-    for il in range(N_LAYER):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            add(f"a.blk.{il}.{name}.weight", rand(N_EMBD, N_EMBD))
-            if name != "attn_k":  # Whisper's k projection has no bias; the graph asserts it
-                add(f"a.blk.{il}.{name}.bias", rand(N_EMBD))
-        for name in ("ln1", "ln2"):
-            add(f"a.blk.{il}.{name}.weight", 1.0 + rand(N_EMBD))
-            add(f"a.blk.{il}.{name}.bias", rand(N_EMBD))
-        add(f"a.blk.{il}.ffn_up.weight", rand(N_FF, N_EMBD))
-        add(f"a.blk.{il}.ffn_up.bias", rand(N_FF))
-        add(f"a.blk.{il}.ffn_down.weight", rand(N_EMBD, N_FF))
-        add(f"a.blk.{il}.ffn_down.bias", rand(N_EMBD))
+    add_blocks(add, rand, "a", N_LAYER, N_EMBD, N_FF, k_bias=False)
     add("a.post_ln.weight", 1.0 + rand(N_EMBD))
     add("a.post_ln.bias", rand(N_EMBD))
     add("mm.a.fc.weight", rand(text_embd, N_EMBD))

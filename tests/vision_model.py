@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -62,17 +63,7 @@ def write_projector(path: Path, kind: str = "mlp", text_embd: int = 576, seed: i
     add("v.patch_embd.weight", rand(N_EMBD, 3, patch, patch, std=0.5))
     add("v.patch_embd.bias", rand(N_EMBD))
     add("v.position_embd.weight", rand(n_pos, N_EMBD, std=0.5))
-    for il in range(N_LAYER):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            add(f"v.blk.{il}.{name}.weight", rand(N_EMBD, N_EMBD))
-            add(f"v.blk.{il}.{name}.bias", rand(N_EMBD))
-        for name in ("ln1", "ln2"):
-            add(f"v.blk.{il}.{name}.weight", 1.0 + rand(N_EMBD))
-            add(f"v.blk.{il}.{name}.bias", rand(N_EMBD))
-        add(f"v.blk.{il}.ffn_up.weight", rand(N_FF, N_EMBD))
-        add(f"v.blk.{il}.ffn_up.bias", rand(N_FF))
-        add(f"v.blk.{il}.ffn_down.weight", rand(N_EMBD, N_FF))
-        add(f"v.blk.{il}.ffn_down.bias", rand(N_EMBD))
+    add_blocks(add, rand, "v", N_LAYER, N_EMBD, N_FF)
     if kind == "mlp":
         add("mm.0.weight", rand(text_embd, N_EMBD))
         add("mm.0.bias", rand(text_embd))
@@ -91,6 +82,25 @@ def write_projector(path: Path, kind: str = "mlp", text_embd: int = 576, seed: i
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def add_blocks(add: Callable[[str, np.ndarray], None], rand: Callable[..., np.ndarray],
+               prefix: str, n_layer: int, n_embd: int, n_ff: int, k_bias: bool = True) -> None:
+    """An encoder's pre-norm transformer blocks, as clip.cpp's build_vit reads them under
+    `prefix` ("v" for vision, "a" for audio); `k_bias` False for Whisper's k projection,
+    which has none (its graph asserts so)."""
+    for il in range(n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            add(f"{prefix}.blk.{il}.{name}.weight", rand(n_embd, n_embd))
+            if k_bias or name != "attn_k":
+                add(f"{prefix}.blk.{il}.{name}.bias", rand(n_embd))
+        for name in ("ln1", "ln2"):
+            add(f"{prefix}.blk.{il}.{name}.weight", 1.0 + rand(n_embd))
+            add(f"{prefix}.blk.{il}.{name}.bias", rand(n_embd))
+        add(f"{prefix}.blk.{il}.ffn_up.weight", rand(n_ff, n_embd))
+        add(f"{prefix}.blk.{il}.ffn_up.bias", rand(n_ff))
+        add(f"{prefix}.blk.{il}.ffn_down.weight", rand(n_embd, n_ff))
+        add(f"{prefix}.blk.{il}.ffn_down.bias", rand(n_embd))
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
