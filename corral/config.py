@@ -229,12 +229,17 @@ SPECS: tuple[Spec, ...] = (
          "most tokens, all inputs together, in one embed request", _parse_count),
     Spec("MAX_CREATE_FILES", "max_create_files", 64, "64", "most `files` entries in one create",
          _parse_count),
-    Spec("MAX_IMAGES", "max_images", 16, "16", "most images in one request", _parse_count),
+    Spec("MAX_IMAGES", "max_images", 16, "16",
+         "most images and audio clips, together, in one request", _parse_count),
     Spec("MAX_IMAGE_BYTES", "max_image_bytes", 20 << 20, "20971520",
          "largest image, bytes (decoded from base64)", _parse_count),
     Spec("MAX_IMAGE_PIXELS", "max_image_pixels", 50_000_000, "50000000",
          "most pixels in one image (width x height), read from its header before decoding",
          _parse_count),
+    Spec("MAX_AUDIO_BYTES", "max_audio_bytes", 20 << 20, "20971520",
+         "largest audio clip, bytes (decoded from base64, or one upload's file)", _parse_count),
+    Spec("MAX_AUDIO_SECONDS", "max_audio_seconds", 600.0, "10m",
+         "longest audio clip, read from its header before decoding", parse_duration),
     Spec("RPC_SERVERS", "rpc_servers", (), "",
          "llama.cpp RPC workers (`corral rpc-server`) to spread layers over: host:port,...",
          _parse_rpc_servers),
@@ -284,6 +289,8 @@ class Settings:
     max_images: int
     max_image_bytes: int
     max_image_pixels: int
+    max_audio_bytes: int
+    max_audio_seconds: float
     rpc_servers: tuple[str, ...]
     max_grammar_bytes: int
     cache_ram: int | None

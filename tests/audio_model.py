@@ -15,6 +15,10 @@ What llama.cpp's mtmd asks of it (tools/mtmd/clip.cpp, models/whisper-enc.cpp):
 - attn_k has no bias (the graph asserts so); q, v and out have one.
 
 The answers it produces are meaningless; the pipeline that produces them is real.
+
+`kind="ultravox"` or `"voxtral"` writes the same encoder under one of the projectors that
+stack frames; the pinned mtmd loads and tokenizes those but aborts the process on the
+first encode (see STACK_FACTORS), which is what they are for.
 """
 
 from __future__ import annotations
@@ -34,11 +38,22 @@ N_EMBD, N_FF, N_HEAD, N_LAYER = 64, 128, 4, 2
 SAMPLE_RATE = 16000
 TOKENS_PER_WINDOW = N_CTX // 2  # 750 embeddings per 30 s window
 
+# Frames stacked into one token by the projectors that stack (the real models' values).
+# For these the pinned mtmd counts a window's tokens as 3000 mel frames / stack / 2
+# (/ 2 again for voxtral's avg pool), rounding down, while the graph stacks the 1500
+# (voxtral: 750) encoder outputs rounding up (padding): ultravox 187 vs 188 tokens,
+# voxtral 187 vs 188, so encoding aborts ("Invalid number of output tokens").
+STACK_FACTORS = {"ultravox": 8, "voxtral": 4}
+
 
 def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
-                          leave_out: tuple[str, ...] = ()) -> Path:
-    """A loadable "qwen2a" audio projector whose output is `text_embd` wide;
-    `leave_out` names tensors to omit, for one that must fail to load."""
+                          leave_out: tuple[str, ...] = (), kind: str = "qwen2a") -> Path:
+    """A loadable audio projector whose output is `text_embd` wide; `leave_out` names
+    tensors to omit, for one that must fail to load. `kind` is the projector type:
+    "qwen2a" (the default), or "ultravox" / "voxtral", which the pinned mtmd loads and
+    tokenizes but aborts on encoding (see STACK_FACTORS)."""
+    if kind not in ("qwen2a", *STACK_FACTORS):
+        raise ValueError(f"unknown audio projector kind {kind!r}")
     path = Path(path)
     rng = np.random.default_rng(seed)
 
@@ -52,10 +67,10 @@ def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
         if name not in leave_out:
             w.add_tensor(name, data)  # float16 arrays are stored as F16, float32 as F32
 
-    w.add_string(K.General.NAME, "corral test audio projector (qwen2a)")
+    w.add_string(K.General.NAME, f"corral test audio projector ({kind})")
     w.add_bool(K.Clip.HAS_VISION_ENCODER, False)
     w.add_bool(K.Clip.HAS_AUDIO_ENCODER, True)
-    w.add_string(K.Clip.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN2A)  # "qwen2a"
+    w.add_string(K.Clip.PROJECTOR_TYPE, kind)  # gguf.VisionProjectorType.QWEN2A, ...
     w.add_uint32(K.ClipAudio.EMBEDDING_LENGTH, N_EMBD)
     w.add_uint32(K.ClipAudio.FEED_FORWARD_LENGTH, N_FF)
     w.add_uint32(K.ClipAudio.BLOCK_COUNT, N_LAYER)
@@ -63,6 +78,8 @@ def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
     w.add_uint32(K.ClipAudio.Attention.HEAD_COUNT, N_HEAD)
     w.add_float32(K.ClipAudio.Attention.LAYERNORM_EPS, 1e-5)
     w.add_uint32(K.ClipAudio.NUM_MEL_BINS, N_MEL)
+    if kind in STACK_FACTORS:
+        w.add_uint32(K.ClipAudio.Projector.STACK_FACTOR, STACK_FACTORS[kind])
 
     # numpy shapes are ggml's reversed: a [n_in, n_out] matrix is (n_out, n_in) here,
     # a conv1d kernel [K, C_in, C_out] is (C_out, C_in, K).
@@ -75,8 +92,21 @@ def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
     add_blocks(add, rand, "a", N_LAYER, N_EMBD, N_FF, k_bias=False)
     add("a.post_ln.weight", 1.0 + rand(N_EMBD))
     add("a.post_ln.bias", rand(N_EMBD))
-    add("mm.a.fc.weight", rand(text_embd, N_EMBD))
-    add("mm.a.fc.bias", rand(text_embd))
+    if kind == "qwen2a":
+        add("mm.a.fc.weight", rand(text_embd, N_EMBD))
+        add("mm.a.fc.bias", rand(text_embd))
+    elif kind == "ultravox":
+        # UltravoxProjector: rms-norm (pre) -> mlp.1 -> swiglu (halves) -> rms-norm (mid)
+        # -> mlp.2, all without biases, over frames stacked stack_factor at a time
+        stacked = N_EMBD * STACK_FACTORS[kind]
+        add("mm.a.norm_pre.weight", 1.0 + rand(stacked))
+        add("mm.a.mlp.1.weight", rand(2 * N_FF, stacked))
+        add("mm.a.norm_mid.weight", 1.0 + rand(N_FF))
+        add("mm.a.mlp.2.weight", rand(text_embd, N_FF))
+    else:  # voxtral: avg-pooled, stacked frames -> mlp.1 -> gelu -> mlp.2, no biases
+        stacked = N_EMBD * STACK_FACTORS[kind]
+        add("mm.a.mlp.1.weight", rand(N_FF, stacked))
+        add("mm.a.mlp.2.weight", rand(text_embd, N_FF))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

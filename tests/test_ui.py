@@ -346,7 +346,7 @@ def test_an_image_on_a_text_model_is_refused_with_the_apis_message(tab: Page,
     page = tab.open()
     page.locator("#attach").set_input_files(
         files=[{"name": "dot.png", "mimeType": "image/png", "buffer": png}])
-    page.get_by_label("Attached images").locator("img").wait_for()
+    page.get_by_label("Attachments").locator("img").wait_for()
     tab.send("What is this?")
     alert = page.get_by_role("log").get_by_role("alert")
     alert.wait_for(timeout=30_000)
@@ -431,7 +431,7 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
     page.reload()
     page.locator("#attach").set_input_files(
         files=[{"name": "one.png", "mimeType": "image/png", "buffer": png}])
-    page.get_by_label("Attached images").locator("img").wait_for()
+    page.get_by_label("Attachments").locator("img").wait_for()
     with page.expect_request(lambda r: r.url.endswith("/api/chat")) as request, \
             page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
         tab.send("What is this?", model="looker:latest")
@@ -440,7 +440,7 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
     assert answer.get_by_role("alert").count() == 0
     assert answer.locator(".content").inner_text().strip()
     assert page.get_by_role("log").locator("article.user img").count() == 1
-    assert page.get_by_label("Attached images").locator("img").count() == 0  # sent, cleared
+    assert page.get_by_label("Attachments").locator("img").count() == 0  # sent, cleared
     # The page sent the picture itself...
     body = json.loads(request.value.post_data or "{}")
     assert body["messages"][-1]["images"] == [base64.b64encode(png).decode()]
@@ -451,6 +451,40 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
     usage = httpx.post(f"{ui_daemon.url}/v1/chat/completions", timeout=120, json={
         "model": "looker:latest", "messages": text_only, "max_tokens": 1}).json()["usage"]
     assert final["done"] and final["prompt_eval_count"] > usage["prompt_tokens"]
+
+
+def test_an_audio_clip_goes_to_an_audio_model(tab: Page, ui_daemon: Daemon,
+                                              tmp_path: Path) -> None:
+    import hashlib
+
+    from tests.audio_model import wav_bytes, write_audio_projector
+
+    projector = write_audio_projector(tmp_path / "qwen2a.gguf").read_bytes()
+    digest = "sha256:" + hashlib.sha256(projector).hexdigest()
+    assert httpx.post(f"{ui_daemon.url}/api/blobs/{digest}", content=projector).status_code in (
+        200, 201)
+    r = httpx.post(f"{ui_daemon.url}/api/create", timeout=120, json={
+        "model": "listener", "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
+        "parameters": {"num_predict": 4, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    wav = wav_bytes(1.0, seed=3)
+    page = tab.open()
+    page.reload()
+    page.locator("#attach").set_input_files(
+        files=[{"name": "talk.wav", "mimeType": "audio/wav", "buffer": wav}])
+    page.get_by_label("Attachments").locator("audio").wait_for()
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as request, \
+            page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
+        tab.send("Transcribe audio to text", model="listener:latest")
+    answer = tab.answer()
+    answer.locator(".note").wait_for(timeout=ANSWERED_MS)
+    assert answer.get_by_role("alert").count() == 0
+    assert page.get_by_role("log").locator("article.user audio").count() == 1
+    assert page.get_by_label("Attachments").locator("audio").count() == 0  # sent, cleared
+    body = json.loads(request.value.post_data or "{}")
+    assert body["messages"][-1]["images"] == [base64.b64encode(wav).decode()]
+    final = json.loads(response.value.text().strip().splitlines()[-1])
+    assert final["done"] and final["prompt_eval_count"] > 750  # the clip's window was heard
 
 
 def test_a_reranker_shows_its_capability_and_use(tab: Page, ui_daemon: Daemon,

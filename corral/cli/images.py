@@ -1,10 +1,11 @@
-"""Image files named in a prompt, attached as Ollama's CLI does.
+"""Image and audio files named in a prompt, attached as Ollama's CLI does.
 
 `corral run MODEL "what is in ./photo.png"` and REPL lines alike: each path to an
-image that exists is read, removed from the text and sent as an image. Paths may
-be quoted ('...' or "..."), hold escaped spaces (my\\ photo.png) and start with ~.
-Only for models that report the vision capability; for others the text is sent
-as typed.
+image or audio clip (WAV, MP3, FLAC) that exists is read, removed from the text and
+sent with the message, in Ollama's `images` (which carries both). Paths may be quoted
+('...' or "..."), hold escaped spaces (my\\ photo.png) and start with ~. Images
+only for models that report the vision capability, clips only for those that report
+audio; any other path is sent as typed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
     from corral.api.client import Client
     from corral.cli.runoptions import RunOptions
 
-EXTENSIONS = r"(?:png|jpe?g|gif|bmp|webp)"
+AUDIO = (".wav", ".mp3", ".flac")
+EXTENSIONS = r"(?:png|jpe?g|gif|bmp|webp|wav|mp3|flac)"
 _START = r"(?:~|\.{1,2})?/"
 _PATH = re.compile(
     rf"""(?P<q>["'])(?P<quoted>{_START}[^"'\n]*?\.{EXTENSIONS})(?P=q)"""
@@ -35,22 +37,25 @@ def mentions_image(text: str) -> bool:
     return _PATH.search(text) is not None
 
 
-def extract_images(text: str) -> tuple[str, list[str]]:
-    """The text without the image paths that exist, and those images as base64."""
+def extract_images(text: str, kinds: frozenset[str] = frozenset({"image", "audio"})
+                   ) -> tuple[str, list[str]]:
+    """The text without the paths of files that exist and are of `kinds` ("image",
+    "audio"), and those files as base64."""
     images: list[str] = []
     out, last = [], 0
     for match in _PATH.finditer(text):
         raw = match.group("quoted") or match.group("bare").replace("\\ ", " ")
         path = Path(os.path.expanduser(raw))
-        if not path.is_file():
-            continue  # not a file here: it stays part of the text
+        kind = "audio" if path.suffix.lower() in AUDIO else "image"
+        if kind not in kinds or not path.is_file():
+            continue  # not a file here, or not one the model takes: it stays text
         if path.stat().st_size > MAX_BYTES:
-            raise CorralError(f"{path}: the image is larger than {MAX_BYTES >> 20} MB")
+            raise CorralError(f"{path}: the {kind} is larger than {MAX_BYTES >> 20} MB")
         try:
             images.append(base64.b64encode(path.read_bytes()).decode())
         except OSError as exc:
             raise CorralError(f"couldn't read {path}: {exc.strerror}") from None
-        print(f"Added image '{path}'", file=sys.stderr)
+        print(f"Added {kind} '{path}'", file=sys.stderr)
         out.append(text[last:match.start()])
         last = match.end()
     out.append(text[last:])
@@ -58,9 +63,12 @@ def extract_images(text: str) -> tuple[str, list[str]]:
 
 
 def attach(client: "Client", opts: "RunOptions", text: str) -> tuple[str, list[str]]:
-    """Image paths in the text, read and attached, when the model can see (asked once)."""
+    """Image and audio paths in the text, read and attached where the model takes them
+    (its capabilities, asked once)."""
     if not mentions_image(text):
         return text, []
-    if opts.vision is None:
-        opts.vision = "vision" in (client.show(opts.model).get("capabilities") or [])
-    return extract_images(text) if opts.vision else (text, [])
+    if opts.media is None:
+        capabilities = client.show(opts.model).get("capabilities") or []
+        opts.media = frozenset({"vision": "image", "audio": "audio"}[c] for c in capabilities
+                               if c in ("vision", "audio"))
+    return extract_images(text, opts.media) if opts.media else (text, [])

@@ -19,4 +19,5 @@ class RunOptions:
     history: bool = True
     options: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
-    vision: bool | None = None  # the model's vision capability, asked once when needed
+    # what the model takes besides text ("image", "audio"), asked once when needed
+    media: frozenset[str] | None = None

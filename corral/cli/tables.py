@@ -140,7 +140,10 @@ def show_text(info: dict[str, Any]) -> str:
                 ("parameters", human_count(projector.get("general.parameter_count", 0))),
                 ("embedding length", projector.get("clip.vision.embedding_length", "")),
                 ("dimensions", projector.get("clip.vision.projection_dim", "")),
-                ("image size", projector.get("clip.vision.image_size", ""))]
+                ("image size", projector.get("clip.vision.image_size", "")),
+                ("audio embedding", projector.get("clip.audio.embedding_length", "")),
+                ("audio dimensions", projector.get("clip.audio.projection_dim", "")),
+                ("mel bins", projector.get("clip.audio.num_mel_bins", ""))]
         out += ["", "  Projector"] + [f"    {k:<20}{v}" for k, v in rows if v != ""]
     draft = info.get("draft")
     if draft:  # a Modelfile's DRAFT: the model that drafts for speculative decoding

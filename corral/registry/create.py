@@ -29,7 +29,8 @@ from corral.registry.progress import Progress, quiet
 from corral.registry.store import Store
 
 
-ProjectorCheck = Callable[[str], "str | None"]  # a GGUF path -> why it does not load, or None
+# (projector GGUF, text model GGUF) -> why the projector does not load beside it, or None
+ProjectorCheck = Callable[[str, str], "str | None"]
 
 
 @dataclass
@@ -147,7 +148,7 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
                  prune: bool = True, quantizer: Quantizer | None = None,
                  load_projector: ProjectorCheck | None = None) -> Name:
     """Build layers for `req` and write the manifest last. `load_projector` tries a
-    vision projector the way the runner will load it (the daemon's runs a child)."""
+    projector the way the runner will load it (the daemon's runs a child)."""
     name = parse_name(req.model)
     if not req.from_ and not req.files:
         raise ModelfileError("neither 'from' or 'files' was specified")
@@ -155,7 +156,9 @@ def create_model(store: Store, req: CreateRequest, progress: Progress = quiet,
     projector = next((ly for ly in base_layers if ly.media_type == mt.PROJECTOR), None)
     if projector is not None and load_projector is not None and req.files:
         progress({"status": "loading the projector"})
-        problem = load_projector(str(store.blob_path(projector.digest)))
+        model = next(ly for ly in base_layers if ly.media_type == mt.MODEL)
+        problem = load_projector(str(store.blob_path(projector.digest)),
+                                 str(store.blob_path(model.digest)))
         if problem:
             raise ModelfileError(f"the projector does not load: {problem}")
     if req.quantize:

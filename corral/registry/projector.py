@@ -1,9 +1,10 @@
-"""Vision projectors (mmproj GGUFs): what makes one fit a model, and what `show` says.
+"""Projectors (mmproj GGUFs): what makes one fit a model, and what `show` says.
 
-A projector is checked from its header when a model is created and whenever a
-capability list is built, so a model reports "vision" only when its projector
-is one the runner can load beside its weights. The runner's load
-(llama.cpp's mtmd) checks the rest and fails the load with its reason.
+A projector holds a vision encoder, an audio encoder, or both (Qwen2.5-Omni). It is
+checked from its header when a model is created and whenever a capability list is
+built, so a model reports "vision" or "audio" only for an encoder its projector has
+and the runner can load beside its weights. The create's trial load in a child
+(runner.tools.probe) and the runner's load (llama.cpp's mtmd) check the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def is_projector(info: GGUFInfo) -> bool:
 
 def projector_type(info: GGUFInfo) -> str:
     kind = info.metadata.get("clip.projector_type") or info.metadata.get(
-        "clip.vision.projector_type")
+        "clip.vision.projector_type") or info.metadata.get("clip.audio.projector_type")
     return kind if isinstance(kind, str) else ""
 
 
@@ -32,18 +33,29 @@ def projector_problem(projector: GGUFInfo, model: GGUFInfo) -> str | None:
     """Why this projector cannot serve this model, or None when it fits."""
     if not is_projector(projector):
         return "the projector is not a CLIP/mmproj GGUF"
-    if projector.metadata.get("clip.has_vision_encoder") is not True:
-        return "the projector has no vision encoder"
+    vision, audio = projector_media(projector)
+    if not (vision or audio):
+        return "the projector has no vision or audio encoder"
     kind = projector_type(projector)
     if not kind:
         return "the projector does not name its type (clip.projector_type)"
     if kind in MROPE_TYPES:
         return f"projectors of type {kind} (M-RoPE positions) are not supported yet"
-    width = projector.metadata.get("clip.vision.projection_dim")
-    if isinstance(width, int) and model.embedding_length and width != model.embedding_length:
-        return (f"the projector's output width ({width}) does not match the model's"
-                f" embedding length ({model.embedding_length})")
+    for encoder in ("vision", "audio"):
+        width = projector.metadata.get(f"clip.{encoder}.projection_dim")
+        if isinstance(width, int) and model.embedding_length and \
+                width != model.embedding_length:
+            which = "output" if encoder == "vision" else "audio output"
+            return (f"the projector's {which} width ({width}) does not match the"
+                    f" model's embedding length ({model.embedding_length})")
     return None
+
+
+def projector_media(projector: GGUFInfo) -> tuple[bool, bool]:
+    """(vision, audio): which encoders the projector says it has."""
+    meta = projector.metadata
+    return (meta.get("clip.has_vision_encoder") is True,
+            meta.get("clip.has_audio_encoder") is True)
 
 
 def projector_info(info: GGUFInfo) -> dict[str, Any]:

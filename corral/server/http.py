@@ -137,6 +137,10 @@ class Request:
             body = _without_lone_surrogates(body)
         return dict(body)
 
+    def body(self) -> bytes:
+        """The whole body, as the transport read it (within CORRAL_MAX_BODY)."""
+        return self._body or b""
+
     def body_chunks(self) -> Iterator[bytes]:
         """A streamed body (blob uploads), chunked or not, as it arrives."""
         if self._body is not None:

@@ -53,7 +53,17 @@ class ImagePart(Wire):
     image_url: Union[str, ImageURL]
 
 
-Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class InputAudio(Wire):
+    data: str  # base64
+    format: Optional[str] = None  # "wav" or "mp3" in OpenAI's words; the bytes decide
+
+
+class AudioPart(Wire):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
 
 
 class CallFunction(Wire):

@@ -54,7 +54,17 @@ class ImagePart(Wire):
     detail: Optional[str] = None
 
 
-Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class InputAudio(Wire):
+    data: str  # base64
+    format: Optional[str] = None  # "wav" or "mp3" in OpenAI's words; the bytes decide
+
+
+class AudioPart(Wire):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
 Content = Union[str, list[Part]]
 
 

@@ -1,18 +1,22 @@
-"""Images into prompts: the projector (llama.cpp's mtmd library) and its own thread.
+"""Images and audio into prompts: the projector (llama.cpp's mtmd library) and its thread.
 
 The projector context is used by one thread, like the llama context: request
-threads hand it a Prepare (prompt text with one media marker per image, and the
-images' bytes) and wait on its reply. It tokenizes the text around the markers,
-encodes each image it has not seen recently into embeddings, and replies with
+threads hand it a Prepare (prompt text with one media marker per image or audio
+clip, and their bytes) and wait on its reply. It tokenizes the text around the
+markers, encodes each media chunk it has not seen recently into embeddings (an image
+is one chunk, or several tiles; an audio clip one chunk per 30 s window for
+Whisper-style encoders), and replies with
 
-    tokens  the prompt, where each image token is a negative placeholder id
-            derived from the image's hash: the engine's prefix match then
-            compares images by content, exactly as it compares text tokens;
-    spans   where each image sits and its embeddings, which the engine decodes
-            into the slot's own sequence between steps.
+    tokens  the prompt, where each media token is a negative placeholder id
+            derived from the media's hash and the chunk's place in it: the
+            engine's prefix match then compares media by content, exactly as it
+            compares text tokens;
+    spans   where each chunk sits and its embeddings, which the engine decodes
+            into the slot's own sequence between steps (an image span and an
+            audio span are the same to it).
 
 Encoding runs here, off the engine thread, so running streams keep decoding
-while an image is encoded; a recently seen image is not encoded again.
+while a chunk is encoded; a recently seen chunk is not encoded again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from corral.errors import BadRequest, CorralError, RunnerError
+from corral.media import audio_format, stb_image
 from corral.runner.jobs import ImageSpan
 from corral.runner.wire import MARKER
 
@@ -35,8 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("corral.vision")
 
-CACHE_BYTES = 64 << 20  # encoded images kept for follow-up questions
-_TEXT, _IMAGE = 0, 1
+CACHE_BYTES = 64 << 20  # encoded chunks kept for follow-up questions
+_TEXT, _IMAGE, _AUDIO = 0, 1, 2
 _log_hook: Any = None
 
 
@@ -83,18 +88,19 @@ class Vision:
         if not self.ctx:
             raise RunnerError(f"llama.cpp could not load the projector {projector}: it is not"
                               " a vision projector for this model")
-        if not M.mtmd_support_vision(self.ctx):
+        self.vision = bool(M.mtmd_support_vision(self.ctx))
+        self.audio = bool(M.mtmd_support_audio(self.ctx))
+        if not (self.vision or self.audio):
             self._free()
-            raise RunnerError("the projector has no vision encoder")
+            raise RunnerError("the projector has no vision or audio encoder")
         if M.mtmd_decode_use_mrope(self.ctx):
             self._free()
             raise RunnerError("projectors with M-RoPE positions (Qwen2-VL and later) are not"
                               " supported yet")
-        self.non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, None))
         from llama_cpp import llama_cpp as L
 
         self.n_embd = int(L.llama_model_n_embd_inp(model))  # what mtmd checked it against
-        self.encoded = 0  # images encoded since load (a cache hit does not count)
+        self.encoded = 0  # chunks encoded since load (a cache hit does not count)
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self._queue: queue.Queue[Prepare | None] = queue.Queue()
@@ -103,6 +109,8 @@ class Vision:
 
     def prepare(self, text: str, images: list[bytes], add_special: bool
                 ) -> tuple[list[int], list[ImageSpan]]:
+        """Tokens and spans for `text`, whose media markers stand for `images` (pictures
+        and audio clips, in order)."""
         if text.count(MARKER) != len(images):
             raise BadRequest(f"the prompt has {text.count(MARKER)} image markers for"
                              f" {len(images)} images")
@@ -154,18 +162,31 @@ class Vision:
                 M.mtmd_bitmap_free(bitmap)
 
     def _bitmap(self, data: bytes, index: int) -> Any:
+        """The decoded media, named by its place in the request (mtmd gives each of its
+        chunks that name). Only what mtmd's helper reads as an image or as audio gets
+        there: any other bytes would send it down a video path that starts ffprobe."""
         M = self._m
+        audio = audio_format(data) is not None
+        if audio and not self.audio:
+            raise BadRequest("this model does not support audio")
+        if not audio and not self.vision:
+            raise BadRequest("this model does not support images")
+        if not audio and not stb_image(data):
+            raise BadRequest(f"image {index} is not a PNG, JPEG, GIF or BMP")
         buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
         bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
         if not bitmap:
-            raise BadRequest(f"image {index} could not be decoded: it is truncated, corrupt"
-                             " or not an image")
+            what = "audio" if audio else "image"
+            raise BadRequest(f"{what} {index} could not be decoded: it is truncated, corrupt"
+                             f" or not {'an audio file' if audio else 'an image'}")
+        M.mtmd_bitmap_set_id(bitmap, str(index).encode())
         return bitmap
 
-    def _collect(self, chunks: Any, images: list[bytes]) -> tuple[list[int], list[ImageSpan]]:
+    def _collect(self, chunks: Any, media: list[bytes]) -> tuple[list[int], list[ImageSpan]]:
         M = self._m
         tokens: list[int] = []
         spans: list[ImageSpan] = []
+        parts: dict[int, int] = {}  # chunks so far of each media item: tiles, audio windows
         for i in range(M.mtmd_input_chunks_size(chunks)):
             chunk = M.mtmd_input_chunks_get(chunks, i)
             kind = M.mtmd_input_chunk_get_type(chunk)
@@ -173,14 +194,17 @@ class Vision:
                 n = ctypes.c_size_t()
                 ids = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 tokens.extend(int(ids[k]) for k in range(n.value))
-            elif kind == _IMAGE:
-                digest = hashlib.sha256(images[len(spans)]).digest()
+            elif kind in (_IMAGE, _AUDIO):
+                index = int(M.mtmd_input_chunk_get_id(chunk).decode())
+                part = parts[index] = parts.get(index, -1) + 1
+                digest = hashlib.sha256(media[index] + part.to_bytes(4, "big")).digest()
                 embd = self._embeddings(chunk, digest)
                 key = placeholder(digest)
-                spans.append(ImageSpan(len(tokens), key, embd, self.non_causal))
+                non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, chunk))
+                spans.append(ImageSpan(len(tokens), key, embd, non_causal))
                 tokens.extend([key] * embd.shape[0])
             else:
-                raise BadRequest("only images are supported as media")
+                raise BadRequest("only images and audio are supported as media")
         return tokens, spans
 
     def _embeddings(self, chunk: Any, digest: bytes) -> np.ndarray:
@@ -193,7 +217,7 @@ class Vision:
         M = self._m
         n_tokens = int(M.mtmd_input_chunk_get_n_tokens(chunk))
         if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
-            raise RunnerError("the projector could not encode the image")
+            raise RunnerError("the projector could not encode the image or audio")
         out = M.mtmd_get_output_embd(self.ctx)
         n_embd = self.n_embd
         embd = np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).reshape(

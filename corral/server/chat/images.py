@@ -1,4 +1,5 @@
 """Images from requests: decoded, sniffed and measured before any reaches the runner.
+(Audio clips travel in the same lists; server.chat.audio checks those.)
 
 Every API carries images as base64 (Ollama's `images`, OpenAI's and the Responses
 API's data URIs, Anthropic's base64 sources). Each is checked here from its
@@ -24,6 +25,7 @@ from typing import Any
 
 from corral.config import Settings
 from corral.errors import BadRequest
+from corral.server.chat.audio import audio_format, check_clip
 
 _DATA_URI = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,",
                        re.ASCII)
@@ -45,8 +47,11 @@ def from_data_uri(url: Any) -> str:
     return url[match.end():]
 
 
-def check_images(images: Any, settings: Settings, seen: int = 0) -> list[str]:
-    """Validated base64 images; `seen` counts the request's images before these."""
+def check_images(images: Any, settings: Settings, seen: int = 0, vision: bool = True,
+                 audio: bool = False, model: str = "the model") -> list[str]:
+    """Validated base64 media, pictures and audio clips (Ollama's `images` carries both,
+    told apart by their bytes); `seen` counts the request's media before these, and
+    `vision`/`audio` say what the model takes (Ollama's 400 names what it does not)."""
     if images in (None, []):
         return []
     if not isinstance(images, list):
@@ -56,31 +61,46 @@ def check_images(images: Any, settings: Settings, seen: int = 0) -> list[str]:
                          f" {settings.max_images} (CORRAL_MAX_IMAGES)")
     out = []
     for i, image in enumerate(images, start=seen):
-        data = _decode(image, i, settings.max_image_bytes)
-        kind, width, height = measure(data, i)
-        if width <= 0 or height <= 0:
-            raise BadRequest(f"image {i} has no pixels ({width}x{height})")
-        if width * height > settings.max_image_pixels:
-            raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
-                             f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
-        out.append(_png_from_webp(data, i) if kind == "webp" else image)
+        data = _decode(image, i, max(settings.max_image_bytes, settings.max_audio_bytes))
+        if audio_format(data) is not None:
+            if not audio:
+                raise BadRequest(f"{model} does not support audio")
+            check_clip(data, i, settings)
+            out.append(image)
+            continue
+        if not vision:
+            raise BadRequest(f"{model} does not support vision")
+        out.append(_checked_image(data, image, i, settings))
     return out
 
 
+def _checked_image(data: bytes, image: str, i: int, settings: Settings) -> str:
+    if len(data) > settings.max_image_bytes:
+        raise BadRequest(f"image {i} is over the limit of {settings.max_image_bytes} bytes"
+                         " (CORRAL_MAX_IMAGE_BYTES)")
+    kind, width, height = measure(data, i)
+    if width <= 0 or height <= 0:
+        raise BadRequest(f"image {i} has no pixels ({width}x{height})")
+    if width * height > settings.max_image_pixels:
+        raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
+                         f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
+    return _png_from_webp(data, i) if kind == "webp" else image
+
+
 def _decode(image: Any, i: int, limit: int) -> bytes:
+    """The bytes of a base64 item, within `limit` (the larger of the image and the audio
+    limits: which applies is known once the bytes are sniffed)."""
     if not isinstance(image, str):  # JSON carries images as base64 strings only
         raise BadRequest(f"image {i} must be a base64 string")
     if len(image) > limit * 4 // 3 + 4:
         raise BadRequest(f"image {i} is over the limit of {limit} bytes"
-                         " (CORRAL_MAX_IMAGE_BYTES)")
+                         " (CORRAL_MAX_IMAGE_BYTES, CORRAL_MAX_AUDIO_BYTES)")
     try:
         data = base64.b64decode(image, validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(f"image {i} is not valid base64") from None
     if not data:
         raise BadRequest(f"image {i} is empty")
-    if len(data) > limit:
-        raise BadRequest(f"image {i} is over the limit of {limit} bytes (CORRAL_MAX_IMAGE_BYTES)")
     return data
 
 

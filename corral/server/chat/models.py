@@ -18,7 +18,7 @@ from corral.options import Options
 from corral.registry.fim import missing
 from corral.registry.models import ModelRecord, Records
 from corral.registry.names import Name, parse_name
-from corral.registry.projector import projector_problem
+from corral.registry.projector import projector_media, projector_problem
 from corral.registry.store import Store
 from corral.server.chat.messages import Message
 from corral.server.chat.reply import template_calls_tools, template_thinks
@@ -40,7 +40,8 @@ def require_model(name: Any) -> str:
 
 
 def capabilities(template: str, embedding: bool, vision: bool,
-                 rerank: bool = False, fim: frozenset[str] = frozenset()) -> tuple[str, ...]:
+                 rerank: bool = False, fim: frozenset[str] = frozenset(),
+                 audio: bool = False) -> tuple[str, ...]:
     """Ollama's capability list: what the weights are for, and what the template can do.
     A reranker (rank pooling) only scores documents, whatever its chat template says.
     `insert` is a template that renders `.Suffix`, or, beyond Ollama, the vocabulary's
@@ -54,6 +55,8 @@ def capabilities(template: str, embedding: bool, vision: bool,
         caps.append("insert")
     if vision:
         caps.append("vision")
+    if audio:
+        caps.append("audio")
     if template_thinks(template):
         caps.append("thinking")
     return tuple(caps)
@@ -68,11 +71,12 @@ class ModelView:
     template: str  # a TEMPLATE layer, else the GGUF's chat template, else ""
     jinja: str | None  # the GGUF's Jinja chat template, used when no TEMPLATE layer is
     embedding: bool  # the weights pool into embeddings
-    vision: bool  # a projector the runner can load beside these weights
+    vision: bool  # a projector with a vision encoder the runner can load beside these weights
     capabilities: tuple[str, ...]
     defaults: Options  # the model's PARAMETERs, coerced
     rerank: bool = False  # the weights pool to a relevance score (rank pooling)
     fim: frozenset[str] = frozenset()  # the vocabulary's FIM roles (registry/fim.py)
+    audio: bool = False  # that projector has an audio encoder
 
     @property
     def infill(self) -> str:
@@ -100,7 +104,7 @@ class ModelView:
             return self
         return replace(self, template=template,
                        capabilities=capabilities(template, self.embedding, self.vision,
-                                                 self.rerank, self.fim))
+                                                 self.rerank, self.fim, self.audio))
 
     def builder(self, bos: str, eos: str, go: str | None = None) -> PromptBuilder:
         """The prompt builder for the runner's BOS and EOS text: the TEMPLATE layer, else
@@ -172,17 +176,20 @@ class Models:
             jinja, embedding, pooling, fim = None, False, None, frozenset()
         rerank = pooling == RANK_POOLING
         template = record.template or jinja or ""
-        vision = self._vision(record)
+        vision, audio = self._media(record)
         return ModelView(record, template, None if record.template else jinja, embedding,
-                         vision, capabilities(template, embedding, vision, rerank, fim),
-                         Options.parse(record.parameters), rerank, fim)
+                         vision, capabilities(template, embedding, vision, rerank, fim, audio),
+                         Options.parse(record.parameters), rerank, fim, audio)
 
-    def _vision(self, record: ModelRecord) -> bool:
-        # A GGUF that merely describes a vision tower, without a projector, cannot see.
+    def _media(self, record: ModelRecord) -> tuple[bool, bool]:
+        """(vision, audio): what the model's projector lets it take in. A GGUF that merely
+        describes a vision tower, without a projector, cannot see."""
         if record.projector_digest is None:
-            return False
+            return False, False
         try:
-            return projector_problem(self.store.gguf_info(record.projector_digest),
-                                     self.store.gguf_info(record.model_digest)) is None
+            projector = self.store.gguf_info(record.projector_digest)
+            if projector_problem(projector, self.store.gguf_info(record.model_digest)):
+                return False, False
         except CorralError:
-            return False
+            return False, False
+        return projector_media(projector)

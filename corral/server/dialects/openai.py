@@ -85,6 +85,8 @@ def _message(m: Message, earlier: list[ChatMessage]) -> ChatMessage:
         for part in content:
             if part.type == "text":
                 texts.append(part.text)
+            elif part.type == "input_audio":  # Ollama's way: audio rides with the images
+                images.append(part.input_audio.data)
             else:
                 url = part.image_url
                 images.append(from_data_uri(url if isinstance(url, str) else url.url))

@@ -20,9 +20,9 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
-from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
-                                       ReasoningItem, Response, ResponsesRequest, TextPart,
-                                       TimedResponse, Usage)
+from corral.api.wire.responses import (AudioPart, Content, FunctionCallItem, FunctionChoice,
+                                       MessageItem, ReasoningItem, Response, ResponsesRequest,
+                                       TextPart, TimedResponse, Usage)
 from corral.errors import BadRequest, CorralError
 from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
@@ -37,7 +37,8 @@ from corral.server.dialects.timings import timings
 from corral.server.chat.reply import Kind, Piece
 
 def _text(content: Content, images: list[str] | None = None) -> str:
-    """A content's text; its input_image parts (data URIs) go to `images` where allowed."""
+    """A content's text; its input_image parts (data URIs) and input_audio parts go to
+    `images` (Ollama's list for both) where allowed."""
     if isinstance(content, str):
         return content
     parts = []
@@ -46,6 +47,8 @@ def _text(content: Content, images: list[str] | None = None) -> str:
             parts.append(part.text)
         elif images is None:
             raise BadRequest(f"unsupported content part type {part.type!r}")
+        elif isinstance(part, AudioPart):
+            images.append(part.input_audio.data)
         elif part.file_id:
             raise BadRequest("input_image file_id is not supported: send a data URI")
         else:

@@ -87,11 +87,11 @@ def _tools(view: ModelView, request: Task) -> list[Tool]:
 
 def checked_images(view: ModelView, images: list[str], limits: Settings,
                    seen: int = 0) -> list[str]:
-    """A request's images, checked; a model without a working projector gets Ollama's
-    400 before anything is decoded."""
-    if not view.vision:
+    """A request's media (pictures and audio clips), checked; a model without a working
+    projector gets Ollama's 400 before anything is decoded."""
+    if not (view.vision or view.audio):
         raise BadRequest(f"{view.name} does not support vision")
-    return check_images(images, limits, seen)
+    return check_images(images, limits, seen, view.vision, view.audio, view.name)
 
 
 def chat_messages(view: ModelView, messages: list[Message],

@@ -6,7 +6,24 @@ import { Conversations } from "/ui/conversations.js";
 
 const store = new Conversations(localStorage);
 let running = null; // { controller, message } while an answer streams
-let pending = []; // images attached to the next message: { name, data (base64), url }
+let pending = []; // images and audio clips attached to the next message: { name, data (base64), url }
+
+// What a base64 attachment is, by its first bytes, as the daemon tells them apart:
+// WAV, MP3 and FLAC are audio (Ollama's `images` carries both), anything else a picture.
+function audioType(data) {
+  const head = atob(data.slice(0, 16));
+  if (head.startsWith("RIFF") && head.slice(8, 12) === "WAVE") return "audio/wav";
+  if (head.startsWith("fLaC")) return "audio/flac";
+  if (head.startsWith("ID3") || (head.charCodeAt(0) === 0xff && (head.charCodeAt(1) & 0xe0) === 0xe0)) return "audio/mpeg";
+  return null;
+}
+
+function mediaNode(data, label) {
+  const audio = audioType(data);
+  return audio
+    ? el("audio", { class: "clip", controls: "", "aria-label": label, src: `data:${audio};base64,${data}` })
+    : el("img", { class: "thumb", alt: label, src: `data:image/png;base64,${data}` });
+}
 
 function thinkingBlock(message, open) {
   const details = el("details", { class: "thinking", open }, el("summary", { text: "Thinking" }));
@@ -33,9 +50,7 @@ function fill(node, message) {
   if (message.role === "user") {
     node.append(el("div", { class: "content" }, ...(message.content || "").split("\n").flatMap(
       (line, i) => (i ? [el("br"), line] : [line]))));
-    for (const image of message.images || []) {
-      node.append(el("img", { class: "thumb", alt: "attached image", src: `data:image/png;base64,${image}` }));
-    }
+    for (const image of message.images || []) node.append(mediaNode(image, "attached file"));
   } else {
     if (message.thinking) node.append(thinkingBlock(message, open));
     const content = el("div", { class: "content" });
@@ -185,7 +200,7 @@ function attach(files) {
       const item = { name: file.name, data: url.slice(url.indexOf(",") + 1), url };
       pending.push(item);
       $("attachments").append(el("span", { class: "chip" },
-        el("img", { class: "thumb", alt: file.name, src: url }),
+        mediaNode(item.data, file.name),
         el("button", { type: "button", class: "icon", "aria-label": `Remove ${file.name}`, text: "×",
           onclick: (event) => { pending = pending.filter((p) => p !== item); event.target.parentElement.remove(); } })));
     };

@@ -1,0 +1,30 @@
+"""What a media item's bytes are, read as llama.cpp's mtmd helper reads them.
+
+The daemon checks a request's media (server.chat) and the runner hands the bytes to
+mtmd's decoder (runner.llama.vision); both sort them by the same test, the helper's
+own: WAV, FLAC and MP3 by their headers are audio (miniaudio), anything else is
+taken for an image (stb_image), and bytes that are neither would be sent on to a
+video path that starts ffprobe, so neither side lets them through.
+"""
+
+from __future__ import annotations
+
+AUDIO_FORMATS = ("wav", "mp3", "flac")
+
+
+def audio_format(data: bytes) -> str | None:
+    """The format mtmd's helper would decode these bytes as, or None: not audio."""
+    if len(data) < 12:
+        return None
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:4] == b"fLaC":
+        return "flac"
+    if data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def stb_image(data: bytes) -> bool:
+    """Whether stb_image (mtmd's image decoder) reads this format: PNG, JPEG, GIF, BMP."""
+    return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM"))
