@@ -18,7 +18,7 @@ from corral.runner.engine.placer import Placer
 from corral.runner.engine.plan import (Branch, Drop, End, Join, Move, Park, Restore, Save,
                                        Shift, StepPlan, Trim)
 from corral.runner.engine.schedule import Schedule
-from corral.runner.jobs import ImageSpan, Job
+from corral.runner.jobs import ImageSpan, Job, position
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.ngram import History, NgramIndex
@@ -359,3 +359,40 @@ def test_the_insertion_search_tries_a_bounded_number_of_starts() -> None:
     found = kvplan._insertion(cached, 2, tokens, 2, len(tokens) - 1, least, run=counted)
     assert found is not None and found[0] == 3 + len(typed) and found[2] >= least
     assert calls <= kvplan.MAX_STARTS * (len(typed) + 1)
+
+
+def test_an_mrope_image_keeps_positions_apart_from_tokens() -> None:
+    # 40 tokens on a 10 x 4 grid: 10 positions. Text after it continues at 2 + 10.
+    span = ImageSpan(2, -5, np.zeros((40, 4), dtype=np.float32), non_causal=False, n_pos=10,
+                     grid=(10, 4))
+    prompt = [1, 2] + [-5] * 40 + [3, 4, 5]
+    assert [position((span,), i) for i in (0, 2, 30, 41, 42, 44, 45)] == \
+        [0, 2, 2, 2, 12, 14, 15]
+    s = schedule()
+    submit(s, prompt, images=(span,))
+    # A cached prefix that ends inside the image is cut back to its start: its tokens
+    # share one position, which no cut of the KV can split.
+    idle = Slot(seq_id=0, num_ctx=NUM_CTX, cached=prompt[:20])
+    plan = s.plan([idle])
+    assert plan.ops == [Trim(0, 2)] and plan.image is not None and plan.image.offset == 0
+    # Past the image, a prefix cut and the text's rows are at positions, not indices.
+    s = schedule()
+    submit(s, prompt, images=(span,))
+    idle = Slot(seq_id=0, num_ctx=NUM_CTX, cached=prompt[:43] + [9, 9])
+    plan = s.plan([idle])
+    assert plan.ops == [Trim(0, 13)]  # 43 tokens, 13 positions
+    assert [(r.token, r.pos) for r in plan.batch.rows] == [(4, 13), (5, 14)]
+    assert idle.pos(len(prompt)) == 15
+
+
+def test_a_restore_past_an_mrope_image_cuts_at_its_position() -> None:
+    span = ImageSpan(1, -5, np.zeros((40, 4), dtype=np.float32), non_causal=False, n_pos=10,
+                     grid=(10, 4))
+    prompt = [1] + [-5] * 40 + list(range(2, 40))
+    caches = PrefixCaches(PromptCache(budget=1 << 20))
+    caches.save(prompt[:70] + [99, 98], b"state")
+    s = schedule(caches)
+    submit(s, prompt, images=(span,))
+    plan = s.plan([Slot(seq_id=0, num_ctx=NUM_CTX)])
+    [restore] = [op for op in plan.ops if isinstance(op, Restore)]
+    assert restore.n_prefix == 70 and restore.cut == 70 - 30  # the image saved 30 positions

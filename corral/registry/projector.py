@@ -13,10 +13,11 @@ from typing import Any
 
 from corral.registry.gguf import GGUFInfo
 
-# Projectors whose image tokens need M-RoPE positions (several per token); the
-# engine gives every token one position, so these are refused rather than run wrong.
-MROPE_TYPES = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "qwen2.5o",
-                         "glm4v", "glm5v", "paddleocr", "youtuvl", "hunyuanvl", "mimovl"})
+# Projectors whose image tokens take M-RoPE positions that the engine has not been
+# checked against (tests/test_qwen_vl.py checks Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
+# against llama.cpp's own decode): refused rather than risked running wrong.
+MROPE_TYPES = frozenset({"qwen2.5o", "glm4v", "glm5v", "paddleocr", "youtuvl", "hunyuanvl",
+                         "mimovl"})
 
 
 def is_projector(info: GGUFInfo) -> bool:
@@ -40,7 +41,8 @@ def projector_problem(projector: GGUFInfo, model: GGUFInfo) -> str | None:
     if not kind:
         return "the projector does not name its type (clip.projector_type)"
     if kind in MROPE_TYPES:
-        return f"projectors of type {kind} (M-RoPE positions) are not supported yet"
+        return (f"projectors of type {kind} (M-RoPE positions) are not supported yet;"
+                " Qwen2-VL, Qwen2.5-VL and Qwen3-VL ones are")
     for encoder in ("vision", "audio"):
         width = projector.metadata.get(f"clip.{encoder}.projection_dim")
         if isinstance(width, int) and model.embedding_length and \

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Union
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from corral.errors import CorralError
 from corral.options import Options
@@ -53,12 +53,19 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One image in a prompt: `n_tokens` placeholders from index `start`."""
+    """One image (or audio window) in a prompt: `n_tokens` placeholders from index `start`.
+
+    With M-RoPE (Qwen2-VL and later) an image's tokens take 2-D positions: all of them
+    the image's first position in time, and a column and a row from its `grid`, so the
+    image takes `n_pos` = max(columns, rows) positions and the text after it continues
+    there, not at its token count (llama.cpp's mtmd_image_tokens_get_decoder_pos)."""
 
     start: int
     key: int  # the placeholder id: negative, from the image's hash
     embd: "np.ndarray"  # float32 (n_tokens, n_embd)
     non_causal: bool  # its tokens attend to each other both ways: decoded in one batch
+    n_pos: int = 0  # positions it takes, where not one per token (M-RoPE images)
+    grid: "tuple[int, int] | None" = None  # (columns, rows) of an M-RoPE image's tokens
 
     @property
     def n_tokens(self) -> int:
@@ -68,8 +75,33 @@ class ImageSpan:
     def end(self) -> int:
         return self.start + self.n_tokens
 
+    @property
+    def positions(self) -> int:
+        return self.n_pos or self.n_tokens
+
+    @property
+    def whole(self) -> bool:
+        """Whether a cached prefix must hold all of it or none: its tokens attend both
+        ways, or share one position in time (M-RoPE), which no cut of the KV can split."""
+        return self.non_causal or self.grid is not None
+
     def shifted(self, offset: int) -> "ImageSpan":
-        return ImageSpan(self.start + offset, self.key, self.embd, self.non_causal)
+        return replace(self, start=self.start + offset)
+
+
+def position(spans: "Sequence[ImageSpan]", index: int) -> int:
+    """The position of the prompt's token `index` (or of the token that would follow):
+    its index, less what the M-RoPE images before it save; an image's tokens all sit
+    at its first position (in time, the KV's own position). Without M-RoPE, the index."""
+    saved = 0
+    for span in spans:
+        if index < span.start:
+            break
+        if index < span.end and span.grid is not None:
+            return span.start - saved
+        if index >= span.end:
+            saved += span.n_tokens - span.positions
+    return index - saved
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ def generation_limit(job: Job, n_prompt: int, num_ctx: int) -> int:
 
 
 def align_prefix(spans: Sequence["ImageSpan"], n_prefix: int) -> int:
-    """A cached prefix may end inside an image only if its tokens attend causally;
-    otherwise the whole image is decoded again, together."""
+    """A cached prefix may end inside an image only if its tokens attend causally and
+    each has a position of its own; otherwise (`ImageSpan.whole`) the whole image is
+    decoded again, together."""
     for span in spans:
-        if span.non_causal and span.start < n_prefix < span.end:
+        if span.whole and span.start < n_prefix < span.end:
             return span.start
     return n_prefix

@@ -85,10 +85,11 @@ def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | No
     drafted = [drafts.get(slot.seq_id, [])[:spare] for slot in decoding]
     for slot, tokens in zip(decoding, drafted):
         plan.sample_at[slot.seq_id] = len(plan.rows)
-        plan.rows.append(BatchRow(slot.last_token, slot.n_past, slot.seq_id, True))
+        at = slot.pos(slot.n_past)
+        plan.rows.append(BatchRow(slot.last_token, at, slot.seq_id, True))
         plan.decoding.append(slot)
         for k, token in enumerate(tokens):
-            plan.rows.append(BatchRow(token, slot.n_past + 1 + k, slot.seq_id, True))
+            plan.rows.append(BatchRow(token, at + 1 + k, slot.seq_id, True))
         if tokens:
             plan.drafts[slot.seq_id] = tokens
     prefilling = sorted((s for s in slots if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
@@ -103,8 +104,9 @@ def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | No
         if take == 0:
             continue  # an image comes next: it goes through its own batch (plan.ImageSlice)
         last_chunk = take == len(slot.pending)
+        at = slot.pos(slot.n_past)  # a text run: one position a token from there
         for k in range(take):
-            plan.rows.append(BatchRow(slot.pending[k], slot.n_past + k, slot.seq_id,
+            plan.rows.append(BatchRow(slot.pending[k], at + k, slot.seq_id,
                                       last_chunk and k == take - 1))
         if last_chunk:
             plan.sample_at[slot.seq_id] = len(plan.rows) - 1

@@ -75,7 +75,7 @@ class KVOps:
             data = op.data
         L.llama_memory_seq_rm(mem, seq, -1, -1)
         if data is not None and kvbytes.put(self.ctx, data, seq, self.streams) \
-                and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1):
+                and L.llama_memory_seq_rm(mem, seq, op.cut, -1):
             if isinstance(op, Branch):
                 self.caches.tokens_shared += op.n_prefix
             else:
@@ -115,7 +115,7 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
                 evicted = True
     for slot in failed:
         if evicted:
-            L.llama_memory_seq_rm(mem, slot.seq_id, slot.n_past, -1)
+            L.llama_memory_seq_rm(mem, slot.seq_id, slot.pos(slot.n_past), -1)
         else:
             drop(mem, slot)
     return evicted

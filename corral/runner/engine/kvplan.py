@@ -11,6 +11,7 @@ from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine.placer import Placement, Source
 from corral.runner.engine.plan import (Branch, Drop, KVOp, Move, Park, Restore, Save, Shift,
                                        Trim)
+from corral.runner.jobs import position
 from corral.runner.prefix import common_prefix
 from corral.runner.slots.slot import Slot
 
@@ -65,13 +66,16 @@ def placement_ops(p: Placement, caches: PrefixCaches, held: Iterable[Sequence[in
             moves, n_prefix = reuse_moves(slot.seq_id, slot.cached, p.tokens, n_prefix,
                                           job.reuse_chunk, scratch)
         ops += moves
-        ops.append(Trim(slot.seq_id, n_prefix) if n_prefix else Drop(slot.seq_id))
+        at = position(job.images, n_prefix)
+        ops.append(Trim(slot.seq_id, at) if n_prefix else Drop(slot.seq_id))
         return ops, n_prefix, bool(moves)
+    at = position(job.images, p.n_prefix)
+    at = -1 if at == p.n_prefix else at  # past an M-RoPE image, positions run behind
     if p.donor is not None:
-        ops.append(Branch(slot.seq_id, p.donor.seq_id, p.n_prefix))
+        ops.append(Branch(slot.seq_id, p.donor.seq_id, p.n_prefix, at))
     else:  # a disk entry's bytes were read and verified off this thread (runner.cache.diskread)
         data = p.data if p.data is not None else caches.fetch(p.entry)
-        ops.append(Restore(slot.seq_id, p.n_prefix, data, p.entry, p.disk))
+        ops.append(Restore(slot.seq_id, p.n_prefix, data, p.entry, p.disk, at))
     return ops, p.n_prefix, False
 
 

@@ -79,22 +79,34 @@ class Shift:
 
 @dataclass(frozen=True)
 class Restore:
-    """Fill the sequence with a prompt cache entry's state, cut to `n_prefix`."""
+    """Fill the sequence with a prompt cache entry's state, cut to `n_prefix` tokens, at
+    position `at` where that is not `n_prefix` (past an M-RoPE image; runner.jobs)."""
 
     seq_id: int
     n_prefix: int
     data: KVBytes | None
     entry: "Entry | None" = None
     disk: "DiskEntry | None" = None
+    at: int = -1
+
+    @property
+    def cut(self) -> int:
+        return self.n_prefix if self.at < 0 else self.at
 
 
 @dataclass(frozen=True)
 class Branch:
-    """Fill the sequence with another sequence's state (`donor`), cut to `n_prefix`."""
+    """Fill the sequence with another sequence's state (`donor`), cut to `n_prefix`
+    tokens, at position `at` where that is not `n_prefix` (as Restore's)."""
 
     seq_id: int
     donor: int
     n_prefix: int
+    at: int = -1
+
+    @property
+    def cut(self) -> int:
+        return self.n_prefix if self.at < 0 else self.at
 
 
 @dataclass(frozen=True)

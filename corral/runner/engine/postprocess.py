@@ -29,7 +29,7 @@ from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placer
 from corral.runner.engine.plan import End, ImageSlice, Placed, StepPlan, Trim
 from corral.runner.engine.run import ImageFeed, Outcome
-from corral.runner.jobs import Done, Failed, Token
+from corral.runner.jobs import Done, Failed, Token, position
 from corral.runner.llama import native
 from corral.runner.slots.sequence import DoneReason, Sequence
 from corral.runner.slots.slot import Slot, SlotState
@@ -129,14 +129,16 @@ class Postprocess:
         for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
                 slot.cached.append(slot.last_token)
+                # the tokens this batch gave the slot cells for, its draft's included
+                filled = len(slot.cached) + len(batch.drafts.get(slot.seq_id, ()))
                 row = batch.sample_at[slot.seq_id]
                 seq = slot.sequence
                 self._sample(slot, row, self.llama.batch)
                 if slot.seq_id in batch.drafts:
                     assert seq is not None
-                    self._verify(slot, seq, batch, row)
+                    self._verify(slot, seq, batch, row, filled)
 
-    def _verify(self, slot: Slot, seq: Sequence, batch: Batch, row: int) -> None:
+    def _verify(self, slot: Slot, seq: Sequence, batch: Batch, row: int, filled: int) -> None:
         """The drafted tokens after the one just sampled (runner.speculative): each the
         sampler picks in turn, at the draft's own row, with the request's settings and
         random stream, is kept with its KV, exactly as plain decoding would have picked
@@ -159,9 +161,8 @@ class Postprocess:
             spec.kept(seq.draft)
             self._sample(slot, row + 1 + i, self.llama.batch)
         spec.verified(seq.draft, len(draft), accepted)
-        filled = batch.rows[row].pos + 1 + len(draft)  # the positions this batch gave it
         if len(slot.cached) < filled:
-            self._rejected.append(Trim(slot.seq_id, len(slot.cached)))
+            self._rejected.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached))))
 
     def _image(self, image: ImageSlice) -> None:
         slot, count = image.slot, image.count

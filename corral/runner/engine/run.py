@@ -159,28 +159,33 @@ class Run:
             self._ops().run(op)
 
 
+MROPE_TYPES = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE (include/llama.h)
+
+
 class ImageFeed:
     """The embeddings batch, used only by the engine thread."""
 
     def __init__(self, llama: "LlamaContext") -> None:
         self.llama = llama
         self.n_embd = L.llama_model_n_embd_inp(llama.model)
+        # M-RoPE models (Qwen2-VL and later) take four positions an embedding
+        self.mrope = int(L.llama_model_rope_type(llama.model)) in MROPE_TYPES
         self.batch: Any = None  # allocated at the first image
 
     def decode(self, slot: Slot, span: "ImageSpan", offset: int, count: int,
                logits_last: bool) -> int:
         n_batch, ctx = self.llama.n_batch, self.llama.ctx
         if self.batch is None:
-            self.batch = L.llama_batch_init(n_batch, self.n_embd, 1)
+            self.batch = L.llama_batch_init(n_batch * (4 if self.mrope else 1), self.n_embd, 1)
         rows = span.embd[offset:offset + count]
         assert rows.shape == (count, self.n_embd) and 0 < count <= n_batch
         batch = self.batch
         ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
         for i in range(count):
-            batch.pos[i] = slot.n_past + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = slot.seq_id
             batch.logits[i] = logits_last and i == count - 1
+        self._positions(span, slot.pos(span.start), offset, count)
         batch.n_tokens = count
         if span.non_causal:
             L.llama_set_causal_attn(ctx, False)
@@ -189,6 +194,24 @@ class ImageFeed:
         finally:
             if span.non_causal:
                 L.llama_set_causal_attn(ctx, True)
+
+    def _positions(self, span: "ImageSpan", p0: int, offset: int, count: int) -> None:
+        """The rows' positions: one each from the span's first; with M-RoPE four, section
+        after section (time, row, column, unused), as mtmd's helper lays them out: an
+        image's tokens all at p0 in time and at their column and row on its grid
+        (mtmd_image_tokens_get_decoder_pos), an audio window's at p0 + i in all four."""
+        pos = self.batch.pos
+        for i in range(count):
+            k = offset + i
+            if not self.mrope:
+                pos[i] = p0 + k
+            elif span.grid is not None:
+                columns = span.grid[0]
+                pos[i], pos[count + i] = p0, p0 + k // columns
+                pos[2 * count + i], pos[3 * count + i] = p0 + k % columns, 0
+            else:
+                for section in range(4):
+                    pos[section * count + i] = p0 + k
 
     def free(self) -> None:
         if self.batch is not None:

@@ -36,10 +36,14 @@ def get(ctx: Any, seq: int) -> KVBytes | None:
     return state
 
 
+MROPE = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE: cells carry 2-D positions
+
+
 def put(ctx: Any, state: KVBytes, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""
-    data = restream(state, streams, seq)
+    ext = int(L.llama_model_rope_type(L.llama_get_model(ctx))) in MROPE
+    data = restream(state, streams, seq, ext)
     if data is None:
         return False
     # llama.cpp only reads the buffer: point it at the state itself, not at a copy.
@@ -57,7 +61,7 @@ def copy_sequence(src: Any, src_seq: int, dst: Any, dst_seq: int, streams: int) 
     return state is not None and put(dst, state, dst_seq, streams)
 
 
-def restream(state: KVBytes, streams: int, seq: int) -> KVBytes | None:
+def restream(state: KVBytes, streams: int, seq: int, ext: bool = False) -> KVBytes | None:
     """A sequence's state, written by a context of some number of KV streams, as one of
     `streams` streams would take it for sequence `seq`; None if it does not parse.
 
@@ -67,7 +71,8 @@ def restream(state: KVBytes, streams: int, seq: int) -> KVBytes | None:
     stream whichever entry they came in. The layout (llama.cpp as pinned): a header
     [tag u32][sequence u32], then per memory section (one, or two for a sliding-window
     model) [n_stream u32] and per stream [cell_count u32] and, for the stream with
-    cells, its cells (position, sequence ids) and its K and V rows. The rows are
+    cells, its cells (position, sequence ids; with `ext`, an M-RoPE model's, each cell's
+    column, row and token too: llama_kv_cell_ext) and its K and V rows. The rows are
     skipped by the sizes the section itself records, and the parse must end exactly at
     the end, so a layout this does not know is refused rather than misread."""
     if len(state) < 8:
@@ -86,7 +91,7 @@ def restream(state: KVBytes, streams: int, seq: int) -> KVBytes | None:
                 if cells:
                     if entry is not None:
                         return None  # two streams with cells: not one sequence's state
-                    at = _skip_cells(state, at, cells)
+                    at = _skip_cells(state, at, cells, ext)
                     entry = view[start:at]
             same = same and n_stream == streams
             parts += [streams.to_bytes(4, "little"), *([entry] if entry is not None else []),
@@ -108,21 +113,24 @@ def _u32(data: KVBytes, at: int) -> int:
     return int.from_bytes(data[at:at + 4], "little")
 
 
-def _skip_cells(state: KVBytes, at: int, cells: int) -> int:
-    """Past one stream's cells: (pos, n_seq_id, the ids) each, then
+def _skip_cells(state: KVBytes, at: int, cells: int, ext: bool = False) -> int:
+    """Past one stream's cells: (pos, n_seq_id, [ext], the ids) each, then
     v_trans, n_layer, each layer's K rows, each layer's V rows (or V elements)."""
-    # Each cell is (pos i32, n_seq u32, the ids). A single sequence's cells have one id
-    # each, 12 bytes: read them in one pass; the first cell that differs (so, the first
-    # misread) sends the whole walk to the cell-by-cell reading.
-    block = state[at:at + 12 * cells]
-    if len(block) == 12 * cells and all(n == 1 for _, n, _ in struct.iter_unpack("<iII", block)):
-        at += 12 * cells
+    # Each cell is (pos i32, n_seq u32, with `ext` x, y and token i32s, the ids). A single
+    # sequence's cells have one id each, 12 bytes (24 with ext): read them in one pass;
+    # the first cell that differs (so, the first misread) sends the whole walk to the
+    # cell-by-cell reading.
+    extra, form = (12, "<iI12xI") if ext else (0, "<iII")
+    size = 12 + extra
+    block = state[at:at + size * cells]
+    if len(block) == size * cells and all(n == 1 for _, n, _ in struct.iter_unpack(form, block)):
+        at += size * cells
     else:
         for _ in range(cells):
             n_seq = _u32(state, at + 4)
             if n_seq > 1:
                 raise ValueError("a cell shared by sequences: not a single sequence's state")
-            at += 8 + 4 * n_seq
+            at += 8 + extra + 4 * n_seq
     v_trans, n_layer = _u32(state, at), _u32(state, at + 4)
     at += 8
     for _ in range(n_layer):  # K: type i32, row size u64, rows

@@ -93,10 +93,7 @@ class Vision:
         if not (self.vision or self.audio):
             self._free()
             raise RunnerError("the projector has no vision or audio encoder")
-        if M.mtmd_decode_use_mrope(self.ctx):
-            self._free()
-            raise RunnerError("projectors with M-RoPE positions (Qwen2-VL and later) are not"
-                              " supported yet")
+        self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # 2-D image positions
         from llama_cpp import llama_cpp as L
 
         self.n_embd = int(L.llama_model_n_embd_inp(model))  # what mtmd checked it against
@@ -201,11 +198,33 @@ class Vision:
                 embd = self._embeddings(chunk, digest)
                 key = placeholder(digest)
                 non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, chunk))
-                spans.append(ImageSpan(len(tokens), key, embd, non_causal))
+                n_pos, grid = self._positions(chunk, kind, embd.shape[0])
+                spans.append(ImageSpan(len(tokens), key, embd, non_causal, n_pos, grid))
                 tokens.extend([key] * embd.shape[0])
             else:
                 raise BadRequest("only images and audio are supported as media")
         return tokens, spans
+
+    def _positions(self, chunk: Any, kind: int, n_tokens: int
+                   ) -> tuple[int, tuple[int, int] | None]:
+        """(positions the chunk takes, its M-RoPE grid): an M-RoPE image's tokens take
+        the positions of a grid of columns x rows (the engine lays them out as
+        mtmd_image_tokens_get_decoder_pos does, and checks here that mtmd counts the
+        same); anything else one position a token."""
+        M = self._m
+        n_pos = int(M.mtmd_input_chunk_get_n_pos(chunk))
+        if not (self.mrope and kind == _IMAGE):
+            if n_pos != n_tokens:
+                raise RunnerError(f"the projector's media take {n_pos} positions for"
+                                  f" {n_tokens} tokens, a layout this engine does not know")
+            return 0, None
+        image = M.mtmd_input_chunk_get_tokens_image(chunk)
+        columns, rows = int(M.mtmd_image_tokens_get_nx(image)), int(
+            M.mtmd_image_tokens_get_ny(image))
+        if columns * rows != n_tokens or n_pos != max(columns, rows):
+            raise RunnerError(f"the projector's images take {n_pos} positions for"
+                              f" {columns} x {rows} tokens, a layout this engine does not know")
+        return n_pos, (columns, rows)
 
     def _embeddings(self, chunk: Any, digest: bytes) -> np.ndarray:
         cached = self._cache.get(digest)

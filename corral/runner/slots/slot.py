@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from corral.runner.jobs import Job
+from corral.runner.jobs import Job, position
 from corral.runner.slots.sequence import Sequence
 
 
@@ -54,7 +54,13 @@ class Slot:
 
     @property
     def n_past(self) -> int:
+        """Tokens (KV cells) the sequence holds; its next position is `pos(n_past)`."""
         return len(self.cached)
+
+    def pos(self, index: int) -> int:
+        """The position of the sequence's token `index`: the index, save past an M-RoPE
+        image of the running job's prompt (runner.jobs.position)."""
+        return position(self.job.images, index) if self.job is not None else index
 
     # The sequence's fields the step planner and the pool read, through its slot.
     @property

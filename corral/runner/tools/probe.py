@@ -61,8 +61,6 @@ def probe(path: str, model_path: str | None = None) -> str | None:
                 "llama.cpp could not load the projector"
         if not (M.mtmd_support_vision(ctx) or M.mtmd_support_audio(ctx)):
             return "the projector has no vision or audio encoder"
-        if M.mtmd_decode_use_mrope(ctx):
-            return "projectors with M-RoPE positions (Qwen2-VL and later) are not supported yet"
         if M.mtmd_support_audio(ctx) and model:
             return _trial_encode(M, ctx)
         return None
