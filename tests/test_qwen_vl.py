@@ -21,9 +21,8 @@ import pytest
 
 from corral.runner.process.service import RunnerService
 from corral.runner.wire import MARKER, CompletionJob
-from tests.qwen_vl_model import (KINDS, write_qwen2vl_text, write_qwen3vl_text,
-                                 write_qwen_vl_projector)
-from tests.test_qwen_vl_model import GREEDY, IMAGE_SEED, PROMPT, SIZE
+from tests.qwen_vl_model import KINDS
+from tests.test_qwen_vl_model import GREEDY, IMAGE_SEED, PROMPT, SIZE, pair_files  # noqa: F401
 from tests.test_qwen_vl_model import MARKER as MTMD_MARKER
 from tests.support import wait_for
 from tests.test_vision import chat, collect, serve, submit
@@ -35,13 +34,9 @@ N = len(GREEDY["qwen2vl_merger"])
 
 
 @pytest.fixture(scope="module")
-def files(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("qwen_vl_engine")
-    out = {"qwen2vl": write_qwen2vl_text(d / "qwen2vl.gguf", chat_gguf),
-           "qwen3vl": write_qwen3vl_text(d / "qwen3vl.gguf", chat_gguf)}
-    for kind in KINDS:
-        out[kind] = write_qwen_vl_projector(d / f"{kind}.gguf", kind)
-    return out
+def files(pair_files: dict[str, Path]) -> dict[str, Path]:
+    """The Qwen-VL pair's text models and projectors (tests/test_qwen_vl_model.py)."""
+    return pair_files
 
 
 @pytest.fixture(scope="module", params=KINDS)

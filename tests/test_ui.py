@@ -413,40 +413,52 @@ def test_a_daemon_with_an_api_key_is_asked_for_it_once(browser: Any, starter_sto
         d.shutdown()
 
 
-def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path: Path) -> None:
+def with_projector(d: Daemon, name: str, projector: Path, num_predict: int) -> None:
+    """The chat starter with a projector, created from an uploaded blob, greedy."""
     import hashlib
 
-    from tests.vision_model import write_projector
-
-    projector = write_projector(tmp_path / "mmproj.gguf", "mlp", 576).read_bytes()
-    digest = "sha256:" + hashlib.sha256(projector).hexdigest()
-    assert httpx.post(f"{ui_daemon.url}/api/blobs/{digest}", content=projector).status_code in (
-        200, 201)
-    r = httpx.post(f"{ui_daemon.url}/api/create", timeout=120, json={
-        "model": "looker", "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
-        "parameters": {"num_predict": 12, "temperature": 0}})
+    data = projector.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert httpx.post(f"{d.url}/api/blobs/{digest}", content=data).status_code in (200, 201)
+    r = httpx.post(f"{d.url}/api/create", timeout=120, json={
+        "model": name, "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
+        "parameters": {"num_predict": num_predict, "temperature": 0}})
     assert r.status_code == 200, r.text
-    png = png_bytes(40, 30, seed=1)
+
+
+def send_attached(tab: Any, element: str, file: Any, text: str, model: str
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Attach `file` on the page (shown as an <img> or <audio>), send `text` with it, and
+    wait for the answer; (the request's body, the stream's last line). The page must
+    have sent the file's own bytes and shown it in the transcript, not the composer."""
     page = tab.open()
     page.reload()
-    page.locator("#attach").set_input_files(
-        files=[{"name": "one.png", "mimeType": "image/png", "buffer": png}])
-    page.get_by_label("Attachments").locator("img").wait_for()
+    page.locator("#attach").set_input_files(files=[file])
+    page.get_by_label("Attachments").locator(element).wait_for()
     with page.expect_request(lambda r: r.url.endswith("/api/chat")) as request, \
             page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
-        tab.send("What is this?", model="looker:latest")
+        tab.send(text, model=model)
     answer = tab.answer()
     answer.locator(".note").wait_for(timeout=ANSWERED_MS)
     assert answer.get_by_role("alert").count() == 0
-    assert answer.locator(".content").inner_text().strip()
-    assert page.get_by_role("log").locator("article.user img").count() == 1
-    assert page.get_by_label("Attachments").locator("img").count() == 0  # sent, cleared
-    # The page sent the picture itself...
+    assert page.get_by_role("log").locator(f"article.user {element}").count() == 1
+    assert page.get_by_label("Attachments").locator(element).count() == 0  # sent, cleared
     body = json.loads(request.value.post_data or "{}")
-    assert body["messages"][-1]["images"] == [base64.b64encode(png).decode()]
-    # ...and the model read it: the runner evaluated more tokens than the whole prompt
+    assert body["messages"][-1]["images"] == [base64.b64encode(file["buffer"]).decode()]
+    return body, json.loads(response.value.text().strip().splitlines()[-1])
+
+
+def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path: Path) -> None:
+    from tests.vision_model import write_projector
+
+    with_projector(ui_daemon, "looker", write_projector(tmp_path / "mmproj.gguf", "mlp", 576),
+                   num_predict=12)
+    png = png_bytes(40, 30, seed=1)
+    body, final = send_attached(tab, "img", {"name": "one.png", "mimeType": "image/png",
+                                             "buffer": png}, "What is this?", "looker:latest")
+    assert tab.answer().locator(".content").inner_text().strip()
+    # The model read the picture: the runner evaluated more tokens than the whole prompt
     # has without the image (its usage counts every prompt token, cached or not).
-    final = json.loads(response.value.text().strip().splitlines()[-1])
     text_only = [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
     usage = httpx.post(f"{ui_daemon.url}/v1/chat/completions", timeout=120, json={
         "model": "looker:latest", "messages": text_only, "max_tokens": 1}).json()["usage"]
@@ -455,35 +467,14 @@ def test_an_image_goes_to_a_vision_model(tab: Page, ui_daemon: Daemon, tmp_path:
 
 def test_an_audio_clip_goes_to_an_audio_model(tab: Page, ui_daemon: Daemon,
                                               tmp_path: Path) -> None:
-    import hashlib
-
     from tests.audio_model import wav_bytes, write_audio_projector
 
-    projector = write_audio_projector(tmp_path / "qwen2a.gguf").read_bytes()
-    digest = "sha256:" + hashlib.sha256(projector).hexdigest()
-    assert httpx.post(f"{ui_daemon.url}/api/blobs/{digest}", content=projector).status_code in (
-        200, 201)
-    r = httpx.post(f"{ui_daemon.url}/api/create", timeout=120, json={
-        "model": "listener", "from": CHAT, "files": {"mmproj.gguf": digest}, "stream": False,
-        "parameters": {"num_predict": 4, "temperature": 0}})
-    assert r.status_code == 200, r.text
+    with_projector(ui_daemon, "listener", write_audio_projector(tmp_path / "qwen2a.gguf"),
+                   num_predict=4)
     wav = wav_bytes(1.0, seed=3)
-    page = tab.open()
-    page.reload()
-    page.locator("#attach").set_input_files(
-        files=[{"name": "talk.wav", "mimeType": "audio/wav", "buffer": wav}])
-    page.get_by_label("Attachments").locator("audio").wait_for()
-    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as request, \
-            page.expect_response(lambda r: r.url.endswith("/api/chat")) as response:
-        tab.send("Transcribe audio to text", model="listener:latest")
-    answer = tab.answer()
-    answer.locator(".note").wait_for(timeout=ANSWERED_MS)
-    assert answer.get_by_role("alert").count() == 0
-    assert page.get_by_role("log").locator("article.user audio").count() == 1
-    assert page.get_by_label("Attachments").locator("audio").count() == 0  # sent, cleared
-    body = json.loads(request.value.post_data or "{}")
-    assert body["messages"][-1]["images"] == [base64.b64encode(wav).decode()]
-    final = json.loads(response.value.text().strip().splitlines()[-1])
+    _, final = send_attached(tab, "audio", {"name": "talk.wav", "mimeType": "audio/wav",
+                                            "buffer": wav}, "Transcribe audio to text",
+                             "listener:latest")
     assert final["done"] and final["prompt_eval_count"] > 750  # the clip's window was heard
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypedDict, Union
+from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 
 from pydantic import BeforeValidator, Field
 
@@ -34,6 +34,18 @@ TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES)]
 KeepAlive = Union[str, int, float, None]
 Options = Union[dict[str, Any], None]
+
+
+class InputAudio(Wire):
+    data: str  # base64
+    format: Optional[str] = None  # "wav" or "mp3" in OpenAI's words; the bytes decide
+
+
+class AudioPart(Wire):
+    """OpenAI's `input_audio` content part, the same in chat and in the Responses API."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
 
 
 class FunctionSpec(Wire):

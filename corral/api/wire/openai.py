@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 from pydantic import Field
 
 from corral.api.wire import Wire
-from corral.api.wire.common import ChatToolChoice, Choices, FunctionTool, Timings, TopLogprobs
+from corral.api.wire.common import (AudioPart, ChatToolChoice, Choices, FunctionTool, Timings,
+                                    TopLogprobs)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -51,16 +52,6 @@ class TextPart(Wire):
 class ImagePart(Wire):
     type: Literal["image_url"]
     image_url: Union[str, ImageURL]
-
-
-class InputAudio(Wire):
-    data: str  # base64
-    format: Optional[str] = None  # "wav" or "mp3" in OpenAI's words; the bytes decide
-
-
-class AudioPart(Wire):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
 
 
 Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional, TypedDict, Union
 from pydantic import Discriminator, Field, Tag
 
 from corral.api.wire import Wire
-from corral.api.wire.common import Timings
+from corral.api.wire.common import AudioPart, Timings
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Unit = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -52,16 +52,6 @@ class ImagePart(Wire):
     image_url: Optional[str] = None  # a data URI: nothing is fetched
     file_id: Optional[str] = None
     detail: Optional[str] = None
-
-
-class InputAudio(Wire):
-    data: str  # base64
-    format: Optional[str] = None  # "wav" or "mp3" in OpenAI's words; the bytes decide
-
-
-class AudioPart(Wire):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
 
 
 Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]

@@ -20,9 +20,10 @@ from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
-from corral.api.wire.responses import (AudioPart, Content, FunctionCallItem, FunctionChoice,
-                                       MessageItem, ReasoningItem, Response, ResponsesRequest,
-                                       TextPart, TimedResponse, Usage)
+from corral.api.wire.common import AudioPart
+from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
+                                       ReasoningItem, Response, ResponsesRequest, TextPart,
+                                       TimedResponse, Usage)
 from corral.errors import BadRequest, CorralError
 from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
