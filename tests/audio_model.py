@@ -47,11 +47,14 @@ STACK_FACTORS = {"ultravox": 8, "voxtral": 4}
 
 
 def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
-                          leave_out: tuple[str, ...] = (), kind: str = "qwen2a") -> Path:
+                          leave_out: tuple[str, ...] = (), kind: str = "qwen2a",
+                          k_bias: bool = False) -> Path:
     """A loadable audio projector whose output is `text_embd` wide; `leave_out` names
     tensors to omit, for one that must fail to load. `kind` is the projector type:
     "qwen2a" (the default), or "ultravox" / "voxtral", which the pinned mtmd loads and
-    tokenizes but aborts on encoding (see STACK_FACTORS)."""
+    tokenizes but aborts on encoding (see STACK_FACTORS). `k_bias` gives Whisper's k
+    projection a bias, which its graph asserts it has not: one that loads and aborts at
+    its first encode whatever its type."""
     if kind not in ("qwen2a", *STACK_FACTORS):
         raise ValueError(f"unknown audio projector kind {kind!r}")
     path = Path(path)
@@ -89,7 +92,7 @@ def write_audio_projector(path: Path | str, text_embd: int = 576, seed: int = 0,
     add("a.conv1d.2.weight", rand(N_EMBD, N_EMBD, 3, std=0.1).astype(np.float16))
     add("a.conv1d.2.bias", rand(N_EMBD, 1))
     add("a.position_embd.weight", rand(N_CTX, N_EMBD, std=0.5))
-    add_blocks(add, rand, "a", N_LAYER, N_EMBD, N_FF, k_bias=False)
+    add_blocks(add, rand, "a", N_LAYER, N_EMBD, N_FF, k_bias=k_bias)
     add("a.post_ln.weight", 1.0 + rand(N_EMBD))
     add("a.post_ln.bias", rand(N_EMBD))
     if kind == "qwen2a":
@@ -130,3 +133,19 @@ def wav_bytes(seconds: float, rate: int = SAMPLE_RATE, seed: int = 0, tone: floa
         f.setframerate(rate)
         f.writeframes(pcm.tobytes())
     return out.getvalue()
+
+
+def flac_header(seconds: float, rate: int = SAMPLE_RATE, tail: bytes = b"\x00" * 64) -> bytes:
+    """A FLAC whose STREAMINFO promises `seconds` of 16-bit mono at `rate` and whose
+    frames are `tail`: a header every check passes and no decoder can read."""
+    total = int(seconds * rate)
+    bits = (rate << 44) | (0 << 41) | (15 << 36) | total  # rate, channels-1, bps-1, samples
+    info = (4096).to_bytes(2, "big") * 2 + b"\x00" * 6 + bits.to_bytes(8, "big") + b"\x00" * 16
+    return b"fLaC" + bytes([0x80, 0, 0, len(info)]) + info + tail
+
+
+def mp3_bytes(seconds: float) -> bytes:
+    """An MP3 of silence: MPEG-2 layer III frames at 16 kHz, mono, 64 kbit/s (288 bytes
+    and 576 samples each), every bit of side information and data zero."""
+    frame = bytes([0xFF, 0xF3, 0x88, 0xC0]) + b"\x00" * (288 - 4)
+    return frame * max(1, round(seconds * SAMPLE_RATE / 576))

@@ -29,7 +29,7 @@ from llama_cpp import mtmd_cpp as M
 from corral.errors import CorralError
 from corral.runner.process.service import RunnerService
 from corral.runner.wire import MARKER, CompletionJob
-from tests.audio_model import TOKENS_PER_WINDOW, wav_bytes, write_audio_projector
+from tests.audio_model import TOKENS_PER_WINDOW, flac_header, wav_bytes, write_audio_projector
 from tests.test_vision import chat, collect, raw, run, serve, submit
 
 pytestmark = pytest.mark.model
@@ -149,7 +149,8 @@ def test_bad_audio_fails_the_request_not_the_runner(hearing: RunnerService) -> N
     # bytes that are neither reach mtmd's helper (which would try a video decoder).
     for data, words in ((broken, "audio 0 could not be decoded"),
                         (b"not audio, not an image", "does not support images"),
-                        (png_bytes(8, 8), "does not support images")):
+                        (png_bytes(8, 8), "does not support images"),
+                        (flac_header(2.0), "audio 0 could not be decoded")):
         with pytest.raises(CorralError) as info:
             run(hearing, raw([base64.b64encode(data).decode()]))
         assert info.value.status == 400 and words in info.value.message

@@ -396,3 +396,19 @@ def test_a_restore_past_an_mrope_image_cuts_at_its_position() -> None:
     plan = s.plan([Slot(seq_id=0, num_ctx=NUM_CTX)])
     [restore] = [op for op in plan.ops if isinstance(op, Restore)]
     assert restore.n_prefix == 70 and restore.cut == 70 - 30  # the image saved 30 positions
+
+
+def test_a_retry_inside_an_mrope_image_starts_it_again() -> None:
+    from corral.runner.engine.kvops import _rewind
+
+    span = ImageSpan(2, -5, np.zeros((40, 4), dtype=np.float32), non_causal=False, n_pos=10,
+                     grid=(10, 4))
+    prompt = [1, 2] + [-5] * 40 + [3]
+    s = schedule()
+    submit(s, prompt, images=(span,))
+    slot = Slot(seq_id=0, num_ctx=NUM_CTX)
+    s.plan([slot])
+    slot.cached += slot.pending[:SLICE]  # one slice decoded, then a decode failed
+    del slot.pending[:SLICE]
+    _rewind(slot)  # its cells all sit at the image's first position: none can be kept
+    assert slot.cached == [1, 2] and slot.pending == prompt[2:] and slot.pos(2) == 2

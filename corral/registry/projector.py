@@ -20,6 +20,13 @@ MROPE_TYPES = frozenset({"qwen2.5o", "glm4v", "glm5v", "paddleocr", "youtuvl", "
                          "mimovl"})
 
 
+# Audio projectors the pinned llama.cpp loads and tokenizes but aborts on at their first
+# encode: mtmd counts a window's tokens rounding down (187) where their encoder stacks
+# frames rounding up (188), and clip_encode's check aborts the process. Refused by type,
+# so a pulled one is refused too (a created one would be caught by the trial encode).
+AUDIO_ABORTS = frozenset({"ultravox", "voxtral"})
+
+
 def is_projector(info: GGUFInfo) -> bool:
     return info.architecture == "clip"
 
@@ -40,6 +47,9 @@ def projector_problem(projector: GGUFInfo, model: GGUFInfo) -> str | None:
     kind = projector_type(projector)
     if not kind:
         return "the projector does not name its type (clip.projector_type)"
+    if audio and kind in AUDIO_ABORTS:
+        return (f"audio projectors of type {kind} abort the pinned llama.cpp at their first"
+                " encode (it counts one token fewer than their encoder gives)")
     if kind in MROPE_TYPES:
         return (f"projectors of type {kind} (M-RoPE positions) are not supported yet;"
                 " Qwen2-VL, Qwen2.5-VL and Qwen3-VL ones are")

@@ -9,6 +9,7 @@ from typing import Any
 import llama_cpp as L
 
 from corral.runner.cache.caches import PrefixCaches
+from corral.runner.engine.admission import align_prefix
 from corral.runner.engine.plan import (Branch, Drop, Join, KVOp, Move, Park, Restore, Save,
                                        Shift, Trim)
 from corral.runner.kv import kvbytes
@@ -103,6 +104,18 @@ def drop(mem: Any, slot: Slot) -> None:
     slot.cached = []
 
 
+def _rewind(slot: Slot) -> None:
+    """A slot stopped inside an image that must be decoded whole (an M-RoPE image's
+    tokens share one position, which no cut can split) goes back to its start: the
+    slices it holds become pending again, and the retry decodes the image from there."""
+    if slot.job is None:
+        return
+    keep = align_prefix(slot.job.images, slot.n_past)
+    if keep < slot.n_past:
+        slot.pending[:0] = slot.cached[keep:]
+        del slot.cached[keep:]
+
+
 def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
     """After a failed decode: True when dropping idle slots' cached prefixes made room
     (rc 1: no KV cells) and the failed slots retry next step from where they were.
@@ -115,6 +128,7 @@ def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:
                 evicted = True
     for slot in failed:
         if evicted:
+            _rewind(slot)
             L.llama_memory_seq_rm(mem, slot.seq_id, slot.pos(slot.n_past), -1)
         else:
             drop(mem, slot)

@@ -41,8 +41,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.vision")
 
 CACHE_BYTES = 64 << 20  # encoded chunks kept for follow-up questions
+# Seconds a request waits for its media to be decoded and encoded, its place in the
+# thread's queue included: ten minutes of audio on a slow CPU fit; a wedged encoder
+# does not hold its callers for ever.
+PREPARE_TIMEOUT = 600.0
 _TEXT, _IMAGE, _AUDIO = 0, 1, 2
 _log_hook: Any = None
+
+
+def _stb_bitmap(M: Any, buf: Any, size: int) -> Any:
+    """An RGB bitmap decoded by stb_image, as mtmd's helper decodes an image; None when
+    stb_image cannot read it."""
+    lib = M._libmtmd
+    load = lib.stbi_load_from_memory
+    load.restype = ctypes.POINTER(ctypes.c_ubyte)
+    load.argtypes = [ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                     ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.stbi_image_free.argtypes = [ctypes.c_void_p]
+    nx, ny, channels = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    pixels = load(buf, size, ctypes.byref(nx), ctypes.byref(ny), ctypes.byref(channels), 3)
+    if not pixels:
+        return None
+    try:
+        return M.mtmd_bitmap_init(nx.value, ny.value, pixels)
+    finally:
+        lib.stbi_image_free(pixels)
 
 
 def placeholder(digest: bytes) -> int:
@@ -113,7 +136,10 @@ class Vision:
                              f" {len(images)} images")
         request = Prepare(text, images, add_special)
         self._queue.put(request)
-        result = request.reply.get()
+        try:
+            result = request.reply.get(timeout=PREPARE_TIMEOUT)
+        except queue.Empty:
+            raise RunnerError(f"preparing the prompt's media took over {PREPARE_TIMEOUT:g} s")
         if isinstance(result, CorralError):
             raise result
         return result
@@ -141,9 +167,11 @@ class Vision:
 
     def _prepare(self, request: Prepare) -> tuple[list[int], list[ImageSpan]]:
         M = self._m
-        bitmaps = [self._bitmap(data, i) for i, data in enumerate(request.images)]
+        bitmaps: list[Any] = []
         chunks = M.mtmd_input_chunks_init()
         try:
+            for i, data in enumerate(request.images):  # freed below, whichever one fails
+                bitmaps.append(self._bitmap(data, i))
             raw = request.text.encode("utf-8", "surrogatepass")
             text = M.mtmd_input_text()
             text.text, text.text_len = raw, len(raw)
@@ -160,22 +188,25 @@ class Vision:
 
     def _bitmap(self, data: bytes, index: int) -> Any:
         """The decoded media, named by its place in the request (mtmd gives each of its
-        chunks that name). Only what mtmd's helper reads as an image or as audio gets
-        there: any other bytes would send it down a video path that starts ffprobe."""
+        chunks that name). A clip goes through mtmd's helper (miniaudio, which returns
+        nothing for bytes it cannot decode); an image is decoded here by the helper's own
+        stb_image (exported by libmtmd), since the helper hands an image stb_image cannot
+        read on to a video path that starts ffprobe on untrusted bytes."""
         M = self._m
         audio = audio_format(data) is not None
         if audio and not self.audio:
             raise BadRequest("this model does not support audio")
         if not audio and not self.vision:
             raise BadRequest("this model does not support images")
-        if not audio and not stb_image(data):
-            raise BadRequest(f"image {index} is not a PNG, JPEG, GIF or BMP")
         buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
-        bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+        if audio:
+            bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+        else:
+            bitmap = _stb_bitmap(M, buf, len(data)) if stb_image(data) else None
         if not bitmap:
             what = "audio" if audio else "image"
             raise BadRequest(f"{what} {index} could not be decoded: it is truncated, corrupt"
-                             f" or not {'an audio file' if audio else 'an image'}")
+                             f" or not {'an audio file' if audio else 'a PNG, JPEG, GIF or BMP'}")
         M.mtmd_bitmap_set_id(bitmap, str(index).encode())
         return bitmap
 

@@ -126,7 +126,7 @@ def _crash(code: int, stderr: str) -> str:
     why = f" ({last})" if last else ""
     if _ENCODING in said:
         return (f"the projector's audio encoder aborted llama.cpp on a trial encode{why}:"
-                " the pinned llama.cpp cannot serve this projector type")
+                " the pinned llama.cpp cannot serve this projector")
     return f"loading the projector crashed (exit {code}){why}"
 
 

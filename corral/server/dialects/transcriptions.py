@@ -3,8 +3,8 @@
 Ollama and llama-server both turn the upload into a chat request whose one user message
 holds the clip, and read the reply back as the transcript; this does the same, with
 llama-server's instruction ("Transcribe audio to text", the form's `prompt` in its place,
-the `language` after it), so a transcript here is the one llama-server gives on the same
-model. The form's fields are OpenAI's: `file`, `model`, `prompt`, `language`,
+the `language` after it, the clip last), so the prompt is the one llama-server builds
+for the same model. The form's fields are OpenAI's: `file`, `model`, `prompt`, `language`,
 `response_format` (`json`, `text` or `verbose_json`), `temperature` (0 unless given:
 a transcript is not creative writing) and `stream`, which sends OpenAI's
 `transcript.text.delta` and `transcript.text.done` events. The clip is checked as every
@@ -66,11 +66,15 @@ def read_form(request: Request) -> tuple[dict[str, str], bytes]:
     return fields, files["file"]
 
 
-def task_of(fields: dict[str, str], clip: bytes) -> ChatTask:
-    """The chat that asks for the transcript, as llama-server builds it."""
+def task_of(fields: dict[str, str], clip: bytes, template: str) -> ChatTask:
+    """The chat that asks for the transcript, as llama-server builds it
+    (convert_transcriptions_to_chatcmpl): the instruction, or the form's prompt, then the
+    language, then the clip; an LFM2 template's model gets its own preset, the system
+    message "Perform ASR." and no instruction (common_chat_get_asr_prompt)."""
     if fields.get("response_format", "json") not in FORMATS:
         raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}")
-    text = fields.get("prompt") or INSTRUCTION
+    lfm2 = "<|tool_list_start|>" in template and "<|tool_list_end|>" in template
+    text = fields.get("prompt") or ("" if lfm2 else INSTRUCTION)
     if fields.get("language"):
         text += f" (language: {fields['language']})"
     try:
@@ -80,8 +84,10 @@ def task_of(fields: dict[str, str], clip: bytes) -> ChatTask:
     if not 0.0 <= temperature <= 2.0:
         raise BadRequest("temperature must be between 0 and 2")
     image = base64.b64encode(clip).decode("ascii")
-    return ChatTask(model=require_model(fields.get("model")),
-                    messages=[Message("user", text, (image,))],
+    messages = [Message("system", "Perform ASR.")] if lfm2 else []
+    # "[img]" places the clip after the text, where llama-server puts its media marker
+    messages.append(Message("user", text + "[img]", (image,)))
+    return ChatTask(model=require_model(fields.get("model")), messages=messages,
                     options={"temperature": temperature}, think=False)
 
 
@@ -136,7 +142,8 @@ def _usage(final: Finished) -> dict[str, Any]:
 def transcriptions(services: Services) -> Route:
     def route(req: Request, handler: Handler) -> None:
         fields, clip = read_form(req)
-        task = task_of(fields, clip)
+        view = services.models.view(require_model(fields.get("model")))
+        task = task_of(fields, clip, view.template)
         seconds = check_clip(clip, 0, services.settings).seconds  # a 400 before any load
         renderer = Transcript(fields.get("response_format", "json"), fields.get("language", ""),
                               round(seconds, 3))

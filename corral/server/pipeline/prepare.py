@@ -87,10 +87,9 @@ def _tools(view: ModelView, request: Task) -> list[Tool]:
 
 def checked_images(view: ModelView, images: list[str], limits: Settings,
                    seen: int = 0) -> list[str]:
-    """A request's media (pictures and audio clips), checked; a model without a working
-    projector gets Ollama's 400 before anything is decoded."""
-    if not (view.vision or view.audio):
-        raise BadRequest(f"{view.name} does not support vision")
+    """A request's media (pictures and audio clips), checked; an item the model cannot
+    take (no projector, or none with that encoder) gets Ollama's 400, naming what it
+    does not support, before the item is decoded any further than its header."""
     return check_images(images, limits, seen, view.vision, view.audio, view.name)
 
 
