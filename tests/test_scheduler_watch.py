@@ -155,7 +155,11 @@ def test_an_idle_silent_runner_stays_until_a_request_wants_it(tmp_path: Path) ->
     s.release(entry)
     StuckRunner.silent = True
     s.watch_once()
-    clock.now += 3600
+    # Silent past CORRAL_RUNNER_TIMEOUT (30 s) and within its keep-alive (300 s): an
+    # hour, as this test once waited, expired the model on the keep-alive timer thread,
+    # which then raced the assertion (a clean-clone CI run lost that race).
+    clock.now += 60
+    assert clock.now < entry.expires_at
     s.watch_once()
     assert s.loaded.get(rec.digest) is entry  # nobody needs it: it is left alone
     again = acquire(s, rec)  # a request would wait on it: a fresh one is loaded instead
