@@ -47,7 +47,8 @@ def pictures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"projector": write_projector(root / "mmproj.gguf", "mlp", 576)}
     for name, data in (("one.png", png_bytes(40, 30, seed=1)),
                        ("two.png", png_bytes(40, 30, seed=2)),
-                       ("three.bmp", bmp_bytes(20, 20, seed=3))):
+                       ("three.bmp", bmp_bytes(20, 20, seed=3)),
+                       ("four.webp", webp_bytes(40, 30, seed=4))):
         out[name] = root / name
         out[name].write_bytes(data)
     spaced = root / "my photos" / "one copy.png"
@@ -248,7 +249,7 @@ def test_cli_attaches_image_paths_and_shows_the_projector(daemon: Daemon, vision
     home = pictures["one.png"].parent
     for prompt in (f"What is this? '{pictures['spaced']}'",
                    "What is this? " + str(pictures["spaced"]).replace(" ", "\\ "),
-                   "What is this? ~/one.png"):
+                   "What is this? ~/one.png", "What is this? ~/four.webp"):
         out = corral(daemon, "run", vision, prompt, HOME=str(home))
         assert out.returncode == 0, out.stderr
         assert "Added image" in out.stderr
