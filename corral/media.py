@@ -9,9 +9,6 @@ video path that starts ffprobe, so neither side lets them through.
 
 from __future__ import annotations
 
-AUDIO_FORMATS = ("wav", "mp3", "flac")
-
-
 def audio_format(data: bytes) -> str | None:
     """The format mtmd's helper would decode these bytes as, or None: not audio."""
     if len(data) < 12:

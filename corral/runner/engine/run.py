@@ -159,9 +159,6 @@ class Run:
             self._ops().run(op)
 
 
-MROPE_TYPES = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE (include/llama.h)
-
-
 class ImageFeed:
     """The embeddings batch, used only by the engine thread."""
 
@@ -169,7 +166,7 @@ class ImageFeed:
         self.llama = llama
         self.n_embd = L.llama_model_n_embd_inp(llama.model)
         # M-RoPE models (Qwen2-VL and later) take four positions an embedding
-        self.mrope = int(L.llama_model_rope_type(llama.model)) in MROPE_TYPES
+        self.mrope = native.mrope(llama.model)
         self.batch: Any = None  # allocated at the first image
 
     def decode(self, slot: Slot, span: "ImageSpan", offset: int, count: int,

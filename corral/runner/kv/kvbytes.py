@@ -14,6 +14,7 @@ from typing import Any
 
 import llama_cpp as L
 
+from corral.runner.llama import native
 from corral.runner.prefix import KVBytes
 
 
@@ -36,13 +37,10 @@ def get(ctx: Any, seq: int) -> KVBytes | None:
     return state
 
 
-MROPE = (8, 40)  # LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE: cells carry 2-D positions
-
-
 def put(ctx: Any, state: KVBytes, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""
-    ext = int(L.llama_model_rope_type(L.llama_get_model(ctx))) in MROPE
+    ext = native.mrope(L.llama_get_model(ctx))  # its cells carry 2-D positions
     data = restream(state, streams, seq, ext)
     if data is None:
         return False

@@ -91,6 +91,17 @@ def specials_present(vocab: Any) -> bool:
                 or wpm and L.llama_vocab_sep(vocab) == null)
 
 
+# LLAMA_ROPE_TYPE_MROPE, LLAMA_ROPE_TYPE_IMROPE (include/llama.h): llama.cpp's
+# n_pos_per_embd is 4 for these, so embeddings take four positions each and KV cells
+# keep a 2-D position beside their own (llama_kv_cell_ext).
+_MROPE = (8, 40)
+
+
+def mrope(model: Any) -> bool:
+    """Whether the model's RoPE is M-RoPE (Qwen2-VL and later)."""
+    return int(L.llama_model_rope_type(model)) in _MROPE
+
+
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
     """llama_tokenize; add_special adds nothing where a token it would add is missing."""
     add_special = add_special and specials_present(vocab)

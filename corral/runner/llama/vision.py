@@ -22,6 +22,7 @@ while a chunk is encoded; a recently seen chunk is not encoded again.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import queue
@@ -52,12 +53,7 @@ _log_hook: Any = None
 def _stb_bitmap(M: Any, buf: Any, size: int) -> Any:
     """An RGB bitmap decoded by stb_image, as mtmd's helper decodes an image; None when
     stb_image cannot read it."""
-    lib = M._libmtmd
-    load = lib.stbi_load_from_memory
-    load.restype = ctypes.POINTER(ctypes.c_ubyte)
-    load.argtypes = [ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
-                     ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.stbi_image_free.argtypes = [ctypes.c_void_p]
+    load, free = _stb(M)
     nx, ny, channels = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     pixels = load(buf, size, ctypes.byref(nx), ctypes.byref(ny), ctypes.byref(channels), 3)
     if not pixels:
@@ -65,7 +61,18 @@ def _stb_bitmap(M: Any, buf: Any, size: int) -> Any:
     try:
         return M.mtmd_bitmap_init(nx.value, ny.value, pixels)
     finally:
-        lib.stbi_image_free(pixels)
+        free(pixels)
+
+
+@functools.cache
+def _stb(M: Any) -> tuple[Any, Any]:
+    """libmtmd's stbi_load_from_memory and stbi_image_free, typed once."""
+    load, free = M._libmtmd.stbi_load_from_memory, M._libmtmd.stbi_image_free
+    load.restype = ctypes.POINTER(ctypes.c_ubyte)
+    load.argtypes = [ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                     ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    free.argtypes = [ctypes.c_void_p]
+    return load, free
 
 
 def placeholder(digest: bytes) -> int:

@@ -8,13 +8,13 @@ for the same model. The form's fields are OpenAI's: `file`, `model`, `prompt`, `
 `response_format` (`json`, `text` or `verbose_json`), `temperature` (0 unless given:
 a transcript is not creative writing) and `stream`, which sends OpenAI's
 `transcript.text.delta` and `transcript.text.done` events. The clip is checked as every
-audio clip is (server.chat.audio), within the daemon's body limit (CORRAL_MAX_BODY).
+audio clip is (server.chat.audio, in the pipeline's prepare), within the daemon's body
+limit (CORRAL_MAX_BODY).
 """
 
 from __future__ import annotations
 
 import base64
-import json
 from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError, Shape, format_error
@@ -22,6 +22,7 @@ from corral.server.chat.audio import check_clip
 from corral.server.chat.messages import Message
 from corral.server.chat.models import require_model
 from corral.server.chat.reply import Kind
+from corral.server.dialects.openai import Stream
 from corral.server.dialects.stream import SSE, respond
 from corral.server.http import Handler, Request, Route
 from corral.server.pipeline.request import ChatTask, Event, Finished
@@ -99,9 +100,7 @@ class Transcript:
     def __init__(self, response_format: str, language: str, seconds: float) -> None:
         self.response_format, self.language, self.seconds = response_format, language, seconds
 
-    @staticmethod
-    def sse(obj: Any) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    sse = staticmethod(Stream.sse)  # OpenAI's framing, as the chat stream's
 
     def error_frame(self, exc: CorralError) -> bytes:
         return self.sse(format_error(exc, Shape.OPENAI)[1])
@@ -144,7 +143,9 @@ def transcriptions(services: Services) -> Route:
         fields, clip = read_form(req)
         view = services.models.view(require_model(fields.get("model")))
         task = task_of(fields, clip, view.template)
-        seconds = check_clip(clip, 0, services.settings).seconds  # a 400 before any load
+        # The clip's length, for verbose_json; prepare checks every clip before any load.
+        verbose = fields.get("response_format") == "verbose_json"
+        seconds = check_clip(clip, 0, services.settings).seconds if verbose else 0.0
         renderer = Transcript(fields.get("response_format", "json"), fields.get("language", ""),
                               round(seconds, 3))
         stream = fields.get("stream", "false").lower() == "true"
