@@ -156,7 +156,7 @@ fi
 # pip's own cache ignores CMAKE_ARGS, so a wheel built for other flags could be
 # reused silently; our cache is keyed by exactly what changes the binary.
 # What this script changes in the sources before building; part of the cache key.
-RECIPE="no-common-1+cpu-use-ref-1"
+RECIPE="no-common-1+cpu-use-ref-1+lazy-clear-1"
 KEY="$(printf '%s|%s|%s|%s' "$LLAMA_CPP_VERSION" "$FLAGS" "$OS $ARCH" "$RECIPE" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
 WHEEL_DIR="$CACHE_DIR/wheels/$KEY"
 find_wheel() { ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl 2>/dev/null | head -n1; }
@@ -192,6 +192,78 @@ if [ -z "$WHEEL" ]; then
   else
     echo "Warning: ggml's CPU backend changed; deterministic mode may vary with the batch" >&2
   fi
+  # A context's KV is cleared to zero when it is made: a memset that commits every page
+  # of a cap sized for sixteen streams (1.6 GB for a 135M model) whether or not a second
+  # request ever comes, so the runner's RSS spiked far past what it holds. On Linux the
+  # CPU buffers ggml owns are private anonymous memory, where madvise(MADV_DONTNEED)
+  # leaves every page reading zero and commits nothing until it is written: the clear
+  # becomes that, and RSS follows the cells written (runner.kv.reserve relies on it and
+  # finds the KV's pages in corral_ggml_cleared's log of them).
+  "$PYTHON" - "$SRC/vendor/llama.cpp/ggml/src/ggml-backend.cpp" <<'PATCH' || echo "Warning: ggml's CPU buffer changed; a context's KV is committed when it is made" >&2
+import sys
+path = sys.argv[1]
+src = open(path).read()
+old = """static void ggml_backend_cpu_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    GGML_ASSERT(buffer);
+    memset(buffer->context, value, buffer->size);
+}
+"""
+new = """#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+#include <mutex>
+
+// Corral: a zero clear of a buffer ggml allocated hands its whole pages back instead,
+// and is logged, so the runner can count the pages written since (mincore).
+static std::mutex corral_cleared_mutex;
+static uint64_t corral_cleared_n = 0;  // clears logged so far
+static uintptr_t corral_cleared_log[64][2];  // the last 64: [first page, end of last page)
+
+extern "C" {
+// The number of clears logged so far; up to `cap` of the ranges logged from the
+// `since`-th on are written to `out` as (start, end) pairs, oldest first.
+GGML_API uint64_t corral_ggml_cleared(uint64_t since, uintptr_t * out, uint64_t cap);
+}
+
+uint64_t corral_ggml_cleared(uint64_t since, uintptr_t * out, uint64_t cap) {
+    std::lock_guard<std::mutex> lock(corral_cleared_mutex);
+    const uint64_t oldest = corral_cleared_n > 64 ? corral_cleared_n - 64 : 0;
+    for (uint64_t i = since < oldest ? oldest : since, k = 0; i < corral_cleared_n && k < cap; ++i, ++k) {
+        out[2 * k] = corral_cleared_log[i % 64][0];
+        out[2 * k + 1] = corral_cleared_log[i % 64][1];
+    }
+    return corral_cleared_n;
+}
+
+static void ggml_backend_cpu_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    GGML_ASSERT(buffer);
+#if defined(__linux__)
+    // Only memory ggml_aligned_malloc gave (private anonymous), never a caller's pointer
+    // (a model file's mapping would read back the file).
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t base = (uintptr_t) buffer->context;
+    const uintptr_t first = (base + page - 1) & ~(page - 1);
+    const uintptr_t last = (base + buffer->size) & ~(page - 1);
+    if (value == 0 && buffer->iface.free_buffer == ggml_backend_cpu_buffer_free_buffer &&
+            last > first && last - first >= (1u << 20) &&
+            madvise((void *) first, last - first, MADV_DONTNEED) == 0) {
+        memset((void *) base, 0, first - base);
+        memset((void *) last, 0, base + buffer->size - last);
+        std::lock_guard<std::mutex> lock(corral_cleared_mutex);
+        corral_cleared_log[corral_cleared_n % 64][0] = first;
+        corral_cleared_log[corral_cleared_n % 64][1] = last;
+        corral_cleared_n++;
+        return;
+    }
+#endif
+    memset(buffer->context, value, buffer->size);
+}
+"""
+if src.count(old) != 1:
+    sys.exit(1)
+open(path, "w").write(src.replace(old, new))
+PATCH
   build_start=$SECONDS
   if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" "$PYTHON" -m pip wheel \
         --no-deps --no-cache-dir -w "$BUILD_TMP/wheel" "$SRC"; then

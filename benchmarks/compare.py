@@ -5,8 +5,9 @@ Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
 
 - llama-server with 4 slots, with 8 slots and `--kv-unified`, with 16 slots and
   `--kv-unified` (`-c 65536`: the tuned peer), and with 1 slot (Ollama's default);
-- Corral in its default mode (elastic KV up to the memory fit), the same through Ollama's
-  native `/api/generate` (`corral native`), and in pool mode.
+- Corral in its default mode (elastic KV up to the memory fit), the same with
+  `CORRAL_SPECULATIVE=off`, through Ollama's native `/api/generate` (`corral native`),
+  and in pool mode.
 
 Then a burst of 16 streams at an idle Corral (one slot's KV): when the last first
 token came against when the first stream finished, and how many growth steps it took.
@@ -14,7 +15,8 @@ token came against when the first stream finished, and how many growth steps it 
 All with the starter model and the same threads, in one run; prints TTFT
 p50/p99 and aggregate tok/s per level, the issue's target ratios, and appends
 them to benchmarks/RESULTS.md. Also runs llama-bench (tg128, pp512) as the
-engine floor.
+engine floor, and benchmarks/rss_trace.py: the chat starter's RSS against its `ps`
+size from a load through a burst of 16, every 100 ms.
 
     .venv/bin/python benchmarks/compare.py [--levels 1,2,4,8,16] [--max-tokens 64]
 """
@@ -166,6 +168,7 @@ def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: i
                                                                threads, "--kv-unified")),
         ("llama-server 1", lambda: start_llama_server(binaries, model, 1, ctx, threads)),
         ("corral", lambda: start_corral(0, ctx, threads)),
+        ("corral spec off", lambda: start_corral(0, ctx, threads, SPECULATIVE="off")),
         # The same daemon through Ollama's /api/generate: the native route's cost.
         ("corral native", lambda: start_corral(0, ctx, threads)),
         ("corral pool", lambda: start_corral(0, ctx, threads, KV_POOL="1")),
@@ -212,6 +215,17 @@ def main() -> None:
             proc.wait(timeout=60)
     floor = llama_bench(binaries, model, threads)
     report(args, threads, results, floor, burst_from_idle(args, threads))
+    rss_over_time()
+
+
+def rss_over_time() -> None:
+    """The chat starter's runner RSS against `ps` size from its load through a burst
+    (benchmarks/rss_trace.py), appended beside the sweep."""
+    import rss_trace
+
+    trace = argparse.Namespace(label="corral default", model=rss_trace.CHAT_NAME, every=0.1,
+                               first=3, pause=2.0, burst=16, idle=3.0, tokens=64)
+    append_results(rss_trace.report(rss_trace.run(trace), trace).splitlines())
 
 
 def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
@@ -268,7 +282,22 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
         return float(cell(results, label, level).get("output_throughput", float("nan")))
 
     ref, tuned = "llama-server 4", "llama-server 16 unified"
+
+    def p99(label: str, level: str) -> float:
+        return float(cell(results, label, level).get("ttft", {}).get("p99", float("nan")))
+
+    def peer(level: str) -> float:  # the better llama-server at this level
+        return max((tput(lb, level) for lb in results if lb.startswith("llama-server")
+                    and tput(lb, level) == tput(lb, level)), default=float("nan"))
+
     return [
+        *[(f"c={c} aggregate tok/s, {lb} vs the better llama-server (>= 1.1)",
+           ratio(tput(lb, c), peer(c))) for c in ("4", "8", "16")
+          for lb in ("corral", "corral spec off")],
+        ("c=1 tok/s, corral spec off vs the better llama-server (>= 1.0)",
+         ratio(tput("corral spec off", "1"), peer("1"))),
+        ("c=16 TTFT p99, corral vs llama-server 16 unified (<= 1.5)",
+         ratio(p99("corral", "16"), p99(tuned, "16"))),
         ("c=16 TTFT p50, corral vs llama-server 16 unified (<= 1.0)",
          ratio(ttft("corral", "16"), ttft(tuned, "16"))),
         *[(f"c={c} aggregate tok/s, corral pool vs corral (>= 0.95)",

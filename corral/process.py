@@ -70,7 +70,27 @@ def trim_malloc() -> None:
         libc.malloc_trim(0)
 
 
+def resident(runs: list[tuple[int, int]]) -> int:
+    """Bytes of the page ranges' pages in memory now (mincore, Linux); a range no longer
+    mapped, or any range elsewhere, counts nothing."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mincore"):
+        return 0
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for start, end in runs:
+        vec = (ctypes.c_ubyte * ((end - start) // page))()
+        if libc.mincore(start, end - start, vec) == 0:
+            total += bytes(vec).translate(_LOW_BIT).count(1) * page
+    return total
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's flag for "resident"
+
+
 @functools.cache
+
+
 def _libc() -> ctypes.CDLL | None:
     """glibc, loaded once: each CDLL builds classes in reference cycles, garbage that
     a housekeeping loop calling this every few seconds would leave behind."""

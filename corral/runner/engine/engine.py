@@ -47,7 +47,7 @@ from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRea
                                 SetThreads, Stop, Submit)
 from corral.runner.kv import kvbytes
 from corral.runner.kv.growth import Capacity, Resizer
-from corral.runner.kv.reserve import Reserve
+from corral.runner.kv.reserve import Reserve, possible as reserve_possible
 from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
@@ -100,10 +100,10 @@ class Engine:
         self._embeds = EmbedQueue()
         self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq_id=i, num_ctx=llama.num_ctx) for i in range(llama.streams)]
-        # The cap's context is made ahead, uncommitted, where the KV is host memory (a
-        # test's reserve_gate holds its build).
+        # The cap's context is made ahead, uncommitted, where the KV is host memory and
+        # ggml's clear hands pages back (a test's reserve_gate holds its build).
         reserve = Reserve(llama, config.n_slots, reserve_gate) \
-            if not config.n_gpu_layers else None
+            if not config.n_gpu_layers and reserve_possible() else None
         self.resizer = Resizer(llama, Capacity(llama.streams, config.n_slots),
                                self._commands.put, reserve) \
             if llama.streams < config.n_slots else None
@@ -206,10 +206,13 @@ class Engine:
 
     def kv_held(self, kv_cap: int) -> int:
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
-        the serving context's share of that, by cells, less what the reserve left
-        uncommitted (runner.kv.growth)."""
-        cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
-        current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
+        the serving context's KV pages in memory (the cells written), or where ggml's
+        clear committed them all, its share of the estimate by cells; and the reserve's
+        (runner.kv.growth)."""
+        current = self.llama.kv_committed()
+        if current is None:
+            cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
+            current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
         return self.resizer.kv_held(current) if self.resizer is not None else current
 
     def clear_cache(self) -> None:
@@ -355,10 +358,9 @@ class Engine:
     def _housekeep(self, idle: bool) -> None:
         """Give back what bursts took, so memory returns to what `ps` reports: when idle,
         and every few seconds under load, when the engine may never be idle."""
-        # runner.kv.reserve: made on a builder thread after the first rest; its pages are
-        # looked at here, at rest, in pieces, until a command arrives.
+        # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
-            self.resizer.rest(self.sampled > 0, lambda: self._commands.qsize() > 0)
+            self.resizer.rest(self.sampled > 0)
         now = self.clock()
         if idle and self.embed_ctx.ctx is not None and now - self._embedded_at > EMBED_KEEP:
             self.embed_ctx.free()

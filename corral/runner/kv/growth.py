@@ -6,10 +6,12 @@ at once; a state machine with every transition here, and the move between contex
     STEADY --quiet for SHRINK_AFTER----> BUILDING --built--> STEADY (fewer streams)
                                            \\--failed--> STEADY (the cap drops to now)
 
-Why contexts are swapped rather than one sized for the cap: llama.cpp allocates and
-clears a context's whole KV buffer when it is made (a second and 1.5 GB for sixteen
-slots of a 135M model here), whether or not a second request ever comes. A context
-of one stream loads in a tenth of that. When requests run at once, the next context
+Why contexts are swapped rather than one sized for the cap: stock ggml clears a
+context's whole KV buffer when it is made, writing every page (a second and 1.5 GB for
+sixteen slots of a 135M model here), whether or not a second request ever comes; and
+even where install.sh's ggml leaves them uncommitted (runner.kv.reserve), pages a burst
+wrote stay committed until the context's cells are cleared, which only a move to
+another context allows while idle conversations keep theirs. When requests run at once, the next context
 is made on a builder thread while the current one goes on decoding; then, between
 two steps, the engine copies every cached sequence across (runner.kv.kvbytes: bit-exact
 KV, so greedy output is unchanged) and lets the old context go, freed on a thread of
@@ -158,17 +160,14 @@ class Resizer:
         self.resizes = 0
         self._letting_go: list[threading.Thread] = []
 
-    def rest(self, served: bool, waiting: Callable[[], bool]) -> None:
+    def rest(self, served: bool) -> None:
         """Engine thread, at rest: once the model has served, the reserve is made on a
-        builder thread; then its pages are looked at and handed back, a piece at a time,
-        until a command is `waiting`."""
+        builder thread."""
         reserve = self.reserve
-        if reserve is None:
-            return
-        if reserve.pending and served and self.capacity.state is GrowthState.STEADY \
+        if reserve is not None and reserve.pending and served \
+                and self.capacity.state is GrowthState.STEADY \
                 and self.llama.streams < reserve.streams:
             reserve.start(lambda: self.post(Wake()))
-        reserve.settle(waiting)
 
     def tick(self, busy: int, waiting: int, now: float, warm: int = 0) -> None:
         # Warm conversations count only where their streams cost no memory until used:
@@ -218,9 +217,9 @@ class Resizer:
 
     def kv_held(self, current: int) -> int:
         """Bytes of KV committed now, given `current`, the whole KV of the context the
-        engine serves from. llama.cpp clears a context's KV when it makes it, touching
-        every page, so a built context holds all of it; the reserve's pages were handed
-        back, so it holds what was written since (and nothing while it waits unused)."""
+        engine serves from: a built context is counted whole (with stock ggml its
+        making writes every page; install.sh's ggml leaves them uncommitted, so this is
+        at most what it holds), and the reserve as what its cells hold (mincore)."""
         reserve = self.reserve
         if reserve is None:
             return current

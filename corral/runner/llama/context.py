@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp as L
 
 from corral.errors import RunnerError
-from corral.process import physical_cores
+from corral.process import physical_cores, resident
 from corral.runner.llama import native
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.loadconfig import DEFAULT_BATCH
@@ -77,6 +77,9 @@ class LlamaContext:
         self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
             min(cfg.start_slots, cfg.n_slots)
         self.ctx: Any = None
+        # Each context's KV pages (native.kv_pages), by its address, while it lives:
+        # empty where ggml's clear commits them (install.sh's build hands them back).
+        self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
         self.ctx = self.new_context(self.streams)
         self._apply_adapters(cfg.adapters)
@@ -150,7 +153,17 @@ class LlamaContext:
             if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
                 native.free_context(ctx)
                 raise RunnerError("llama.cpp could not apply the adapters")
+        pages = native.kv_pages(ctx)
+        if pages is not None:
+            self._kv_pages[_address(ctx)] = pages
         return ctx
+
+    def kv_committed(self, ctx: Any = None) -> int | None:
+        """Bytes of the KV pages of `ctx` (the one in use by default) that are in memory
+        now: the cells its sequences wrote since it was made or cleared. None where
+        they cannot be told apart (ggml's clear committed all of them)."""
+        pages = self._kv_pages.get(_address(ctx if ctx is not None else self.ctx))
+        return None if pages is None else resident(pages)
 
     def adopt(self, ctx: Any, streams: int) -> Any:
         """Engine thread: serve from `ctx` from now on; returns the old context, which the
@@ -168,6 +181,7 @@ class LlamaContext:
         return n
 
     def discard(self, ctx: Any) -> None:
+        self._kv_pages.pop(_address(ctx), None)
         native.free_context(ctx)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -209,3 +223,7 @@ class LlamaContext:
     def free(self) -> None:
         native.free_model(self.batch, self.ctx, self.model)
         self.batch = self.ctx = self.model = None
+
+
+def _address(ctx: Any) -> int:
+    return int(ctypes.cast(ctx, ctypes.c_void_p).value or 0)

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import llama_cpp as L
 
 from corral.process import apply_native_defaults, trim_malloc
 
 _log_hook: Any = None
-_made_lock = threading.Lock()
-_contexts_made = 0
 
 
 def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
@@ -39,15 +35,11 @@ def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
 
 
 def init_context(model: Any, cparams: Any) -> Any:
-    """llama_init_from_model, counted (contexts_made)."""
-    with context_event():
-        return L.llama_init_from_model(model, cparams)
+    return L.llama_init_from_model(model, cparams)
 
 
 def free_context(ctx: Any) -> None:
-    """llama_free, counted (contexts_made)."""
-    with context_event():
-        L.llama_free(ctx)
+    L.llama_free(ctx)
 
 
 def free_model(batch: Any, ctx: Any, model: Any) -> None:
@@ -61,24 +53,50 @@ def free_model(batch: Any, ctx: Any, model: Any) -> None:
         L.llama_model_free(model)
 
 
-@contextmanager
-def context_event() -> Iterator[None]:
-    """Around making or freeing a context: its beginning and its end each add one to
-    contexts_made(), so a thread can tell whether any context came or went while it
-    made its own (runner.kv.reserve finds its KV pages among the mappings that appeared)."""
-    global _contexts_made
-    with _made_lock:
-        _contexts_made += 1
-    try:
-        yield
-    finally:
-        with _made_lock:
-            _contexts_made += 1
+def cleared(since: int = 0) -> tuple[int, list[tuple[int, int]]] | None:
+    """The zero clears of CPU buffers that handed their pages back (madvise) instead of
+    writing them, as install.sh builds ggml (corral_ggml_cleared): how many so far, and
+    the page ranges of those from the `since`-th on (ggml logs the last 64). None where
+    ggml is not built so, and a clear writes every page."""
+    fn = _cleared_fn()
+    if fn is None:
+        return None
+    out = (ctypes.c_size_t * 128)()
+    n = int(fn(since, out, 64))
+    pairs = [(int(out[2 * k]), int(out[2 * k + 1])) for k in range(min(max(n - since, 0), 64))]
+    return n, pairs
 
 
-def contexts_made() -> int:
-    with _made_lock:
-        return _contexts_made
+def kv_pages(ctx: Any) -> list[tuple[int, int]] | None:
+    """The page ranges of a new, empty context's memory (its KV buffers), as ggml logs
+    them (cleared): clearing the memory, with nothing in it yet, logs exactly its
+    buffers. Cleared twice, so that another buffer's clear between the two (another
+    context being made, a logits buffer a decode grew) counts in neither. None where
+    ggml's clear writes its pages."""
+    before = cleared()
+    if before is None:
+        return None
+    mem = L.llama_get_memory(ctx)
+    L.llama_memory_clear(mem, True)
+    first = cleared(before[0])
+    L.llama_memory_clear(mem, True)
+    second = cleared(first[0])  # type: ignore[index]
+    again = set(first[1])  # type: ignore[index]
+    return [r for r in second[1] if r in again]  # type: ignore[index]
+
+
+def _cleared_fn() -> Any:
+    global _cleared
+    if _cleared is False:
+        fn = getattr(L.llama_cpp._lib, "corral_ggml_cleared", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
+            fn.restype = ctypes.c_uint64
+        _cleared = fn
+    return _cleared
+
+
+_cleared: Any = False  # not looked up yet
 
 
 def specials_present(vocab: Any) -> bool:
