@@ -183,6 +183,31 @@ def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     assert abs(cost.rate - 0.1) < 0.01
 
 
+def test_passes_follow_llama_cpps_sequential_equal_split() -> None:
+    """Per-slot streams: a pass takes consecutive sequences, as many rows of each as the
+    fewest has left (llama_batch_allocr::split_equal with sequential ids)."""
+    from corral.runner.speculative.cost import passes
+
+    assert passes([(0, 9), (1, 9), (2, 9), (3, 9)]) == 1  # every slot drafts as many
+    assert passes([(0, 1), (1, 1), (2, 1), (3, 1)]) == 1
+    assert passes([(0, 9), (1, 9), (2, 1), (3, 1)]) == 2  # 4 x 1, then 2 x 8
+    assert passes([(0, 9), (1, 1), (2, 9), (3, 1)]) == 3  # 0 and 2 are not consecutive
+    assert passes([(0, 9), (1, 9), (2, 3), (3, 1)]) == 3  # 4 x 1, 3 x 2, 2 x 6
+    assert passes([(0, 1), (2, 1)]) == 2  # a gap splits even one row each
+
+
+def test_the_fit_prices_a_pass_and_a_row_apart() -> None:
+    """Steps split into several passes are not taken for dear rows."""
+    from corral.runner.speculative.cost import RowCost
+
+    cost = RowCost()
+    for rows, n in ((4, 1), (36, 1), (20, 2), (4, 1), (30, 3), (12, 1)):
+        cost.observe(rows, 0.015 * n + 0.004 * rows, passes=n)
+    base, row = cost.fit()  # type: ignore[misc]
+    assert abs(base - 0.015) < 1e-6 and abs(row - 0.004) < 1e-6
+    assert abs(cost.seconds(36) - (0.015 + 0.004 * 36)) < 1e-6  # type: ignore[operator]
+
+
 class CountingDecoder:
     """A draft model's context that predicts `last + 1`, sure of it below 100 and
     unsure from there; it records the rows it was given (the Decoder seam)."""

@@ -301,7 +301,7 @@ class Engine:
         if ask is not None:
             self.spec.prepare(ask)
         if out.ok and out.batch.decoding and not out.batch.prefill:
-            self.spec.observe(len(out.batch.rows), out.native)
+            self.spec.observe([row.seq_id for row in out.batch.rows], out.native)
 
     def _stuck(self, seq_ids: set[int]) -> None:
         """Slots whose rejected draft's cells would not go (run dropped all their cells):

@@ -44,6 +44,10 @@ class DraftPolicy:
     wait: int = 0  # steps to go before the next draft
     drafted: int = 0  # tokens drafted and verified, over the sequence's life
     accepted: int = 0
+    # Drafts made but not verified (a step of per-slot streams that drafted none): how
+    # many, and how many of them had the token the sequence then sampled first.
+    foreseen: int = 0
+    foreseen_right: int = 0
 
     def want(self, decoding: int, room: int) -> int:
         """Tokens to draft this step: 0 while waiting after misses; else the policy's
@@ -53,6 +57,11 @@ class DraftPolicy:
             self.wait -= 1
             return 0
         return max(0, min(self.length, ROWS // max(decoding, 1), room))
+
+    def foresaw(self, right: bool) -> None:
+        """A draft made and not verified: whether its first token was the one sampled."""
+        self.foreseen += 1
+        self.foreseen_right += right
 
     def counting(self, drafted: int) -> None:
         """A draft of `drafted` tokens goes to verification: they count now, since

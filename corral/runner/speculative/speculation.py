@@ -18,9 +18,10 @@ moves with it when it is preempted). The engine talks to it at three points of a
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import NamedTuple
 
-from corral.runner.speculative.cost import RowCost
+from corral.runner.speculative.cost import RowCost, passes
 from corral.runner.speculative.draftmodel import DraftModel
 from corral.runner.speculative.ngram import DraftSource, History, NgramIndex
 from corral.runner.speculative.policy import DraftPolicy
@@ -54,41 +55,68 @@ class Speculation:
             source if source is not None else NgramIndex()
         self.cost = cost or RowCost()
         self._made: dict[int, tuple[History, int, list[int]]] = {}  # seq -> what it drafts
+        # id(history) -> (its length then, a draft's first token, its policy): drafts
+        # made and not verified, scored by the next token (RowCost.expects)
+        self._unverified: dict[int, tuple[int, int, DraftPolicy]] = {}
+        self._split = False  # a KV stream per slot: llama.cpp splits batches (cost.passes)
 
     # ---- after a step: the next step's drafts -------------------------------------------
 
     def prepare(self, ask: Ask) -> None:
         """Decide what each candidate drafts at the next step, and make those drafts."""
         self._made.clear()
+        self._unverified.clear()
+        self._split = ask.even
         decided = self._decide(ask)
         if self.model is not None:
             self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
         made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
-        if ask.even and made:  # one slot drafting less cuts every other one to it
-            least = min(len(made.get(c.seq_id, [])) for c in ask.candidates)
-            made = {seq: tokens[:least] for seq, tokens in made.items()}
-        self._made = {seq: (decided[seq][0].history, len(decided[seq][0].history.tokens),
-                            tokens) for seq, tokens in made.items() if tokens}
+        used = self._even(ask.candidates, made) if ask.even else made
+        for c in ask.candidates:
+            tokens, history = made.get(c.seq_id), c.history
+            if tokens and used.get(c.seq_id):
+                self._made[c.seq_id] = (history, len(history.tokens), used[c.seq_id])
+            elif tokens:  # made, not verified: its first token is scored by the next one
+                self._unverified[id(history)] = (len(history.tokens), tokens[0], c.policy)
 
     def _decide(self, ask: Ask) -> dict[int, tuple[Candidate, int]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
         each; none where its drafts are not kept often enough to pay for their rows.
-        Where every slot has a KV stream of its own, none drafts while one will not, and
-        none more than the least."""
+        Where every slot has a KV stream of its own, all draft or none (`_even`); the
+        n-gram index's drafts are made for every candidate even so, since one that is not
+        verified still tells its sequence's odds for the price of a lookup (a draft
+        model's only where all of them pay)."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
+        look = ask.even and self.model is None
         out = {}
         for c in cands:
             n = min(c.policy.want(len(cands), c.room), spare)
-            if n > 0 and self._pays(c.policy, len(cands)):
+            if n > 0 and (look or self._pays(c.policy, len(cands))):
                 out[c.seq_id] = (c, n)
-        if ask.even and len(out) < len(cands):
+        if ask.even and not look and len(out) < len(cands):
             return {}
-        if ask.even and out:
-            least = min(n for _, n in out.values())
-            out = {seq: (c, least) for seq, (c, _) in out.items()}
         return out
+
+    def _even(self, cands: list[Candidate], made: dict[int, list[int]]
+              ) -> dict[int, list[int]]:
+        """Where every slot has a KV stream of its own: every decoding slot's draft cut
+        to the shortest, or none, unless every one has a draft that pays.
+
+        llama.cpp splits such a batch into ubatches of as many rows of each sequence
+        (cost.passes), each a pass over the weights, so drafts of different lengths cost
+        passes; and streams that advance together stay together, where drafting some
+        lets them run ahead and leaves the rest to a slower tail. Measured on four copies
+        at once (benchmarks/spec.py's workload, six runs each): choosing each step's
+        layout by the fit instead (drafts cut to each length, in as many passes, or
+        filled up to it with guesses, in one) gave 126-142 tok/s, this 147-151. What
+        made this rule pay by chance was the odds, not the cut (`prepare`)."""
+        if not cands or any(not made.get(c.seq_id) or not self._pays(c.policy, len(cands))
+                            for c in cands):
+            return {}
+        least = min(len(made[c.seq_id]) for c in cands)
+        return {c.seq_id: made[c.seq_id][:least] for c in cands}
 
     def _pays(self, policy: DraftPolicy, decoding: int) -> bool:
         """Whether a sequence's drafts are kept often enough to pay for their rows. Each
@@ -111,6 +139,9 @@ class Speculation:
         self.source.add(history)
 
     def extended(self, history: History, token: int) -> None:
+        guess = self._unverified.pop(id(history), None)
+        if guess is not None and guess[0] == len(history.tokens):
+            guess[2].foresaw(token == guess[1])
         history.tokens.append(token)
         self.source.add(history)
 
@@ -130,9 +161,12 @@ class Speculation:
         policy.verified(drafted, accepted, counted=True)
         self.cost.verified(drafted, accepted)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A decode-only step of `rows` rows, each with logits, took `seconds`."""
-        self.cost.observe(rows, seconds)
+    def observe(self, seq_ids: list[int], seconds: float) -> None:
+        """A decode-only step whose rows (each with logits) were of `seq_ids`, in batch
+        order, took `seconds`; where every slot has a KV stream of its own it took as
+        many passes as split_equal makes of them."""
+        runs = [(seq, len(list(group))) for seq, group in groupby(seq_ids)]
+        self.cost.observe(len(seq_ids), seconds, passes(runs) if self._split else 1)
 
     # ---- the engine ----------------------------------------------------------------------
 
