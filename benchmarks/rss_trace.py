@@ -56,14 +56,20 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(self.every):
-            pids = runner_pids(self.d.proc.pid)
-            if not pids:
+            try:
+                self.sample()
+            except (httpx.HTTPError, OSError, ValueError):  # a runner gone, a slow answer
                 continue
-            shown = [m for m in self.http.get("/api/ps").json()["models"]
-                     if m["name"].split(":")[0] == self.model.split(":")[0]]
-            if shown:
-                self.samples.append((time.monotonic() - self.t0, sum(rss(p) for p in pids),
-                                     int(shown[0]["size"])))
+
+    def sample(self) -> None:
+        pids = runner_pids(self.d.proc.pid)
+        if not pids:
+            return
+        shown = [m for m in self.http.get("/api/ps").json()["models"]
+                 if m["name"].split(":")[0] == self.model.split(":")[0]]
+        if shown:
+            self.samples.append((time.monotonic() - self.t0, sum(rss(p) for p in pids),
+                                 int(shown[0]["size"])))
 
 
 def stream_ttft(url: str, model: str, i: int, tokens: int, out: list[float]) -> None:
@@ -108,11 +114,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sampler.done.set()
             sampler.join(timeout=10)
             d.stop()
-    ratios = [r / s for _, r, s in sampler.samples if s]
-    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    samples = [x for x in sampler.samples if x[2]]
+    if not samples:
+        raise SystemExit("Error: no sample of the runner's memory was taken")
+    worst = max(samples, key=lambda x: x[1] / x[2])
     return {"label": args.label, "model": args.model, "load s": load, "first ttft": first,
-            "burst ttft": burst_ttft, "samples": sampler.samples,
-            "worst ratio": ratios[worst], "worst at": sampler.samples[worst],
+            "burst ttft": burst_ttft, "samples": samples,
+            "worst ratio": worst[1] / worst[2], "worst at": worst,
             "peak rss": max(r for _, r, _ in sampler.samples),
             "peak size": max(s for _, _, s in sampler.samples)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Any
 
 
 def apply_native_defaults(deterministic: bool = False) -> None:
@@ -73,14 +74,13 @@ def trim_malloc() -> None:
 def resident(runs: list[tuple[int, int]]) -> int:
     """Bytes of the page ranges' pages in memory now (mincore, Linux); a range no longer
     mapped, or any range elsewhere, counts nothing."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mincore"):
+    mincore = _mincore()
+    if mincore is None:
         return 0
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page, total = os.sysconf("SC_PAGE_SIZE"), 0
     for start, end in runs:
         vec = (ctypes.c_ubyte * ((end - start) // page))()
-        if libc.mincore(start, end - start, vec) == 0:
+        if mincore(start, end - start, vec) == 0:
             total += bytes(vec).translate(_LOW_BIT).count(1) * page
     return total
 
@@ -89,8 +89,17 @@ _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's flag for "resident"
 
 
 @functools.cache
+def _mincore() -> Any:
+    """libc's mincore, typed once; None where there is none."""
+    try:
+        fn = ctypes.CDLL(None).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return fn
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc, loaded once: each CDLL builds classes in reference cycles, garbage that
     a housekeeping loop calling this every few seconds would leave behind."""

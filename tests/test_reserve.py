@@ -65,14 +65,15 @@ def test_a_zero_clear_hands_the_pages_back_reads_zero_and_is_logged() -> None:
         assert before is not None
         g.ggml_backend_buffer_clear(buf, 0)
         n, runs = native.cleared(before[0])  # type: ignore[misc]
-        assert n == before[0] + 1 and len(runs) == 1
-        first, last = runs[0]
+        ours = [(a, b) for a, b in runs if base <= a < base + size]  # (other threads clear too)
+        assert len(ours) == 1
+        first, last = ours[0]
         assert base <= first < base + PAGE and base + size - PAGE <= last <= base + size
         assert _rss(base, pages) <= 2  # at most the two edge pages, which were written
         assert ctypes.string_at(base, size).count(0) == size
         g.ggml_backend_buffer_clear(buf, 7)  # not zero: written, as before, and not logged
         assert ctypes.string_at(base, size).count(7) == size
-        assert native.cleared()[0] == n  # type: ignore[index]
+        assert not [a for a, _ in native.cleared(n)[1] if base <= a < base + size]  # type: ignore[index]
     finally:
         g.ggml_backend_buffer_free(buf)
 
@@ -80,6 +81,7 @@ def test_a_zero_clear_hands_the_pages_back_reads_zero_and_is_logged() -> None:
 @linux
 def test_a_buffer_over_a_callers_pointer_is_written_not_handed_back(tmp_path: Path) -> None:
     """A model file's private mapping would read the file again after MADV_DONTNEED."""
+    assert possible(), "ggml is not built by install.sh"
     g, size = _ggml(), 4 << 20
     path = tmp_path / "weights"
     path.write_bytes(b"\x11" * size)
@@ -90,7 +92,9 @@ def test_a_buffer_over_a_callers_pointer_is_written_not_handed_back(tmp_path: Pa
     try:
         count = native.cleared()[0]  # type: ignore[index]
         g.ggml_backend_buffer_clear(buf, 0)
-        assert area[:].count(0) == size and native.cleared()[0] == count  # type: ignore[index]
+        assert area[:].count(0) == size
+        assert not [a for a, _ in native.cleared(count)[1]  # type: ignore[index]
+                    if base <= a < base + size]
     finally:
         g.ggml_backend_buffer_free(buf)
         del base
@@ -134,7 +138,7 @@ def test_a_burst_adopts_the_reserve_and_shrinking_hands_its_memory_back(
     # Made; prompts that came one after another may already serve from it (each kept its
     # stream as a warm conversation: runner.kv.growth), which commits only what they wrote.
     assert reserve._ctx is not None or reserve.owns(engine.llama.ctx), \
-        "the KV pages were not logged"
+        "the reserve was not made"
     # Measured on the reserve's own KV pages (mincore), not the process's RSS: this
     # process also runs other tests' daemons and threads, whose memory moves by tens of
     # megabytes on its own (it failed a clean-clone run by 1 MB of 75).

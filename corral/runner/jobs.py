@@ -4,7 +4,6 @@ thread reads, and the events a job's caller reads back.
     caller --Submit/Embed/Stop/SetThreads/ClearCache--> engine thread --Token*, then Done or Failed--> job.events
     growth builder --Resized--> engine thread
     disk tier reader --PrefixRead--> engine thread
-    reserve builder --Wake--> engine thread (at rest: its pages are to be looked at)
 """
 
 from __future__ import annotations
@@ -202,12 +201,7 @@ class PrefixRead:
     that waits for work, so the sequence waiting for the read is placed."""
 
 
-@dataclass(frozen=True)
-class Wake:
-    """Nothing to do but look again: housekeeping has work for an idle engine."""
-
-
-Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache, PrefixRead, Wake]
+Command = Union[Submit, Embed, Stop, Resized, SetThreads, ClearCache, PrefixRead]
 
 
 class Inbox:

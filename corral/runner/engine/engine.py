@@ -209,11 +209,12 @@ class Engine:
         the serving context's KV pages in memory (the cells written), or where ggml's
         clear committed them all, its share of the estimate by cells; and the reserve's
         (runner.kv.growth)."""
-        current = self.llama.kv_committed()
+        ctx = self.llama.ctx  # read once: the engine thread may move to another meanwhile
+        current = self.llama.kv_committed(ctx)
         if current is None:
             cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
             current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
-        return self.resizer.kv_held(current) if self.resizer is not None else current
+        return self.resizer.kv_held(current, ctx) if self.resizer is not None else current
 
     def clear_cache(self) -> None:
         """Drop the prompt cache's RAM (memory is wanted for another model)."""
@@ -297,11 +298,11 @@ class Engine:
         model decodes here, on this thread); a step that only decoded prices its rows
         (every one has logits)."""
         assert self.spec is not None
+        if out.ok and out.batch.decoding and not out.batch.prefill:  # in this step's layout
+            self.spec.observe([row.seq_id for row in out.batch.rows], out.native)
         ask = self.schedule.ask(self.slots)
         if ask is not None:
             self.spec.prepare(ask)
-        if out.ok and out.batch.decoding and not out.batch.prefill:
-            self.spec.observe([row.seq_id for row in out.batch.rows], out.native)
 
     def _stuck(self, seq_ids: set[int]) -> None:
         """Slots whose rejected draft's cells would not go (run dropped all their cells):

@@ -16,8 +16,8 @@ is made on a builder thread while the current one goes on decoding; then, betwee
 two steps, the engine copies every cached sequence across (runner.kv.kvbytes: bit-exact
 KV, so greedy output is unchanged) and lets the old context go, freed on a thread of
 its own; an idle slot's cache that a smaller context has no room for goes to the
-prompt cache (runner.cache.promptcache). Nobody waits longer than that copy, except the requests
-that needed the new streams, which wait for the build. Sizes are powers of two from
+prompt cache (runner.cache.promptcache). Nobody waits longer than that copy, except
+the requests that needed the new streams, which wait for the build. Sizes are powers of two from
 the start size to the memory-fit cap, so a burst of sixteen takes one step. Where
 runner.kv.reserve has made the cap's context ahead (uncommitted), growth to the cap takes
 it instead of building, and a shrink gives it back.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from corral.errors import RunnerError
-from corral.runner.jobs import Command, Resized, Wake
+from corral.runner.jobs import Command, Resized
 from corral.runner.kv.kvbytes import copy_sequence
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -167,7 +167,7 @@ class Resizer:
         if reserve is not None and reserve.pending and served \
                 and self.capacity.state is GrowthState.STEADY \
                 and self.llama.streams < reserve.streams:
-            reserve.start(lambda: self.post(Wake()))
+            reserve.start()
 
     def tick(self, busy: int, waiting: int, now: float, warm: int = 0) -> None:
         # Warm conversations count only where their streams cost no memory until used:
@@ -215,15 +215,13 @@ class Resizer:
         self.resizes += 1
         return moved
 
-    def kv_held(self, current: int) -> int:
-        """Bytes of KV committed now, given `current`, the whole KV of the context the
-        engine serves from: a built context is counted whole (with stock ggml its
-        making writes every page; install.sh's ggml leaves them uncommitted, so this is
-        at most what it holds), and the reserve as what its cells hold (mincore)."""
+    def kv_held(self, current: int, ctx: Any) -> int:
+        """Bytes of KV committed now, given `current`, that of `ctx`, the context the
+        engine serves from (LlamaContext.kv_committed), and the reserve's while it waits."""
         reserve = self.reserve
         if reserve is None:
             return current
-        return (0 if reserve.owns(self.llama.ctx) else current) + reserve.committed()
+        return (0 if reserve.owns(ctx) else current) + reserve.committed()
 
     def reserve_streams(self) -> int:
         """Streams of the cap's context made ahead (runner.kv.reserve), in use or not; 0: none."""

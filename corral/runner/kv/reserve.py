@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp as L
 
@@ -56,30 +56,21 @@ class Reserve:
         self._owned: Any = None  # the reserve's context while the engine serves from it
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.pending = True  # not yet tried (or to try again)
+        self.pending = True  # not yet tried
         self.tried = threading.Event()  # set once the first try is over: made, or not
 
-    @property
-    def building(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self, wake: Callable[[], None]) -> None:
-        """Engine thread, at rest: make the reserve on a builder thread, which calls
-        `wake` when done."""
+    def start(self) -> None:
+        """Engine thread, at rest: make the reserve on a builder thread."""
         self.pending = False
-        self._thread = threading.Thread(target=self._make, args=(wake,), daemon=True,
-                                        name="kv-reserve")
+        self._thread = threading.Thread(target=self._make, daemon=True, name="kv-reserve")
         self._thread.start()
 
-    def _make(self, wake: Callable[[], None]) -> None:
+    def _make(self) -> None:
         # At the lowest priority: a request that arrives meanwhile must not share its
         # cores with a build it does not need.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            self._try()
-        finally:
-            wake()
+        self._try()
 
     def _try(self) -> None:
         if self.gate is not None:
@@ -92,8 +83,10 @@ class Reserve:
             log.debug("KV reserve not made: %s", exc.message)
             self.tried.set()
             return
-        if self._closed:
+        if self._closed or self.llama.kv_committed(ctx) is None:
+            # (its KV pages not logged: the clear wrote them, and ps could not count them)
             self.llama.discard(ctx)
+            self.tried.set()
             return
         with self._lock:
             self._ctx = ctx

@@ -143,7 +143,7 @@ class LlamaContext:
         cparams.no_perf = True
         cparams.flash_attn_type = self.flash_attn_type
         cparams.type_k = cparams.type_v = self.kv_type
-        ctx = native.init_context(self.model, cparams)
+        ctx = L.llama_init_from_model(self.model, cparams)
         if not ctx:
             if self.ctx is None:  # the first one: nothing to serve with
                 L.llama_model_free(self.model)
@@ -151,9 +151,9 @@ class LlamaContext:
         if self.adapters is not None:
             handles, scales, n = self.adapters
             if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
-                native.free_context(ctx)
+                L.llama_free(ctx)
                 raise RunnerError("llama.cpp could not apply the adapters")
-        pages = native.kv_pages(ctx)
+        pages = native.kv_pages(ctx) if not self.cfg.n_gpu_layers else None  # host KV only
         if pages is not None:
             self._kv_pages[_address(ctx)] = pages
         return ctx
@@ -182,7 +182,7 @@ class LlamaContext:
 
     def discard(self, ctx: Any) -> None:
         self._kv_pages.pop(_address(ctx), None)
-        native.free_context(ctx)
+        L.llama_free(ctx)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         # llama_tokenize only reads the vocab, which is safe from any thread.

@@ -42,7 +42,7 @@ class DraftContext:
         cparams.embeddings, cparams.no_perf = False, True
         cparams.type_k = cparams.type_v = kv_type
         cparams.flash_attn_type = flash_attn
-        self.ctx = native.init_context(self.model, cparams)
+        self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
             raise RunnerError("llama.cpp could not create the draft model's context")

@@ -76,7 +76,7 @@ class EmbeddingContext:
         cparams.embeddings = True
         cparams.pooling_type = pooling
         cparams.no_perf = True
-        self.ctx = native.init_context(self.model, cparams)  # counted: runner.kv.reserve
+        self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RunnerError("llama.cpp could not create an embedding context")
         if self.adapters:
@@ -96,7 +96,7 @@ class EmbeddingContext:
             if self.pooling != L.LLAMA_POOLING_TYPE_NONE:
                 self._finish_open(capacity)
                 return
-            native.free_context(self.ctx)
+            L.llama_free(self.ctx)
             self.pooling = L.LLAMA_POOLING_TYPE_MEAN
         self._open(self.pooling, capacity)
         self._finish_open(capacity)
@@ -141,7 +141,7 @@ class EmbeddingContext:
             L.llama_batch_free(self.batch)
             self.batch = None
         if self.ctx is not None:
-            native.free_context(self.ctx)
+            L.llama_free(self.ctx)
             self.ctx = None
         self.capacity = 0
 

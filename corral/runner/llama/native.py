@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import threading
 from typing import Any, Sequence
 
 import llama_cpp as L
@@ -34,21 +36,13 @@ def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
     L.llama_backend_init()
 
 
-def init_context(model: Any, cparams: Any) -> Any:
-    return L.llama_init_from_model(model, cparams)
-
-
-def free_context(ctx: Any) -> None:
-    L.llama_free(ctx)
-
-
 def free_model(batch: Any, ctx: Any, model: Any) -> None:
     """Free a llama_batch, a context and the model under them, in that order; each may
     be None (already freed, or never made)."""
     if batch is not None:
         L.llama_batch_free(batch)
     if ctx:
-        free_context(ctx)
+        L.llama_free(ctx)
     if model:
         L.llama_model_free(model)
 
@@ -59,7 +53,7 @@ def cleared(since: int = 0) -> tuple[int, list[tuple[int, int]]] | None:
     the page ranges of those from the `since`-th on (ggml logs the last 64). None where
     ggml is not built so, and a clear writes every page."""
     fn = _cleared_fn()
-    if fn is None:
+    if fn is None or not sys.platform.startswith("linux"):  # elsewhere the clear writes
         return None
     out = (ctypes.c_size_t * 128)()
     n = int(fn(since, out, 64))
@@ -70,19 +64,24 @@ def cleared(since: int = 0) -> tuple[int, list[tuple[int, int]]] | None:
 def kv_pages(ctx: Any) -> list[tuple[int, int]] | None:
     """The page ranges of a new, empty context's memory (its KV buffers), as ggml logs
     them (cleared): clearing the memory, with nothing in it yet, logs exactly its
-    buffers. Cleared twice, so that another buffer's clear between the two (another
-    context being made, a logits buffer a decode grew) counts in neither. None where
-    ggml's clear writes its pages."""
-    before = cleared()
-    if before is None:
-        return None
-    mem = L.llama_get_memory(ctx)
-    L.llama_memory_clear(mem, True)
-    first = cleared(before[0])
-    L.llama_memory_clear(mem, True)
-    second = cleared(first[0])  # type: ignore[index]
+    buffers. Cleared twice, so that another buffer's clear between the two (a context
+    being made, a logits buffer a decode grew) counts in neither; and one context at a
+    time, so that two contexts' clears never interleave. None where ggml's clear writes
+    its pages, or logged none of them."""
+    with _pages_lock:
+        before = cleared()
+        if before is None:
+            return None
+        mem = L.llama_get_memory(ctx)
+        L.llama_memory_clear(mem, True)
+        first = cleared(before[0])
+        L.llama_memory_clear(mem, True)
+        second = cleared(first[0])  # type: ignore[index]
     again = set(first[1])  # type: ignore[index]
-    return [r for r in second[1] if r in again]  # type: ignore[index]
+    return [r for r in second[1] if r in again] or None  # type: ignore[index]
+
+
+_pages_lock = threading.Lock()
 
 
 def _cleared_fn() -> Any:

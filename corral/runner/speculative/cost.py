@@ -77,11 +77,6 @@ class RowCost:
         row = (self._nt * self._pp - self._pt * self._pn) / det
         return (base, row) if row > 0 and base > 0 else None  # else noise, not a machine
 
-    def seconds(self, rows: int, passes: int = 1) -> float | None:
-        """What a step of `rows` rows in `passes` ubatches is expected to take."""
-        fit = self.fit()
-        return None if fit is None else fit[0] * passes + fit[1] * rows
-
     def needed(self, decoding: int) -> float:
         """The share of its tokens a draft must expect to keep to pay for its rows in a
         step where `decoding` slots decode: a row's cost over a token's share of the
