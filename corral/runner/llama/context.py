@@ -77,8 +77,8 @@ class LlamaContext:
         self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
             min(cfg.start_slots, cfg.n_slots)
         self.ctx: Any = None
-        # Each context's KV pages (native.kv_pages), by its address, while it lives:
-        # empty where ggml's clear commits them (install.sh's build hands them back).
+        # Each context's KV pages (native.kv_pages), by its address, while it lives; no
+        # entry where they could not be told (stock ggml's clear commits them all).
         self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
         self.ctx = self.new_context(self.streams)

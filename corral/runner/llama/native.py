@@ -7,6 +7,7 @@ state of their own beyond the process-wide backend and log hook.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -84,18 +85,14 @@ def kv_pages(ctx: Any) -> list[tuple[int, int]] | None:
 _pages_lock = threading.Lock()
 
 
+@functools.cache
 def _cleared_fn() -> Any:
-    global _cleared
-    if _cleared is False:
-        fn = getattr(L.llama_cpp._lib, "corral_ggml_cleared", None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
-            fn.restype = ctypes.c_uint64
-        _cleared = fn
-    return _cleared
-
-
-_cleared: Any = False  # not looked up yet
+    """install.sh's corral_ggml_cleared, typed once; None in a stock build."""
+    fn = getattr(L.llama_cpp._lib, "corral_ggml_cleared", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
+        fn.restype = ctypes.c_uint64
+    return fn
 
 
 def specials_present(vocab: Any) -> bool:
