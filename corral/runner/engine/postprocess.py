@@ -8,8 +8,9 @@ did not go in place caches nothing and prefills its whole prompt from the next s
 cache counted the refusal already), a sequence whose sampler could not be made fails
 alone. Slots a failed decode lost fail. Then, when the batch ran, prompt chunks become
 cached KV; a slot whose prompt is done moves to DECODE; a slot with logits samples its
-next token, which is streamed through the UTF-8 and stop-string filters to its job, or
-ends it (an end token, a stop string, the limit); a slot that drafted samples its draft's
+next token, which goes through the UTF-8 and stop-string filters to its job, or
+ends it (an end token, a stop string, the limit); each sequence's text from one batch goes
+out as one event once the batch is sampled; a slot that drafted samples its draft's
 rows in turn and keeps what the sampler picks, and the rejected rows' cells go back to
 run to remove (`rejected`). The image slice, decoded after that
 (its decode overwrites the batch's logits), becomes cached the same way, sampling its
@@ -62,6 +63,7 @@ class Postprocess:
         self.spec = spec
         self._changes = Changes()
         self._rejected: list[Trim] = []
+        self._held: list[Sequence] = []  # sequences holding text this step gave them
 
     def ends(self, plan: StepPlan) -> None:
         """Deliver the ends schedule decided: first, before anything of the step runs, so
@@ -74,12 +76,14 @@ class Postprocess:
         self._put_right(out)
         if out.ok and out.batch.rows:
             self._apply(out.batch)
+        self._send()
 
     def image(self, image: ImageSlice, out: Outcome) -> None:
         """The image slice decoded after the batch (runner.engine.run Run.image)."""
         self._put_right(out)
         if out.ok:
             self._image(image)
+        self._send()
 
     def rejected(self) -> list[Trim]:
         """The cells of drafts that were not kept, for run to remove at once: before a
@@ -92,6 +96,13 @@ class Postprocess:
         """What changed since the last call."""
         changes, self._changes = self._changes, Changes()
         return changes
+
+    def _send(self) -> None:
+        """Each stream's text from this batch, as one event (Sequence.send): once all of
+        the batch is sampled, before the image slice or the next step's drafts run."""
+        for seq in self._held:
+            seq.send()
+        self._held.clear()
 
     def _put_right(self, out: Outcome) -> None:
         for p in out.failed:
@@ -202,7 +213,9 @@ class Postprocess:
         text = seq.utf8.feed(native.token_bytes(vocab, token, seq.job.special))
         result = seq.stops.feed(text)
         if result.text:
-            seq.job.events.put(Token(result.text, seq.sampler.take_logprobs()))
+            if not seq.held:
+                self._held.append(seq)
+            seq.emit(Token(result.text, seq.sampler.take_logprobs()))
         if result.stopped:
             self._finish(slot, DoneReason.STOP, flush=False)
         elif seq.n_generated >= seq.limit:
@@ -231,7 +244,7 @@ class Postprocess:
             tail = seq.stops.feed(seq.utf8.flush()).text + seq.stops.flush()
             if tail and reason is not DoneReason.CANCEL:
                 assert seq.sampler is not None
-                job.events.put(Token(tail, seq.sampler.take_logprobs()))
+                seq.emit(Token(tail, seq.sampler.take_logprobs()))
         self._changes.freed = self._changes.freed or job.grammar is not None
         seq.end(Done(seq.stats(reason, now)))
 

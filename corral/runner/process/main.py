@@ -156,18 +156,16 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/x-ndjson")
         self.end_headers()
         try:
-            while True:
-                event = _next_event(job, self.service.engine)
-                if isinstance(event, Token):
-                    line = TokenLine(event.text, tuple(event.logprobs or ())).to_json()
-                elif isinstance(event, Done):
-                    line = event.stats.to_json()
-                else:
-                    line = format_error(event.error, Shape.RUNNER)[1]
-                self.wfile.write(json.dumps(line).encode() + b"\n")
+            ended = False
+            while not ended:
+                # What is queued goes in one write: a stream that fell a step behind
+                # catches up with one system call, not one a token.
+                lines = []
+                for event in _ready_events(job, self.service.engine):
+                    lines.append(json.dumps(_line(event)).encode() + b"\n")
+                    ended = not isinstance(event, Token)
+                self.wfile.write(b"".join(lines))
                 self.wfile.flush()
-                if not isinstance(event, Token):
-                    break
         except OSError:
             job.cancel()  # the daemon hung up: free the slot
         finally:
@@ -177,6 +175,25 @@ class Handler(BaseHTTPRequestHandler):
 # How often a stream waiting for its next token looks at the engine: an event that never
 # comes (the engine thread gone without answering it) ends the stream, not the runner.
 EVENT_POLL = 1.0
+
+
+def _line(event: JobEvent) -> dict[str, Any]:
+    if isinstance(event, Token):
+        return TokenLine(event.text, tuple(event.logprobs or ())).to_json()
+    if isinstance(event, Done):
+        return event.stats.to_json()
+    return format_error(event.error, Shape.RUNNER)[1]
+
+
+def _ready_events(job: Job, engine: Engine) -> list[JobEvent]:
+    """The job's next event, waited for, and every one queued behind it, up to its end."""
+    events = [_next_event(job, engine)]
+    while isinstance(events[-1], Token):
+        try:
+            events.append(job.events.get_nowait())
+        except queue.Empty:
+            break
+    return events
 
 
 def _next_event(job: Job, engine: Engine) -> JobEvent:

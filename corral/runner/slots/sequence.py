@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from corral.runner.jobs import Job, JobEvent
+from corral.runner.jobs import Job, JobEvent, Token
 from corral.runner.llama.textstream import StopMatcher, Utf8Stream
 from corral.runner.speculative.ngram import History
 from corral.runner.speculative.policy import DraftPolicy
@@ -72,6 +72,9 @@ class Sequence:
     # how many it drafts next; both stay with it when it is preempted.
     history: History = field(default_factory=lambda: History([]))
     draft: DraftPolicy = field(default_factory=DraftPolicy)
+    # The text this step gave it, not yet sent: a step's pieces (a draft's kept tokens
+    # among them) go to its caller as one event, so its stream writes once a step.
+    held: list[Token] = field(default_factory=list)
 
     def transition(self, new: SeqState) -> None:
         if (self.state, new) not in _ALLOWED:
@@ -110,8 +113,22 @@ class Sequence:
             self.sampler = None
         self.pending = []
 
+    def emit(self, piece: Token) -> None:
+        """Text for its caller, sent with the rest of this step's at `send`."""
+        self.held.append(piece)
+
+    def send(self) -> None:
+        """What this step gave it, as one event (nothing when it gave nothing)."""
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        self.job.events.put(held[0] if len(held) == 1 else Token(
+            "".join(p.text for p in held), tuple(lp for p in held for lp in p.logprobs)))
+
     def end(self, event: "JobEvent") -> None:
-        """Finish, and tell its caller how it ended (Done or Failed)."""
+        """Finish, and tell its caller how it ended (Done or Failed), after any text it
+        still holds: nothing it generated is lost, whatever ends it."""
+        self.send()
         self.finish()
         self.job.events.put(event)
 
