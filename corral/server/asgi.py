@@ -34,6 +34,7 @@ from corral.errors import (BadRequest, CorralError, Forbidden, MethodNotAllowed,
                            Unauthorized)
 from corral.server.http import (Handler, Request, Route, error_response, host_allowed,
                          origin_pattern, too_large)
+from corral.server.handoff import Handoff
 from corral.server.page import is_page
 
 log = logging.getLogger("corral.http")
@@ -145,17 +146,16 @@ class Dispatcher:
         async def receive_now() -> Message:
             return await receive()
 
-        async def send_now(message: Message) -> None:
-            await send(message)
-
         request = Request(method, path, scope.get("query_string", b"").decode("latin-1"),
                           headers, body, lambda: dict(anyio.from_thread.run(receive_now)))
+        handoff = Handoff(send)
         async with anyio.create_task_group() as tasks:
             if not streamed:
                 tasks.start_soon(watch_disconnect, receive, request)
-            await anyio.to_thread.run_sync(run_route, route, request,
-                                           lambda m: anyio.from_thread.run(send_now, m),
+            tasks.start_soon(handoff.pump)
+            await anyio.to_thread.run_sync(run_route, route, request, handoff,
                                            limiter=self.limiter)
+            await handoff.drained()
             tasks.cancel_scope.cancel()
 
 

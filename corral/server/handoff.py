@@ -1,0 +1,84 @@
+"""A route's response messages, handed from its worker thread to the event loop.
+
+A route runs on a worker thread (server.asgi) and its messages are written on the loop.
+A blocking round trip for each one (anyio.from_thread.run) parks and wakes the worker
+thread for every streamed token, on the cores the model decodes on. Here a streamed
+body's chunks are handed over without waiting: one task writes them in order, joining
+the chunks that queued up while it wrote into one. At most WINDOW are in flight, so a
+slow client still holds its route back; the response's start and its last message
+wait until they are written, and a failed write is raised at the route's next send, as
+a blocking send would have raised it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from starlette.types import Message, Send
+
+WINDOW = 16  # chunks a route may hand over before it waits for the client to take them
+
+
+def _chunk(message: Message) -> bool:
+    """A streamed body's chunk that is not its last: nothing waits for it to be written."""
+    return message["type"] == "http.response.body" and bool(message.get("more_body"))
+
+
+class Handoff:
+    """Made on the loop; `pump` runs there for the response's life, and the worker
+    thread calls the object itself as the route's `send`."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[Message, threading.Event | None]] = asyncio.Queue()
+        self._room = threading.BoundedSemaphore(WINDOW)
+        self._error: BaseException | None = None
+
+    def __call__(self, message: Message) -> None:
+        """On the worker thread: hand `message` over; wait for it unless it is a chunk."""
+        if self._error is not None:
+            raise self._error
+        done = None if _chunk(message) else threading.Event()
+        self._room.acquire()
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (message, done))
+        if done is not None:
+            done.wait()
+            if self._error is not None:
+                raise self._error
+
+    async def pump(self) -> None:
+        """On the loop: write what is handed over, in order."""
+        while True:
+            items = [await self._queue.get()]
+            while _chunk(items[-1][0]) and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            try:
+                await self._write(items)
+            finally:
+                for _, done in items:
+                    self._room.release()
+                    self._queue.task_done()
+                    if done is not None:
+                        done.set()
+
+    async def _write(self, items: list[tuple[Message, Any]]) -> None:
+        if self._error is not None:
+            return  # the connection failed: what follows is dropped, as it would be
+        chunks = [m for m, _ in items if _chunk(m)]
+        rest = [m for m, _ in items if not _chunk(m)]  # at most one: the last handed over
+        try:
+            if chunks:
+                body = b"".join(m.get("body", b"") for m in chunks)
+                await self._send({"type": "http.response.body", "body": body,
+                                  "more_body": True})
+            for message in rest:
+                await self._send(message)
+        except Exception as exc:  # noqa: BLE001 - the route hears it at its next send
+            self._error = exc
+
+    async def drained(self) -> None:
+        """Every message handed over is written (or dropped after a failed write)."""
+        await self._queue.join()
