@@ -12,15 +12,36 @@ from corral.runner.llama.sampling import top_ids
 pytestmark = pytest.mark.model
 
 
+def top_values(logits: np.ndarray, k: int) -> list[float]:
+    return sorted(np.sort(logits)[-k:].tolist())
+
+
 def test_top_ids_is_the_top_k_whatever_the_spread() -> None:
     rng = np.random.default_rng(0)
-    for scale in (0.1, 3.0, 50.0):  # the threshold pass, its retries, and the fallback
-        logits = (rng.standard_normal(262_144) * scale).astype(np.float32)
-        for k in (1, 40, 100):
-            assert set(top_ids(logits, k)) == set(np.argsort(logits)[-k:])
+    for n in (262_144, 49_152, 262_143, 1000):  # columns of 128, an odd size, a small one
+        for scale in (0.1, 3.0, 50.0):
+            logits = (rng.standard_normal(n) * scale).astype(np.float32)
+            for k in (1, 40, 100):
+                ids = top_ids(logits, k)
+                assert len(set(ids.tolist())) == k and list(ids) == sorted(ids)
+                assert sorted(logits[ids].tolist()) == top_values(logits, k)
     flat = np.full(1000, -np.inf, dtype=np.float32)
     flat[[3, 7]] = 1.0
     assert set(top_ids(flat, 5)) >= {3, 7} and len(top_ids(flat, 5)) == 5
+
+
+def test_top_ids_finds_the_best_where_they_crowd_one_column() -> None:
+    """All of the top k in one column of the search (token j + i * 2048), and ties at
+    the least of the columns' bests: still exactly the k largest values."""
+    logits = np.zeros(262_144, dtype=np.float32)
+    width = 262_144 // 128
+    logits[5 + width * np.arange(60)] = 10.0 + np.arange(60)  # one column holds 60 bests
+    logits[np.arange(1000, 1100)] = 1.0  # a hundred columns tied below them
+    for k in (1, 40, 60, 80):
+        ids = top_ids(logits, k)
+        assert len(set(ids.tolist())) == k
+        assert sorted(logits[ids].tolist()) == top_values(logits, k)
+    assert set(top_ids(logits, 40)) == set((5 + width * np.arange(20, 60)).tolist())
 
 
 @pytest.mark.parametrize("options", [
