@@ -97,6 +97,48 @@ def test_growth_of_any_size_takes_the_reserve_and_warmth_needs_one() -> None:
     assert stays.capacity.state is GrowthState.STEADY and posted.empty()
 
 
+class _SlowBuild:
+    """A model's context maker whose build waits for the test: the engine stops meanwhile."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.started, self.release = threading.Event(), threading.Event()
+        self.discarded: list[str] = []
+
+    def new_context(self, streams: int) -> str:
+        self.started.set()
+        assert self.release.wait(30)
+        return f"a context of {streams}"
+
+    def discard(self, ctx: str) -> None:
+        self.discarded.append(ctx)
+
+
+def test_a_stop_waits_for_a_build_under_way_and_frees_what_it_made() -> None:
+    """The model is freed after a stop: a context still being made from it then would
+    abort the process. The stop waits for the build, and its context is freed, not
+    posted to an engine that is gone."""
+    import queue
+    import threading
+
+    from corral.runner.kv.growth import Resizer
+
+    posted: queue.Queue[object] = queue.Queue()
+    llama = _SlowBuild()
+    resizer = Resizer(llama, Capacity(start=1, cap=4), posted.put)  # type: ignore[arg-type]
+    resizer.tick(busy=3, waiting=0, now=0)
+    assert llama.started.wait(30)
+    freed: list[bool] = []
+    stop = threading.Thread(target=lambda: freed.append(resizer.free()))
+    stop.start()
+    stop.join(0.05)
+    assert not freed  # still waiting for the build
+    llama.release.set()
+    stop.join(30)
+    assert freed == [True] and llama.discarded == ["a context of 4"] and posted.empty()
+
+
 @pytest.fixture(scope="module")
 def elastic(starter_gguf: Path) -> Iterator[object]:
     from corral.runner.llama.context import EngineConfig

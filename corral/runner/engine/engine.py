@@ -389,6 +389,6 @@ class Engine:
         self.run.feed.free()
         if self.spec is not None:
             self.spec.free()
-        if self.resizer is not None:
-            self.resizer.free()
+        if self.resizer is not None and not self.resizer.free():
+            return  # a KV build is stuck in native code on the model: it stays
         self.llama.free()

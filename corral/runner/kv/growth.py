@@ -159,6 +159,9 @@ class Resizer:
         self.llama, self.capacity, self.post, self.reserve = llama, capacity, post, reserve
         self.resizes = 0
         self._letting_go: list[threading.Thread] = []
+        self._building: list[threading.Thread] = []
+        self._lock = threading.Lock()  # a finished build is posted, or freed once stopped
+        self._stopped = False
 
     def rest(self, served: bool) -> None:
         """Engine thread, at rest: once the model has served, the reserve is made on a
@@ -182,8 +185,11 @@ class Resizer:
         if target is not None:
             log.debug("KV: %d -> %d streams (%d busy, %d waiting, %d warm)",
                       self.capacity.streams, target, busy, waiting, warm)
-            threading.Thread(target=self._build, args=(target,), daemon=True,
-                             name="kv-resize").start()
+            self._building = [t for t in self._building if t.is_alive()]
+            thread = threading.Thread(target=self._build, args=(target,), daemon=True,
+                                      name="kv-resize")
+            thread.start()
+            self._building.append(thread)
 
     def _build(self, streams: int) -> None:
         try:
@@ -194,7 +200,12 @@ class Resizer:
         except RunnerError as exc:
             log.warning("could not grow the KV cache to %d sequences: %s", streams, exc.message)
             ctx = None
-        self.post(Resized(ctx, streams))
+        with self._lock:
+            if not self._stopped:
+                self.post(Resized(ctx, streams))
+                return
+        if ctx is not None:  # the engine stopped meanwhile: nobody will adopt it
+            self.llama.discard(ctx)
 
     def apply(self, resized: Resized, slots: list[Slot], num_ctx: int, now: float,
               save: Callable[[Slot], None] | None = None) -> list[Slot] | None:
@@ -240,8 +251,15 @@ class Resizer:
         thread.start()
         self._letting_go.append(thread)
 
-    def free(self) -> None:
-        for thread in self._letting_go:  # before the model goes
+    def free(self) -> bool:
+        """Before the model goes: the builds and frees under way end first (a context made
+        from a model already freed aborts the process). False if one is still inside
+        llama.cpp after the wait: the model must then stay, for the process exit."""
+        with self._lock:
+            self._stopped = True
+        threads = self._building + self._letting_go
+        for thread in threads:
             thread.join(timeout=30)
         if self.reserve is not None:
             self.reserve.free()
+        return not any(t.is_alive() for t in threads)
