@@ -139,6 +139,21 @@ def test_a_stop_waits_for_a_build_under_way_and_frees_what_it_made() -> None:
     assert freed == [True] and llama.discarded == ["a context of 4"] and posted.empty()
 
 
+def test_a_build_posted_but_never_applied_is_freed_at_the_stop() -> None:
+    """The engine's loop ended before it read the new context: the stop frees it."""
+    import queue
+
+    from corral.runner.kv.growth import Resizer
+
+    posted: queue.Queue[object] = queue.Queue()
+    llama = _SlowBuild()
+    llama.release.set()
+    resizer = Resizer(llama, Capacity(start=1, cap=4), posted.put)  # type: ignore[arg-type]
+    resizer.tick(busy=2, waiting=0, now=0)
+    assert posted.get(timeout=30).ctx == "a context of 2"  # type: ignore[attr-defined]
+    assert resizer.free() and llama.discarded == ["a context of 2"]
+
+
 @pytest.fixture(scope="module")
 def elastic(starter_gguf: Path) -> Iterator[object]:
     from corral.runner.llama.context import EngineConfig

@@ -92,12 +92,44 @@ def test_a_failed_write_is_raised_at_the_next_send() -> None:
     errors: list[BaseException] = []
 
     def route(send_: Handoff) -> None:
-        with pytest.raises(OSError, match="connection reset"):
+        with pytest.raises(ConnectionError) as first:
             send_({"type": "http.response.start", "status": 200, "headers": []})
+        assert str(first.value.__cause__) == "connection reset"
         try:
             send_(chunk(b"after"))
-        except OSError as exc:
+        except ConnectionError as exc:
             errors.append(exc)
 
     serve(route, send)
     assert errors  # nothing sent after a failure passes silently
+
+
+def test_a_response_the_loop_gives_up_on_fails_its_route_instead_of_hanging() -> None:
+    """The server stopping cancels the response's task: the route, still streaming on
+    its worker thread, gets an error at its next send, not a wait without end."""
+    stuck = threading.Event()
+    outcome: list[str] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        stuck.set()
+        await asyncio.sleep(3600)  # a client that takes nothing
+
+    def route(send_: Handoff) -> None:
+        try:
+            for _ in range(WINDOW * 4):
+                send_(chunk(b"x"))
+            send_({"type": "http.response.body", "body": b"", "more_body": False})
+            outcome.append("sent")
+        except ConnectionError:
+            outcome.append("abandoned")
+
+    async def main() -> None:
+        handoff = Handoff(send)
+        pump = asyncio.ensure_future(handoff.pump())
+        worker = asyncio.ensure_future(asyncio.to_thread(route, handoff))
+        await asyncio.wait_for(asyncio.to_thread(stuck.wait, 60), 60)
+        pump.cancel()
+        await asyncio.wait_for(worker, 60)
+
+    asyncio.run(main())
+    assert outcome == ["abandoned"]

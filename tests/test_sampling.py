@@ -28,6 +28,12 @@ def test_top_ids_is_the_top_k_whatever_the_spread() -> None:
     flat = np.full(1000, -np.inf, dtype=np.float32)
     flat[[3, 7]] = 1.0
     assert set(top_ids(flat, 5)) >= {3, 7} and len(top_ids(flat, 5)) == 5
+    odd = np.zeros(32_064, dtype=np.float32)  # Phi-3's vocabulary: 64 ids past the columns
+    odd[[32_063, 32_000, 17]] = (3.0, 2.0, 1.0)
+    assert list(top_ids(odd, 3)) == [17, 32_000, 32_063]
+    broken = (rng.standard_normal(262_144)).astype(np.float32)
+    broken[99] = np.nan  # a NaN logit still leaves k ids to sample from
+    assert len(top_ids(broken, 40)) == 40
 
 
 def test_top_ids_finds_the_best_where_they_crowd_one_column() -> None:

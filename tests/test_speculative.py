@@ -76,10 +76,9 @@ def test_greedy_output_is_the_same_with_and_without_drafts(engines: dict[bool, E
     if prompt is REPETITIVE:  # it writes the file again: most of it is drafted and kept
         stats = on[1].stats
         assert stats.draft_count > N // 4 and stats.draft_accepted_count > N // 4
-        # A step's tokens go to the caller as one event: kept drafts make fewer events
-        # than tokens, where plain decoding sends one a token.
-        assert len(on[0]) < stats.eval_count - stats.draft_accepted_count // 2
-        assert len(off[0]) == off[1].stats.eval_count
+        # A step's tokens go to the caller as one event: the same text in fewer events
+        # where drafts were kept.
+        assert len(on[0]) <= len(off[0]) - stats.draft_accepted_count // 2
     assert on[1].stats.draft_accepted_count <= on[1].stats.draft_count
 
 

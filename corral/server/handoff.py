@@ -7,7 +7,9 @@ body's chunks are handed over without waiting: one task writes them in order, jo
 the chunks that queued up while it wrote into one. At most WINDOW are in flight, so a
 slow client still holds its route back; the response's start and its last message
 wait until they are written, and a failed write is raised at the route's next send, as
-a blocking send would have raised it.
+a blocking send would have raised it. A response the loop gives up on (the server
+stopping: its task is cancelled) fails every send after, so its route never waits on
+a pump that is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from starlette.types import Message, Send
 
 WINDOW = 16  # chunks a route may hand over before it waits for the client to take them
+POLL = 0.25  # seconds between a waiting route's looks at whether its pump is gone
 
 
 def _chunk(message: Message) -> bool:
@@ -36,33 +39,55 @@ class Handoff:
         self._queue: asyncio.Queue[tuple[Message, threading.Event | None]] = asyncio.Queue()
         self._room = threading.BoundedSemaphore(WINDOW)
         self._error: BaseException | None = None
+        self._closed = False  # the pump has ended: nothing handed over is written
 
     def __call__(self, message: Message) -> None:
         """On the worker thread: hand `message` over; wait for it unless it is a chunk."""
-        if self._error is not None:
-            raise self._error
+        self._check()
         done = None if _chunk(message) else threading.Event()
-        self._room.acquire()
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (message, done))
+        while not self._room.acquire(timeout=POLL):
+            self._check()
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (message, done))
+        except RuntimeError:  # the loop itself is closed
+            self._closed = True
+            self._check()
         if done is not None:
-            done.wait()
-            if self._error is not None:
-                raise self._error
+            while not done.wait(POLL):
+                self._check()
+            self._check()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise ConnectionError("the response could not be written") from self._error
+        if self._closed:
+            raise ConnectionError("the response was abandoned")
 
     async def pump(self) -> None:
-        """On the loop: write what is handed over, in order."""
-        while True:
-            items = [await self._queue.get()]
-            while _chunk(items[-1][0]) and not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            try:
-                await self._write(items)
-            finally:
-                for _, done in items:
-                    self._room.release()
-                    self._queue.task_done()
-                    if done is not None:
-                        done.set()
+        """On the loop: write what is handed over, in order, until cancelled."""
+        try:
+            while True:
+                items = [await self._queue.get()]
+                while _chunk(items[-1][0]) and not self._queue.empty():
+                    items.append(self._queue.get_nowait())
+                try:
+                    await self._write(items)
+                except BaseException:  # cancelled mid-write: closed before the route wakes
+                    self._closed = True
+                    raise
+                finally:
+                    self._done(items)
+        finally:  # cancelled: what is queued is dropped, and the route hears so
+            self._closed = True
+            while not self._queue.empty():
+                self._done([self._queue.get_nowait()])
+
+    def _done(self, items: list[tuple[Message, threading.Event | None]]) -> None:
+        for _, done in items:
+            self._room.release()
+            self._queue.task_done()
+            if done is not None:
+                done.set()
 
     async def _write(self, items: list[tuple[Message, Any]]) -> None:
         if self._error is not None:

@@ -28,7 +28,9 @@ _BUILTIN_ORIGINS = [r"https?://(localhost|127\.0\.0\.1|0\.0\.0\.0)(:\d+)?", r"ap
                     r"file://.*", r"tauri://.*", r"vscode-webview://.*", r"vscode-file://.*"]
 
 Message = dict[str, Any]
-Send = Callable[[Message], None]  # blocking: delivers one ASGI message from a worker thread
+# Delivers one ASGI message from a worker thread: a streamed chunk without waiting for it
+# to be written, anything else once written (server.handoff).
+Send = Callable[[Message], None]
 Receive = Callable[[], Message]
 
 

@@ -162,6 +162,7 @@ class Resizer:
         self._building: list[threading.Thread] = []
         self._lock = threading.Lock()  # a finished build is posted, or freed once stopped
         self._stopped = False
+        self._posted: Any = None  # a context posted and not yet applied
 
     def rest(self, served: bool) -> None:
         """Engine thread, at rest: once the model has served, the reserve is made on a
@@ -202,6 +203,7 @@ class Resizer:
             ctx = None
         with self._lock:
             if not self._stopped:
+                self._posted = ctx
                 self.post(Resized(ctx, streams))
                 return
         if ctx is not None:  # the engine stopped meanwhile: nobody will adopt it
@@ -211,6 +213,8 @@ class Resizer:
               save: Callable[[Slot], None] | None = None) -> list[Slot] | None:
         """The new slots, the context adopted; None when nothing changed. Idle caches the
         new context has no room for go to `save`."""
+        with self._lock:
+            self._posted = None
         if resized.ctx is None:
             self.capacity.failed()
             return None
@@ -260,6 +264,9 @@ class Resizer:
         threads = self._building + self._letting_go
         for thread in threads:
             thread.join(timeout=30)
-        if self.reserve is not None:
-            self.reserve.free()
-        return not any(t.is_alive() for t in threads)
+        with self._lock:  # posted after the engine's last look at its commands
+            unread, self._posted = self._posted, None
+        if unread is not None:
+            self.llama.discard(unread)
+        reserve_done = self.reserve.free() if self.reserve is not None else True
+        return reserve_done and not any(t.is_alive() for t in threads)

@@ -127,7 +127,8 @@ class Reserve:
         with self._lock:
             self._owned, self._ctx = None, ctx
 
-    def free(self) -> None:
+    def free(self) -> bool:
+        """False if its build is still inside llama.cpp after the wait (the model stays)."""
         self._closed = True
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -135,3 +136,4 @@ class Reserve:
             ctx, self._ctx = self._ctx, None
         if ctx is not None:
             self.llama.discard(ctx)
+        return self._thread is None or not self._thread.is_alive()

@@ -30,23 +30,33 @@ def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
     """The ids of the k largest logits, in id order, without partitioning the whole
     vocabulary: one pass takes each column's best (a strided view, no copy), the k best
     columns are found among a few thousand, and since k columns reach the least of their
-    bests, so does every one of the k largest logits: only those k columns are searched.
-    The same values as a full partition; which of two equal logits is taken may differ."""
+    bests, so does every one of the k largest logits: only those k columns (and the last
+    few ids, where the vocabulary is not a multiple of COLUMN) are searched. The same
+    values as a full partition; which of two equal logits is taken may differ."""
     n = len(logits)
     width = n // COLUMN
     if k <= 0:
         return np.empty(0, dtype=np.int32)
-    if n % COLUMN or width <= k:  # a small or odd vocabulary: one partition is cheap
-        ids = np.argpartition(logits, -k)[-k:] if k < n else np.arange(n)
-        return np.sort(ids).astype(np.int32)
-    view = logits.reshape(COLUMN, width)
+    if width <= k:  # a small vocabulary: one partition is cheap
+        return _partitioned(logits, k)
+    head = width * COLUMN
+    view = logits[:head].reshape(COLUMN, width)
     bests = view.max(axis=0)
     cols = np.argpartition(bests, -k)[-k:]
     floor = bests[cols].min()
+    if floor != floor:  # a NaN logit: columns cannot be ranked
+        return _partitioned(logits, k)
     rows, which = np.nonzero(np.take(view, cols, axis=1) >= floor)
     ids = rows * width + cols[which]
-    if len(ids) > k:  # ties at the floor, or other columns' seconds above it
+    if head < n:
+        ids = np.concatenate([ids, np.arange(head, n)])
+    if len(ids) > k:  # ties at the floor, other columns' seconds above it, the last ids
         ids = ids[np.argpartition(logits[ids], -k)[-k:]]
+    return np.sort(ids).astype(np.int32)
+
+
+def _partitioned(logits: np.ndarray, k: int) -> np.ndarray:
+    ids = np.argpartition(logits, -k)[-k:] if k < len(logits) else np.arange(len(logits))
     return np.sort(ids).astype(np.int32)
 
 
