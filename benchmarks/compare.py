@@ -74,7 +74,7 @@ def append_results(lines: list[str]) -> None:
     text = "\n".join(lines)
     print(text)
     with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
-        f.write(text)
+        f.write(text + "\n")  # the next run's heading starts a line of its own
 
 
 def with_server(starter: Callable[[], tuple[str, subprocess.Popen[bytes]]],

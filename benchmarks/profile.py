@@ -15,7 +15,10 @@ the innermost Corral frame:
 
 Prints, per level, each phase's share and its milliseconds per step and per output
 token (tokens from the bench, steps estimated as tokens / concurrency for decode
-steps), and appends them to benchmarks/RESULTS.md.
+steps), and appends them to benchmarks/RESULTS.md. Then the CPU each output token cost
+outside the decode, from /proc's per-thread counters: the daemon (HTTP in, the runner's
+lines, the dialect, HTTP out), the runner's threads besides its busiest `threads` (the
+engine thread and ggml's workers: its streams and HTTP), and the bench client.
 
     .venv/bin/python benchmarks/profile.py [--levels 4,8,16] [--rate 200]
 """
@@ -26,12 +29,14 @@ import argparse
 import collections
 import datetime as dt
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -93,6 +98,49 @@ def phase_of(frames: list[str]) -> str | None:
     return "other step"
 
 
+def cpu_seconds(stat: Path) -> float:
+    """User and system CPU seconds from a /proc stat file (a process's counts its
+    threads that have ended too)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each of the process's live threads."""
+    seconds = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            seconds[int(task.name)] = cpu_seconds(task / "stat")
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return seconds
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class Costs:
+    """CPU seconds spent during one level, outside the runner's decode threads."""
+
+    daemon: float
+    streams: float  # the runner's threads besides its `threads` busiest
+    client: float
+
+    @classmethod
+    def during(cls, daemon: int, runner: int, threads: int, work: Callable[[], Any]
+               ) -> tuple["Costs", Any]:
+        d, r = Path(f"/proc/{daemon}/stat"), Path(f"/proc/{runner}/stat")
+        d0, r0, threads0, c0 = cpu_seconds(d), cpu_seconds(r), thread_cpu(runner), children_cpu()
+        result = work()
+        d1, r1, threads1, c1 = cpu_seconds(d), cpu_seconds(r), thread_cpu(runner), children_cpu()
+        # The stream threads end with their streams: the process's count keeps them.
+        spent = sorted((threads1[t] - threads0.get(t, 0.0) for t in threads1), reverse=True)
+        return cls(d1 - d0, (r1 - r0) - sum(spent[:threads]), c1 - c0), result
+
+
 def profile_level(url: str, pid: int, level: int, args: argparse.Namespace, work: Path
                   ) -> tuple[collections.Counter[str], dict[str, Any]]:
     raw = work / f"spy-{level}.txt"
@@ -130,6 +178,33 @@ def report(levels: dict[int, tuple[collections.Counter[str], dict[str, Any]]],
     return lines
 
 
+def cost_report(costs: dict[int, tuple[Costs, dict[str, Any]]]) -> list[str]:
+    lines = ["\nCPU per output token outside the decode (ms), speculation off:\n",
+             "| c | daemon | runner streams | bench client |", "|---|---|---|---|"]
+    for level, (cost, result) in costs.items():
+        tokens = max(int(result.get("output_tokens") or 0), 1)
+        lines.append(f"| {level} | {1000 * cost.daemon / tokens:.3f} | "
+                     f"{1000 * cost.streams / tokens:.3f} | {1000 * cost.client / tokens:.3f} |")
+    return lines
+
+
+def measure_costs(args: argparse.Namespace, threads: int, work: Path
+                  ) -> dict[int, tuple[Costs, dict[str, Any]]]:
+    """Each level again without py-spy (its sampling is CPU too), speculation off so
+    that every token is one row of a step."""
+    url, proc = start_corral(0, args.num_ctx, threads, SPECULATIVE="off")
+    costs = {}
+    try:
+        pid = runner_pid(proc.pid)
+        for level in (int(x) for x in args.levels.split(",")):
+            costs[level] = Costs.during(proc.pid, pid, threads, lambda: bench(
+                url, work / f"cost-{level}.json", args, levels=str(level))[0])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="4,8,16")
@@ -142,15 +217,18 @@ def main() -> None:
     threads = physical_cores()
     url, proc = start_corral(0, args.num_ctx, threads)
     levels: dict[int, tuple[collections.Counter[str], dict[str, Any]]] = {}
-    try:
-        pid = runner_pid(proc.pid)
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            pid = runner_pid(proc.pid)
             for level in (int(x) for x in args.levels.split(",")):
                 levels[level] = profile_level(url, pid, level, args, Path(tmp))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    append_results(report(levels, args.rate, threads))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        costs = measure_costs(args, threads, Path(tmp))
+    lines = report(levels, args.rate, threads) + cost_report(costs)
+    print("\n".join(lines))
+    append_results(lines)
 
 
 if __name__ == "__main__":
