@@ -314,3 +314,32 @@ def test_a_long_history_is_read_a_bounded_number_of_rows_a_step() -> None:
         assert steps < 10
     assert steps == -(-(600 + 3) // draftmodel.CATCH_UP)  # 603 rows in all, 256 a step
     assert model.draft(long, 4) == [60, 61, 62, 63]
+
+
+def test_a_sequence_priced_out_of_drafting_drafts_again_once_it_copies() -> None:
+    """One stream whose first draft missed, on a fit that a busy moment made strict: its
+    drafts stop being verified, but the index's are still made and scored by the token
+    that follows, so once it is seen to copy it drafts again (it used to stay off for
+    the rest of the request: two runs of benchmarks/spec.py at 0.5x llama-server)."""
+    from corral.runner.speculative.cost import RowCost
+    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+
+    cost = RowCost(rate=0.2)
+    for rows in (1, 2, 4, 8, 16):
+        cost.observe(rows, 0.010 + 0.100 * rows)  # rows priced dear: a draft must be 3/4 kept
+    spec = Speculation(NgramIndex(), cost=cost)
+    pattern = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    history = History(pattern * 3)
+    spec.started(history)
+    p = DraftPolicy()
+    p.verified(8, 0)  # its first draft missed
+    verified_at = None
+    for step in range(60):
+        ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, even=False)
+        spec.prepare(ask)
+        if spec.drafts({0: history}):
+            verified_at = step
+            break
+        spec.extended(history, pattern[len(history.tokens) % len(pattern)])
+    assert verified_at is not None and verified_at > 0
+    assert p.foreseen_right > 0 and p.foreseen == p.foreseen_right

@@ -71,7 +71,10 @@ class Speculation:
         if self.model is not None:
             self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
         made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
-        used = self._even(ask.candidates, made) if ask.even else made
+        decoding = len(ask.candidates)
+        used = self._even(ask.candidates, made) if ask.even else {
+            seq: made[seq] for seq, (c, _) in decided.items()
+            if made[seq] and self._pays(c.policy, decoding)}
         for c in ask.candidates:
             tokens, history = made.get(c.seq_id), c.history
             if tokens and used.get(c.seq_id):
@@ -83,13 +86,15 @@ class Speculation:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
         each; none where its drafts are not kept often enough to pay for their rows.
-        Where every slot has a KV stream of its own, all draft or none (`_even`); the
+        Where every slot has a KV stream of its own, all draft or none (`_even`). The
         n-gram index's drafts are made for every candidate even so, since one that is not
-        verified still tells its sequence's odds for the price of a lookup (a draft
-        model's only where all of them pay)."""
+        verified still tells its sequence's odds for the price of a lookup: a sequence
+        whose first drafts missed, or that a fit misled by a busy moment priced out, is
+        seen to be copying once it is, and drafts again (a draft model's only where all
+        of them pay)."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
-        look = ask.even and self.model is None
+        look = self.model is None
         out = {}
         for c in cands:
             n = min(c.policy.want(len(cands), c.room), spare)
