@@ -92,15 +92,15 @@ class Handoff:
     async def _write(self, items: list[tuple[Message, Any]]) -> None:
         if self._error is not None:
             return  # the connection failed: what follows is dropped, as it would be
-        chunks = [m for m, _ in items if _chunk(m)]
-        rest = [m for m, _ in items if not _chunk(m)]  # at most one: the last handed over
+        chunks = [m for m, _ in items]
+        last = None if _chunk(chunks[-1]) else chunks.pop()  # only the last may not be one
         try:
             if chunks:
                 body = b"".join(m.get("body", b"") for m in chunks)
                 await self._send({"type": "http.response.body", "body": body,
                                   "more_body": True})
-            for message in rest:
-                await self._send(message)
+            if last is not None:
+                await self._send(last)
         except Exception as exc:  # noqa: BLE001 - the route hears it at its next send
             self._error = exc
 

@@ -158,8 +158,7 @@ class Resizer:
                  post: Callable[[Command], None], reserve: Reserve | None = None) -> None:
         self.llama, self.capacity, self.post, self.reserve = llama, capacity, post, reserve
         self.resizes = 0
-        self._letting_go: list[threading.Thread] = []
-        self._building: list[threading.Thread] = []
+        self._native: list[threading.Thread] = []  # builds and frees on the model, under way
         self._lock = threading.Lock()  # a finished build is posted, or freed once stopped
         self._stopped = False
         self._posted: Any = None  # a context posted and not yet applied
@@ -186,11 +185,7 @@ class Resizer:
         if target is not None:
             log.debug("KV: %d -> %d streams (%d busy, %d waiting, %d warm)",
                       self.capacity.streams, target, busy, waiting, warm)
-            self._building = [t for t in self._building if t.is_alive()]
-            thread = threading.Thread(target=self._build, args=(target,), daemon=True,
-                                      name="kv-resize")
-            thread.start()
-            self._building.append(thread)
+            self._spawn(self._build, target, "kv-resize")
 
     def _build(self, streams: int) -> None:
         try:
@@ -249,11 +244,14 @@ class Resizer:
         if self.reserve is not None and self.reserve.owns(ctx):
             self.reserve.put_back(ctx)
             return
-        self._letting_go = [t for t in self._letting_go if t.is_alive()]
-        thread = threading.Thread(target=self.llama.discard, args=(ctx,), daemon=True,
-                                  name="kv-free")
+        self._spawn(self.llama.discard, ctx, "kv-free")
+
+    def _spawn(self, target: Callable[[Any], None], arg: Any, name: str) -> None:
+        """A build or a free on a thread of its own, which `free` waits for."""
+        self._native = [t for t in self._native if t.is_alive()]
+        thread = threading.Thread(target=target, args=(arg,), daemon=True, name=name)
         thread.start()
-        self._letting_go.append(thread)
+        self._native.append(thread)
 
     def free(self) -> bool:
         """Before the model goes: the builds and frees under way end first (a context made
@@ -261,12 +259,11 @@ class Resizer:
         llama.cpp after the wait: the model must then stay, for the process exit."""
         with self._lock:
             self._stopped = True
-        threads = self._building + self._letting_go
-        for thread in threads:
+        for thread in self._native:
             thread.join(timeout=30)
         with self._lock:  # posted after the engine's last look at its commands
             unread, self._posted = self._posted, None
         if unread is not None:
             self.llama.discard(unread)
         reserve_done = self.reserve.free() if self.reserve is not None else True
-        return reserve_done and not any(t.is_alive() for t in threads)
+        return reserve_done and not any(t.is_alive() for t in self._native)
