@@ -1,7 +1,7 @@
 """Side by side on one machine: the queue cliff, and who avoids it.
 
 Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
-2 requests per client) at concurrency 1, 2, 4, 8, 16 against:
+2 requests per client, at least 8 per level) at concurrency 1, 2, 4, 8, 16 against:
 
 - llama-server with 4 slots, with 8 slots and `--kv-unified`, with 16 slots and
   `--kv-unified` (`-c 65536`: the tuned peer), and with 1 slot (Ollama's default);
@@ -46,6 +46,7 @@ from corral.registry.store import Store  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
 
 LEVELS = "1,2,4,8,16"
+MIN_REQUESTS = 8  # per level (bench)
 
 
 def free_port() -> int:
@@ -90,15 +91,24 @@ def with_server(starter: Callable[[], tuple[str, subprocess.Popen[bytes]]],
 
 def bench(url: str, out: Path, args: argparse.Namespace, dataset: str = "random",
           levels: str = LEVELS, api: str = "openai") -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench", STARTER_NAME,
-           "--api", api, "--base-url", url, "--concurrency", levels,
-           "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-           "--dataset", dataset, "--seed", "1", "--json", str(out)]
-    cmd += ["--per-client", str(args.per_client)]
+    """One `corral bench` per level, each with at least MIN_REQUESTS requests (a level's
+    clients send `--per-client` each, or more where that would be fewer): at one or two
+    streams, two requests a client are a second or two of decoding, which one busy moment
+    on a shared host moves by a tenth. The levels are saved together in `out`."""
     warm = {"model": STARTER_NAME, "prompt": "warm up", "max_tokens": 4}
     httpx.post(url + "/v1/completions", json=warm, timeout=300)
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
-    return list(json.loads(out.read_text())["levels"])
+    swept: list[dict[str, Any]] = []
+    for level in levels.split(","):
+        per_client = max(args.per_client, -(-MIN_REQUESTS // int(level)))
+        cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench",
+               STARTER_NAME, "--api", api, "--base-url", url, "--concurrency", level,
+               "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
+               "--dataset", dataset, "--seed", "1", "--json", str(out),
+               "--per-client", str(per_client)]
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
+        swept += json.loads(out.read_text())["levels"]
+    out.write_text(json.dumps({"levels": swept}))
+    return swept
 
 
 def start_corral(slots: int, num_ctx: int, threads: int, **extra: str
@@ -342,7 +352,8 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
             f"{threads} threads", "",
             f"corral {version('corral')}, llama-cpp-python {version('llama-cpp-python')}, "
             f"num_ctx {args.num_ctx} per slot, {args.prompt_tokens} prompt / {args.max_tokens} "
-            f"output tokens (ignore_eos), {args.per_client} requests per client, streaming "
+            f"output tokens (ignore_eos), {args.per_client} requests per client (at least "
+            f"{MIN_REQUESTS} per level), streaming "
             "/v1/completions.", "", *lines, "", "| target | ratio |", "|---|---|",
             *[f"| {name} | {value} |" for name, value in targets(results)], "",
             f"Engine floor (llama-bench, {threads} threads): "

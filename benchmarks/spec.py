@@ -12,8 +12,11 @@ Contenders at c=1: llama-server `-np 1` without speculation, with `--spec-type n
 and with `ngram-simple`; Corral with speculation (its default) and with
 `CORRAL_SPECULATIVE=off`. At c=4 the same with `-np 4` and four Corral slots. Rates are
 each server's own decode rate (llama-server's `timings.predicted_per_second`, Corral's
-`eval_count / eval_duration`); the c=4 aggregate is tokens over wall time. Prints the
-table and the issue's target ratios, and appends them to benchmarks/RESULTS.md.
+`eval_count / eval_duration`); the c=4 aggregate is tokens over wall time, the median
+of ROUNDS rounds, each on a server started afresh (one round is five seconds, which a
+busy moment on a shared host moves by a tenth; a fresh server, so that no round drafts
+from or reuses what an earlier one left). Prints the table and the issue's target
+ratios, and appends them to benchmarks/RESULTS.md.
 
     .venv/bin/python benchmarks/spec.py [--threads N] [--n-predict 160]
 """
@@ -44,6 +47,7 @@ from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E4
 from corral.registry.store import Store  # noqa: E402
 
 NUM_CTX = 4096
+ROUNDS = 3  # of four at once, each on a fresh server
 CLASS = '''class {name}:
     def __init__(self, {a}, {b}):
         self.{a} = {a}
@@ -124,22 +128,25 @@ def main() -> None:
     modes: dict[str, tuple[str, ...]] = {"none": (), "ngram-mod": ("--spec-type", "ngram-mod"),
                                          "ngram-simple": ("--spec-type", "ngram-simple")}
     c1: dict[str, dict[str, float]] = {}
-    c4: dict[str, float] = {}
+    c4: dict[str, list[float]] = {}
     for label, extra in modes.items():
         c1[f"llama-server {label}"] = with_server(lambda: start_llama_server(
             binaries, model, 1, NUM_CTX, threads, *extra), lambda u: one_stream(u, False, n))
-        c4[f"llama-server -np 4 {label}"] = with_server(lambda: start_llama_server(
+        c4[f"llama-server -np 4 {label}"] = [with_server(lambda: start_llama_server(
             binaries, model, 4, NUM_CTX, threads, *extra), lambda u: four_at_once(u, False, n))
+            for _ in range(ROUNDS)]
     for label, spec in (("corral", "on"), ("corral off", "off")):
         c1[label] = with_server(lambda: start_corral(1, NUM_CTX, threads, SPECULATIVE=spec),
                                 lambda u: one_stream(u, True, n))
-        c4[label + " 4 slots"] = with_server(
+        c4[label + " 4 slots"] = [with_server(
             lambda: start_corral(4, NUM_CTX, threads, SPECULATIVE=spec),
-            lambda u: four_at_once(u, True, n))
+            lambda u: four_at_once(u, True, n)) for _ in range(ROUNDS)]
     report(threads, n, c1, c4)
 
 
-def report(threads: int, n: int, c1: dict[str, dict[str, float]], c4: dict[str, float]) -> None:
+def report(threads: int, n: int, c1: dict[str, dict[str, float]],
+           rounds: dict[str, list[float]]) -> None:
+    c4 = {k: statistics.median(v) for k, v in rounds.items()}
     best_ngram = max(c1["llama-server ngram-mod"]["repetitive"],
                      c1["llama-server ngram-simple"]["repetitive"])
     best4 = max(v for k, v in c4.items() if k.startswith("llama-server"))
@@ -155,11 +162,13 @@ def report(threads: int, n: int, c1: dict[str, dict[str, float]], c4: dict[str, 
     lines = [f"\n## Speculative decoding ({dt.date.today()}, {threads} threads, "
              f"load {os.getloadavg()[0]:.1f} at the end)\n",
              f"`{STARTER_NAME}`, greedy, {n} tokens; decode tok/s (median of 3) at c=1, "
-             "aggregate tok/s of four at once.\n",
+             f"aggregate tok/s of four at once (median of {ROUNDS} rounds, each round's "
+             "in brackets).\n",
              "| contender | repetitive c=1 | free c=1 |", "|---|---|---|",
              *[f"| {k} | {v['repetitive']:.1f} | {v['free']:.1f} |" for k, v in c1.items()],
              "", "| contender | four repetitive at once, aggregate |", "|---|---|",
-             *[f"| {k} | {v:.1f} |" for k, v in c4.items()],
+             *[f"| {k} | {c4[k]:.1f} ({', '.join(f'{x:.1f}' for x in v)}) |"
+               for k, v in rounds.items()],
              "", "| target | ratio |", "|---|---|",
              *[f"| {k} | {v:.2f} |" for k, v in targets], ""]
     append_results(lines)
