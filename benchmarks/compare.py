@@ -12,7 +12,9 @@ Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
 Then a burst of 16 streams at an idle Corral (one slot's KV): when the last first
 token came against when the first stream finished, and how many growth steps it took.
 
-All with the starter model and the same threads, in one run; prints TTFT
+All with the starter model and the same threads, in one run of two passes (the
+contenders in order, then in reverse, each contender's figures the mean of its two
+sweeps: a shared host drifts by a tenth over minutes); prints TTFT
 p50/p99 and aggregate tok/s per level, the issue's target ratios, and appends
 them to benchmarks/RESULTS.md. Also runs llama-bench (tg128, pp512) as the
 engine floor, and benchmarks/rss_trace.py: the chat starter's RSS against its `ps`
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import mean
 from typing import Any, Callable
 
 import httpx
@@ -154,13 +157,21 @@ def llama_bench(binaries: Path, model: Path, threads: int) -> dict[str, float]:
     return result
 
 
+def merged(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A contender's sweeps as one: per level, the mean of their throughputs and TTFTs
+    (what the report reads), the sum of their failures."""
+    out = []
+    for level in runs[0]:
+        same = [by_level(run)[level["label"]] for run in runs]
+        out.append({"label": level["label"],
+                    "output_throughput": mean([lv["output_throughput"] for lv in same]),
+                    "ttft": {k: mean([lv["ttft"][k] for lv in same]) for k in ("median", "p99")},
+                    "failed": sum(lv.get("failed", 0) for lv in same)})
+    return out
+
+
 def by_level(levels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {lv["label"]: lv for lv in levels}
-
-
-def decode_rate(lv: dict[str, Any]) -> float:
-    tpot = lv["tpot"]["mean"]
-    return 1 / tpot if tpot and tpot == tpot else float("nan")
 
 
 def ratio(a: float, b: float) -> str:
@@ -193,6 +204,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--passes", type=int, default=2,
+                        help="sweeps of every contender, in alternating order")
     parser.add_argument("--only", default="", help="comma-separated contender names")
     parser.add_argument("--reuse", action="store_true",
                         help="take a contender's sweep from benchmarks/.out if one is there")
@@ -206,23 +219,27 @@ def main() -> None:
     binaries = Path(build.stdout.strip().splitlines()[-1])
     work = ROOT / "benchmarks" / ".out"
     work.mkdir(exist_ok=True)
-    results: dict[str, list[dict[str, Any]]] = {}
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    for label, starter in contenders(args, binaries, model, threads):
-        if only and label not in only:
-            continue
-        saved = work / f"{label.replace(' ', '-')}.json"
-        if args.reuse and saved.exists():  # a sweep an interrupted run already made
-            results[label] = list(json.loads(saved.read_text())["levels"])
-            continue
-        url, proc = starter()
-        try:
-            results[label] = bench(url, work / f"{label.replace(' ', '-')}.json", args,
-                                   levels=args.levels,
-                                   api="native" if label.endswith("native") else "openai")
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    chosen = [(lb, st) for lb, st in contenders(args, binaries, model, threads)
+              if not only or lb in only]
+    # Forward, then backward: a host that slows or speeds up through the run (a shared
+    # one does, by a tenth over minutes) favours neither the first contenders nor the last.
+    sweeps: dict[str, list[list[dict[str, Any]]]] = {lb: [] for lb, _ in chosen}
+    for n in range(args.passes):
+        for label, starter in (chosen if n % 2 == 0 else chosen[::-1]):
+            saved = work / f"{label.replace(' ', '-')}-{n}.json"
+            if args.reuse and saved.exists():  # a sweep an interrupted run already made
+                sweeps[label].append(list(json.loads(saved.read_text())["levels"]))
+                continue
+            url, proc = starter()
+            try:
+                sweeps[label].append(bench(
+                    url, saved, args, levels=args.levels,
+                    api="native" if label.endswith("native") else "openai"))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    results = {lb: merged(runs) for lb, runs in sweeps.items()}
     floor = llama_bench(binaries, model, threads)
     report(args, threads, results, floor, burst_from_idle(args, threads))
     rss_over_time()
