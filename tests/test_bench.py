@@ -7,9 +7,14 @@ import math
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
+
+from corral.cli.bench import BenchConfig, send
 
 from corral.cli.benchmetrics import (
     RequestResult,
@@ -89,3 +94,61 @@ def test_real_short_run(starter_store: Store, daemon_factory: DaemonFactory,
         assert lv["output_tokens"] == 2 * 6  # exactly max_tokens each
         assert lv["ttft"]["median"] > 0 and lv["server_decode_rate"] > 0
     assert "out tok/s" in run.stdout
+
+
+class _Stale(BaseHTTPRequestHandler):
+    """An OpenAI-style streaming server that answers the first request on a connection
+    and drops any later one unanswered, as a server that closed the connection after its
+    reply does when the client's next request was already on the way (`answers`: False,
+    it answers none at all)."""
+
+    protocol_version = "HTTP/1.1"
+    answers = True
+    received: list[str] = []
+    REPLY = (b'data: {"choices":[{"text":"Hi"}]}\n\n'
+             b'data: {"choices":[{"text":"!"}],"usage":{"completion_tokens":2,'
+             b'"prompt_tokens":3}}\n\ndata: [DONE]\n\n')
+
+    def setup(self) -> None:
+        super().setup()
+        self.count = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append(self.path)
+        self.count += 1
+        if self.count > 1 or not self.answers:
+            self.close_connection = True  # the socket closes with nothing sent
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(self.REPLY)))
+        self.end_headers()
+        self.wfile.write(self.REPLY)
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_request_on_a_closed_connection_is_sent_again_once(answers: bool) -> None:
+    handler = type("Handler", (_Stale,), {"answers": answers, "received": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        cfg = BenchConfig(model="m", base_url=url, api="openai", max_tokens=2)
+        with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as http:
+            results = [send(http, cfg, "hello", None, seed=1) for _ in range(2)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    if answers:  # the second request's connection was dropped: it went again, on a new one
+        assert [(r.success, r.output_tokens, text) for r, text in results] == [
+            (True, 2, "Hi!"), (True, 2, "Hi!")]
+        assert len(handler.received) == 3
+    else:  # never answered: each request tried twice, then failed
+        assert [r.success for r, _ in results] == [False, False]
+        assert "disconnected" in results[0][0].error.lower()
+        assert len(handler.received) == 4
