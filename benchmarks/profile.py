@@ -34,8 +34,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,9 +226,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
         costs = measure_costs(args, threads, Path(tmp))
-    lines = report(levels, args.rate, threads) + cost_report(costs)
-    print("\n".join(lines))
-    append_results(lines)
+    append_results(report(levels, args.rate, threads) + cost_report(costs))  # prints too
 
 
 if __name__ == "__main__":

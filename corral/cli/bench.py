@@ -75,64 +75,60 @@ def _text_of(api: str, obj: dict[str, Any]) -> str:
 def send(http: httpx.Client, cfg: BenchConfig, prompt: str | None,
          messages: list[dict[str, str]] | None, seed: int, turn: int = 0
          ) -> tuple[RequestResult, str]:
-    """One streamed request, timed on the client; returns the result and the reply text.
-
-    A request that got nothing back, not even a status, because the pooled connection it
-    went out on was being closed, is sent once more on a new connection and timed from
-    then. (llama-server closes the connection after each streamed reply while it says
-    `Keep-Alive`, so the pool may hand it out before the close arrives: in compare.py's
-    runs one or two requests in eight failed that way at one stream.)"""
+    """One streamed request, timed on the client; returns the result and the reply text."""
     path, body = _body(cfg, prompt, messages, seed)
     result = RequestResult(start=time.perf_counter(), turn=turn)
     text: list[str] = []
-    for attempt in (1, 2):
-        answered: list[bool] = []
+    try:
+        resp = _open(http, http.build_request("POST", path, json=body), result)
         try:
-            _stream(http, cfg, path, body, result, text, answered)
-            break
-        except httpx.RemoteProtocolError as exc:
-            if attempt == 1 and not answered:
-                result.start = time.perf_counter()
-                continue
-            return _failed(result, exc), "".join(text)
-        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-            return _failed(result, exc), "".join(text)
-    result.end = time.perf_counter()
-    if not result.output_tokens:
-        result.output_tokens = len(result.chunk_times)
+            _read(resp, cfg, result, text)
+        finally:
+            resp.close()
+        result.end = time.perf_counter()
+        if not result.output_tokens:
+            result.output_tokens = len(result.chunk_times)
+    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        result.end = time.perf_counter()
+        result.success, result.error = False, str(exc)
     return result, "".join(text)
 
 
-def _failed(result: RequestResult, exc: Exception) -> RequestResult:
-    result.end = time.perf_counter()
-    result.success, result.error = False, str(exc)
-    return result
+def _open(http: httpx.Client, request: httpx.Request, result: RequestResult) -> httpx.Response:
+    """The response, its body still to read. A request that got nothing back, not even a
+    status, because the pooled connection it went out on was being closed, is sent once
+    more on a new connection and timed from then. (llama-server closes the connection
+    after each streamed reply while it says `Keep-Alive`, so the pool may hand it out
+    before the close arrives: in compare.py's runs one or two requests in eight failed
+    that way at one stream.)"""
+    try:
+        return http.send(request, stream=True)
+    except httpx.RemoteProtocolError:
+        result.start = time.perf_counter()
+        return http.send(request, stream=True)
 
 
-def _stream(http: httpx.Client, cfg: BenchConfig, path: str, body: dict[str, Any],
-            result: RequestResult, text: list[str], answered: list[bool]) -> None:
-    """Read one streamed reply into `result` and `text`; `answered` gets an entry once the
-    server's response has begun."""
-    with http.stream("POST", path, json=body) as resp:
-        answered.append(True)
-        if resp.status_code >= 400:
-            resp.read()
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        for line in resp.iter_lines():
-            if not line:
+def _read(resp: httpx.Response, cfg: BenchConfig, result: RequestResult,
+          text: list[str]) -> None:
+    """Read one streamed reply into `result` and `text`."""
+    if resp.status_code >= 400:
+        resp.read()
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        if cfg.api == "openai":
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if cfg.api == "openai":
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                line = line[6:]
-            obj = json.loads(line)
-            if "error" in obj:
-                raise RuntimeError(str(obj["error"]))
-            piece = _text_of(cfg.api, obj)
-            if piece:
-                result.chunk_times.append(time.perf_counter())
-                text.append(piece)
-            _counts(result, obj)
+            line = line[6:]
+        obj = json.loads(line)
+        if "error" in obj:
+            raise RuntimeError(str(obj["error"]))
+        piece = _text_of(cfg.api, obj)
+        if piece:
+            result.chunk_times.append(time.perf_counter())
+            text.append(piece)
+        _counts(result, obj)
 
 
 def _counts(result: RequestResult, obj: dict[str, Any]) -> None:
