@@ -26,16 +26,13 @@ size from a load through a burst of 16, every 100 ms.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import mean
 from typing import Any, Callable
 
 import httpx
@@ -47,6 +44,7 @@ from corral.config import load_settings  # noqa: E402
 from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
+from compare_report import merged, report  # noqa: E402
 
 LEVELS = "1,2,4,8,16"
 MIN_REQUESTS = 8  # per level (bench)
@@ -157,27 +155,6 @@ def llama_bench(binaries: Path, model: Path, threads: int) -> dict[str, float]:
     return result
 
 
-def merged(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """A contender's sweeps as one: per level, the mean of their throughputs and TTFTs
-    (what the report reads), the sum of their failures."""
-    out = []
-    for level in runs[0]:
-        same = [by_level(run)[level["label"]] for run in runs]
-        out.append({"label": level["label"],
-                    "output_throughput": mean([lv["output_throughput"] for lv in same]),
-                    "ttft": {k: mean([lv["ttft"][k] for lv in same]) for k in ("median", "p99")},
-                    "failed": sum(lv.get("failed", 0) for lv in same)})
-    return out
-
-
-def by_level(levels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {lv["label"]: lv for lv in levels}
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b and b == b and a == a else "-"
-
-
 def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: int
                ) -> list[tuple[str, Callable[[], tuple[str, subprocess.Popen[bytes]]]]]:
     ctx = args.num_ctx
@@ -241,7 +218,8 @@ def main() -> None:
                 proc.wait(timeout=60)
     results = {lb: merged(runs) for lb, runs in sweeps.items()}
     floor = llama_bench(binaries, model, threads)
-    report(args, threads, results, floor, burst_from_idle(args, threads))
+    append_results(report(args, threads, results, floor, burst_from_idle(args, threads),
+                          MIN_REQUESTS))
     rss_over_time()
 
 
@@ -295,94 +273,6 @@ def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
     return {"slots before": float(slots_before), "slots after": float(after),
             "last first token": max(firsts) - t0, "first finish": min(ends) - t0,
             "ttft p50": sorted(firsts)[len(firsts) // 2] - t0}
-
-
-def cell(results: dict[str, list[dict[str, Any]]], label: str, level: str) -> dict[str, Any]:
-    return by_level(results.get(label, [])).get(level, {})
-
-
-def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
-    def ttft(label: str, level: str) -> float:
-        return float(cell(results, label, level).get("ttft", {}).get("median", float("nan")))
-
-    def tput(label: str, level: str) -> float:
-        return float(cell(results, label, level).get("output_throughput", float("nan")))
-
-    ref, tuned = "llama-server 4", "llama-server 16 unified"
-
-    def p99(label: str, level: str) -> float:
-        return float(cell(results, label, level).get("ttft", {}).get("p99", float("nan")))
-
-    def peer(level: str) -> float:  # the better llama-server at this level
-        return max((tput(lb, level) for lb in results if lb.startswith("llama-server")
-                    and tput(lb, level) == tput(lb, level)), default=float("nan"))
-
-    return [
-        *[(f"c={c} aggregate tok/s, {lb} vs the better llama-server (>= 1.1)",
-           ratio(tput(lb, c), peer(c))) for c in ("4", "8", "16")
-          for lb in ("corral", "corral spec off")],
-        ("c=1 tok/s, corral spec off vs the better llama-server (>= 1.0)",
-         ratio(tput("corral spec off", "1"), peer("1"))),
-        ("c=16 TTFT p99, corral vs llama-server 16 unified (<= 1.5)",
-         ratio(p99("corral", "16"), p99(tuned, "16"))),
-        ("c=16 TTFT p50, corral vs llama-server 16 unified (<= 1.0)",
-         ratio(ttft("corral", "16"), ttft(tuned, "16"))),
-        *[(f"c={c} aggregate tok/s, corral pool vs corral (>= 0.95)",
-           ratio(tput("corral pool", c), tput("corral", c))) for c in ("1", "4", "8", "16")],
-        ("c=8 TTFT p50, corral vs llama-server 4 (<= 0.25)",
-         ratio(ttft("corral", "8"), ttft(ref, "8"))),
-        ("c=16 TTFT p50, corral vs llama-server 4 (<= 0.25)",
-         ratio(ttft("corral", "16"), ttft(ref, "16"))),
-        *[(f"c={c} aggregate tok/s, corral vs llama-server 4 (>= 1.0)",
-           ratio(tput("corral", c), tput(ref, c))) for c in ("1", "4", "8")],
-        *[(f"c={c} aggregate tok/s, corral native vs corral /v1 (>= 0.95)",
-           ratio(tput("corral native", c), tput("corral", c))) for c in ("1", "4", "16")],
-        ("c=16 failed requests, corral (0)",
-         str(cell(results, "corral", "16").get("failed", "-"))),
-    ]
-
-
-def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[str, Any]]],
-           floor: dict[str, float], burst: dict[str, float]) -> None:
-    labels = list(results)
-    head = "| conc | " + " | ".join(f"{lb} TTFT p50 / p99 s, tok/s" for lb in labels) + " |"
-    lines = [head, "|---|" + "---|" * len(labels)]
-    for level in args.levels.split(","):
-        row = []
-        for lb in labels:
-            c = cell(results, lb, level)
-            if not c:
-                row.append("-")
-                continue
-            row.append(f"{c['ttft']['median']:.2f} / {c['ttft']['p99']:.2f}, "
-                       f"{c['output_throughput']:.1f}")
-        lines.append(f"| {level} | " + " | ".join(row) + " |")
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    from importlib.metadata import version
-
-    text = [f"## {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: compare.py, {cpu}, "
-            f"{threads} threads", "",
-            f"corral {version('corral')}, llama-cpp-python {version('llama-cpp-python')}, "
-            f"num_ctx {args.num_ctx} per slot, {args.prompt_tokens} prompt / {args.max_tokens} "
-            f"output tokens (ignore_eos), {args.per_client} requests per client (at least "
-            f"{MIN_REQUESTS} per level), streaming "
-            "/v1/completions.", "", *lines, "", "| target | ratio |", "|---|---|",
-            *[f"| {name} | {value} |" for name, value in targets(results)], "",
-            f"Engine floor (llama-bench, {threads} threads): "
-            + ", ".join(f"{k} {v:.1f} tok/s" for k, v in floor.items()), "",
-            f"Burst of 16 streams at an idle Corral ({burst['slots before']:.0f} slot -> "
-            f"{burst['slots after']:.0f} slots, one growth step): TTFT p50 "
-            f"{burst['ttft p50']:.2f} s, last first token at {burst['last first token']:.2f} s, "
-            f"first stream finished at {burst['first finish']:.2f} s.", "", ""]
-    print("\n".join(text))
-    results_md = ROOT / "benchmarks" / "RESULTS.md"
-    with results_md.open("a") as f:
-        f.write("\n".join(text))
 
 
 if __name__ == "__main__":
