@@ -15,7 +15,8 @@ token came against when the first stream finished, and how many growth steps it 
 All with the starter model and the same threads, in one run of two passes (the
 contenders in order, then in reverse, each contender's figures the mean of its two
 sweeps: a shared host drifts by a tenth over minutes); prints TTFT
-p50/p99 and aggregate tok/s per level, the issue's target ratios, and appends
+p50/p99 and aggregate tok/s per level, the issue's target ratios (against the
+better llama-server picked on the other pass: compare_report.py), and appends
 them to benchmarks/RESULTS.md. Also runs llama-bench (tg128, pp512) as the
 engine floor, and benchmarks/rss_trace.py: the chat starter's RSS against its `ps`
 size from a load through a burst of 16, every 100 ms.
