@@ -45,7 +45,7 @@ from corral.config import load_settings  # noqa: E402
 from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
-from compare_report import merged, report  # noqa: E402
+from benchmarks.compare_report import merged, report  # noqa: E402
 
 LEVELS = "1,2,4,8,16"
 MIN_REQUESTS = 8  # per level (bench)
