@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import llama_cpp as L
 import pytest
 
 from corral.runner.llama.context import EngineConfig
@@ -278,3 +279,19 @@ def test_a_grammar_that_does_not_parse_fails_its_request_alone(engine: Engine) -
     assert kind == "error" and isinstance(error, InvalidOption)
     pieces, kind, _ = collect(other)
     assert kind == "done" and "".join(pieces) == run(engine, PROMPTS[0], 8)[0]
+
+
+def test_ignore_eos_finds_its_end_tokens_on_the_submitting_thread(starter_gguf: Path) -> None:
+    """ignore_eos bans every end-of-generation token, which takes a scan of the whole
+    vocabulary (0.1 s for gemma3's 262,144). Run inside a step, it would hold every stream
+    in the batch; the engine thread is never started here, so only submit can have run it."""
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=128))
+    try:
+        assert eng.llama._eog is None  # nothing has asked yet
+        eng.submit(Job(prompt=[2, 651], num_predict=1))
+        assert eng.llama._eog is None  # a request that keeps its end tokens needs no scan
+        eng.submit(Job(prompt=[2, 651], num_predict=1, ignore_eos=True))
+        assert eng.llama._eog and eng.llama.eog_tokens() == eng.llama._eog
+        assert all(L.llama_vocab_is_eog(eng.llama.vocab, t) for t in eng.llama._eog)
+    finally:
+        eng.stop()

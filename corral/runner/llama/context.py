@@ -195,7 +195,8 @@ class LlamaContext:
 
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
-        found on first use rather than by a vocabulary-wide scan at every load."""
+        found on first use rather than by a vocabulary-wide scan at every load; the first
+        use is a request's submit, on its own thread (it reads the vocabulary alone)."""
         if self._eog is None:
             self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
         return self._eog
