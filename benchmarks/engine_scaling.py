@@ -42,8 +42,8 @@ def run_load(engine: Engine, concurrency: int, tokens: int) -> tuple[float, floa
             event = job.events.get()
             if isinstance(event, Done):
                 stats = event.stats
-                done[0] += stats["eval_count"]
-                rates.append(stats["eval_count"] / max(stats["eval_duration"] / 1e9, 1e-9))
+                done[0] += stats.eval_count
+                rates.append(stats.eval_count / max(stats.eval_duration / 1e9, 1e-9))
                 return
             if isinstance(event, Failed):
                 raise event.error
