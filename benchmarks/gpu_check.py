@@ -148,7 +148,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return

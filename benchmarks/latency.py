@@ -120,8 +120,12 @@ def cold_start(models: Path, tmp: Path, model: str, run: int = 0) -> dict[str, f
     t0 = time.perf_counter()
     proc = subprocess.Popen([*CLI, "run", model, "hi", "--verbose"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    watcher = threading.Thread(target=lambda: (wait_until(
-        lambda: answers(f"http://127.0.0.1:{port}"), 60), listening.append(time.perf_counter())))
+
+    def watch() -> None:  # when the daemon the CLI started first answers
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}"), 60)
+        listening.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch)
     watcher.start()
     assert proc.stdout is not None
     proc.stdout.read(1)

@@ -76,7 +76,7 @@ HTTP = httpx.Client(timeout=900, trust_env=False,
 def document(seed: int, words: int = 900) -> str:
     """~1,200 tokens of plain sentences, different for each seed."""
     rng = random.Random(seed)
-    sentences = []
+    sentences: list[str] = []
     while sum(len(s.split()) for s in sentences) < words:
         n = rng.randint(8, 16)
         sentences.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
