@@ -1,5 +1,5 @@
 """What compare.py's sweeps say: each contender's passes as one, the issue's target
-ratios, and the report appended to benchmarks/RESULTS.md.
+ratios, and the report's lines (compare.py appends them to benchmarks/RESULTS.md).
 
 "The better llama-server" at a level is picked on the other passes and read on this
 one (leave one out), then averaged over the passes. At one stream the four
@@ -17,6 +17,7 @@ import datetime as dt
 import platform
 from statistics import mean
 from typing import Any
+
 
 def merged(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """A contender's sweeps as one: per level, the mean of their throughputs and TTFTs
