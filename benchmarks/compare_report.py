@@ -71,17 +71,15 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
     def tput(label: str, level: str) -> float:
         return float(cell(results, label, level).get("output_throughput", float("nan")))
 
-    ref, tuned = "llama-server 4", "llama-server 16 unified"
+    def p99(label: str, level: str) -> float:
+        return float(cell(results, label, level).get("ttft", {}).get("p99", float("nan")))
 
     def peer_ratio(label: str, level: str) -> str:
         picked, best_mean = better_peer(results, level)
         return (f"{ratio(tput(label, level), picked)} "
                 f"(best mean: {ratio(tput(label, level), best_mean)})")
 
-    def p99(label: str, level: str) -> float:
-        return float(cell(results, label, level).get("ttft", {}).get("p99", float("nan")))
-
-
+    ref, tuned = "llama-server 4", "llama-server 16 unified"
     return [
         *[(f"c={c} aggregate tok/s, {lb} vs the better llama-server (>= 1.1)",
            peer_ratio(lb, c)) for c in ("4", "8", "16") for lb in ("corral", "corral spec off")],

@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from corral.cli.bench import BenchConfig, send
-
 from corral.cli.benchmetrics import (
     RequestResult,
     Summary,
