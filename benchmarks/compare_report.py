@@ -128,7 +128,7 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
         pass
     from importlib.metadata import version
 
-    text = [f"## {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: compare.py, {cpu}, "
+    return [f"## {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}: compare.py, {cpu}, "
             f"{threads} threads", "",
             f"corral {version('corral')}, llama-cpp-python {version('llama-cpp-python')}, "
             f"num_ctx {args.num_ctx} per slot, {args.prompt_tokens} prompt / {args.max_tokens} "
@@ -142,4 +142,3 @@ def report(args: argparse.Namespace, threads: int, results: dict[str, list[dict[
             f"{burst['slots after']:.0f} slots, one growth step): TTFT p50 "
             f"{burst['ttft p50']:.2f} s, last first token at {burst['last first token']:.2f} s, "
             f"first stream finished at {burst['first finish']:.2f} s.", ""]
-    return text
