@@ -104,10 +104,15 @@ def test_errors_in_anthropics_shape(daemon: Daemon) -> None:  # noqa: F811
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
+    # Thinking asked of a model that cannot think: this route drops it (Claude Code asks
+    # every model to think), where Ollama's own route refuses it.
     r = httpx.post(daemon.url + "/v1/messages", json={
         "model": "smollm2:135m", "messages": ASK, "max_tokens": 5,
         "thinking": {"type": "enabled", "budget_tokens": 100}})
-    assert r.status_code == 400 and "does not support thinking" in r.json()["error"]["message"]
+    assert r.status_code == 200 and "thinking" not in [b["type"] for b in r.json()["content"]]
+    r = httpx.post(daemon.url + "/api/chat", json={
+        "model": "smollm2:135m", "messages": ASK, "think": True, "stream": False})
+    assert r.status_code == 400 and "does not support thinking" in r.json()["error"]
 
 
 def test_api_key_via_x_api_key(daemon_factory: DaemonFactory) -> None:

@@ -32,7 +32,7 @@ from corral.server.residency.resident import Resident
 from corral.server.residency.scheduler import Scheduler
 from corral.server.pipeline.services import Services
 
-API_VERSION = "0.13.0"  # what Ollama clients see; they gate features on it
+API_VERSION = "0.33.0-rc2"  # the pinned Ollama source (tests/peers/ollama/VERSION); clients gate on it
 FOREVER_SECONDS = 292 * 365 * 86400
 
 

@@ -45,20 +45,32 @@ class ToolUseBlock(Wire):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
+class RedactedThinkingBlock(Wire):
+    """Thinking Anthropic encrypted: no model here can read it, so it is left out."""
+
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+
+
 class ToolResultBlock(Wire):
     type: Literal["tool_result"]
     tool_use_id: str = ""
-    content: Union[str, list[TextBlock], None] = None
+    content: Union[str, list[ResultPart], None] = None  # an image: a tool that read one
     is_error: bool = False
 
 
 # The kinds Corral takes; any other `type` is a 400 that lists these.
-Block = Annotated[Union[TextBlock, ImageBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock],
-                  Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, ThinkingBlock, RedactedThinkingBlock,
+                        ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
 
 
 class Message(Wire):
-    role: Literal["user", "assistant"]
+    # Claude Code puts `system` turns among the messages (reminders mid-conversation);
+    # Ollama takes them there too.
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[Block]]
 
 
@@ -67,6 +79,10 @@ class Tool(Wire):
     description: str = ""
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object",
                                                                   "properties": {}})
+    # A server tool names its kind and version ("web_search_20250305"): Anthropic runs
+    # those itself, so Corral leaves them out of the model's list (server.dialects).
+    type: Optional[str] = None
+    defer_loading: bool = False  # found through a tool search, not listed up front
 
 
 class AutoChoice(Wire):
@@ -96,6 +112,24 @@ Choice = Annotated[Union[AutoChoice, AnyChoice, ToolChoice, NoneChoice],
 class Thinking(Wire):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = Field(default=None, ge=0)
+    display: Optional[Literal["summarized", "omitted"]] = None  # omitted: blocks, no text
+
+
+class KeepTurns(Wire):
+    type: Literal["thinking_turns"]
+    value: Annotated[int, Field(ge=0)]
+
+
+class Edit(Wire):
+    """One of `context_management.edits`: Corral applies clear_thinking's; any other kind
+    is taken and left unapplied (docs/agents.md says why)."""
+
+    type: str
+    keep: Union[Literal["all"], KeepTurns, dict[str, Any], None] = None
+
+
+class ContextManagement(Wire):
+    edits: list[Edit] = Field(default_factory=list)
 
 
 class OutputConfig(Wire):
@@ -116,6 +150,7 @@ class MessagesRequest(Wire):
     tool_choice: Optional[Choice] = None
     thinking: Optional[Thinking] = None
     output_config: Optional[OutputConfig] = None
+    context_management: Optional[ContextManagement] = None
     grammar: Optional[str] = None  # a Corral extension: GBNF
 
 

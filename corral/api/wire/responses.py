@@ -21,6 +21,42 @@ class Tool(Wire):
     strict: Optional[bool] = None
 
 
+class CustomTool(Wire):
+    """A freeform tool: the model writes its input as plain text (Codex's apply_patch)."""
+
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+
+
+class NamespaceTool(Wire):
+    """A named group of functions; the model calls them by qualified name, `ns.name`."""
+
+    type: Literal["namespace"]
+    name: str
+    description: Optional[str] = None
+    tools: list[Annotated[Union[Tool, CustomTool], Field(discriminator="type")]] = \
+        Field(default_factory=list)
+
+
+class HostedTool(Wire):
+    """A tool OpenAI's servers run (web_search, file_search, code_interpreter, mcp...):
+    Corral runs none of them, so it leaves them out of the model's list."""
+
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+AnyTool = Annotated[Union[Annotated[Tool, Tag("function")],
+                          Annotated[CustomTool, Tag("custom")],
+                          Annotated[NamespaceTool, Tag("namespace")],
+                          Annotated[HostedTool, Tag("hosted")]], Discriminator(_tool_kind)]
+
+
 class FunctionChoice(Wire):
     type: Literal["function"]
     name: str
@@ -79,12 +115,21 @@ class FunctionCallItem(Wire):
     call_id: str = ""
     name: str = ""
     arguments: str = "{}"  # JSON text, as the API sends it
+    namespace: Optional[str] = None  # a namespace tool's member
 
 
 class FunctionCallOutputItem(Wire):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str = ""
     output: Content = ""
+
+
+class CustomCallItem(Wire):
+    type: Literal["custom_tool_call"]
+    call_id: str = ""
+    name: str = ""
+    input: str = ""
+    namespace: Optional[str] = None
 
 
 def _item_kind(value: Any) -> Optional[str]:
@@ -97,10 +142,13 @@ def _item_kind(value: Any) -> Optional[str]:
 Item = Annotated[Union[Annotated[MessageItem, Tag("message")],
                        Annotated[ReasoningItem, Tag("reasoning")],
                        Annotated[FunctionCallItem, Tag("function_call")],
-                       Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+                       Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                       Annotated[FunctionCallOutputItem, Tag("custom_tool_call_output")],
+                       Annotated[CustomCallItem, Tag("custom_tool_call")]],
                  Discriminator(_item_kind, custom_error_type="invalid_union_member",
                                custom_error_message="unknown input item type (message, "
-                               "reasoning, function_call or function_call_output)")]
+                               "reasoning, function_call, function_call_output, "
+                               "custom_tool_call or custom_tool_call_output)")]
 
 
 class ResponsesRequest(Wire):
@@ -111,11 +159,13 @@ class ResponsesRequest(Wire):
     temperature: Optional[Temperature] = None
     top_p: Optional[Unit] = None
     stream: bool = False
-    tools: Optional[list[Tool]] = None
+    tools: Optional[list[AnyTool]] = None
     tool_choice: Union[Literal["auto", "none", "required"], FunctionChoice, None] = None
     text: Optional[Text] = None
     reasoning: Optional[Reasoning] = None
     previous_response_id: Optional[str] = None
+    # Taken and echoed: calls are parsed as the model writes them, one or several.
+    parallel_tool_calls: bool = True
     grammar: Optional[str] = None  # a Corral extension: GBNF
 
 

@@ -1,25 +1,35 @@
-"""Anthropic's Messages API (/v1/messages) as pipeline requests.
+"""Anthropic's Messages API (/v1/messages) as pipeline requests, as Claude Code speaks it.
 
 Requests become Ollama-style chat messages: `system` (a string or text blocks) a system
-message, `tool_use` blocks the assistant's tool calls (their ids kept), `tool_result`
-blocks tool messages that name the call they answer, `thinking` blocks the assistant's
-thinking. `tool_choice` maps onto the pipeline's: `any` is a required call, `tool` a
-named one. Replies are content blocks in the order the model wrote them; streamed, they
-are Anthropic's server-sent events: message_start, content_block_start/delta/stop per
-block, message_delta with the stop reason and usage, message_stop.
+message, and so is a `system` turn among the messages; `tool_use` blocks the assistant's
+tool calls (their ids kept), `tool_result` blocks tool messages that name the call they
+answer (with any image the tool read), `thinking` blocks the assistant's thinking.
+`tool_choice` maps onto the pipeline's: `any` is a required call, `tool` a named one.
+Server tools (a `type` such as web_search_20250305: Anthropic runs them) and tools
+deferred to a tool search are left out of the model's list. `thinking` asked of a model
+that cannot think is dropped on this route, as Ollama's does, and `clear_thinking` edits
+of `context_management` are applied (docs/agents.md lists what else is taken as is).
+
+Replies are content blocks in the order the model wrote them; streamed, they are
+Anthropic's server-sent events: message_start as soon as the request is checked, `ping`
+while nothing else is said (a load, a long prefill), content_block_start/delta/stop per
+block, message_delta with the stop reason and usage, message_stop. With thinking's
+`display: omitted`, thinking blocks come without their text.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
-from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ImageBlock, MessageResponse,
-                                       MessagesRequest, NoneChoice, TextBlock, ThinkingBlock,
-                                       ToolChoice, ToolResultBlock, ToolUseBlock, URLSource,
-                                       Usage)
+from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ContextManagement,
+                                       ImageBlock, KeepTurns, MessageResponse, MessagesRequest,
+                                       NoneChoice, RedactedThinkingBlock, ResultPart, TextBlock,
+                                       ThinkingBlock, Tool as WireTool, ToolChoice,
+                                       ToolResultBlock, ToolUseBlock, URLSource, Usage)
 from corral.errors import CorralError, Shape, format_error
 from corral.server.chat.messages import Message, Tool, ToolCall, tool_named
 from corral.server.http import Handler, Request
@@ -29,13 +39,23 @@ from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, Event, Finished,
                                             ToolChoice as Forced)
 from corral.server.pipeline.count import count
-from corral.server.dialects.stream import SSE, generation
+from corral.server.pipeline.leftout import left_out
+from corral.server.dialects.stream import SSE, Idle, generation
 from corral.server.chat.reply import Kind, Piece
 
-def _text_of(blocks: str | list[TextBlock] | None) -> str:
+KEEPALIVE = 5.0  # seconds of silence before a `ping`, as Anthropic's stream sends them
+
+
+def _text_of(blocks: str | list[TextBlock] | list[ResultPart] | None) -> str:
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
-    return "".join(block.text for block in blocks)
+    return "".join(block.text for block in blocks if isinstance(block, TextBlock))
+
+
+def _images_of(blocks: str | list[ResultPart] | None) -> tuple[str, ...]:
+    if blocks is None or isinstance(blocks, str):
+        return ()
+    return tuple(_image_of(b) for b in blocks if isinstance(b, ImageBlock))
 
 
 def _image_of(block: ImageBlock) -> str:
@@ -63,9 +83,11 @@ def _blocks(role: str, content: str | list[Block],
         elif isinstance(block, ToolUseBlock):
             calls.append(ToolCall(block.name, block.input, block.id))
         elif isinstance(block, ToolResultBlock):
-            results.append(Message("tool", _text_of(block.content),
+            results.append(Message("tool", _text_of(block.content), _images_of(block.content),
                                    tool_name=tool_named(earlier, block.tool_use_id),
                                    tool_call_id=block.tool_use_id))
+        elif isinstance(block, RedactedThinkingBlock):
+            continue  # encrypted by Anthropic: nothing a local model can read
         else:
             images.append(_image_of(block))
     out = list(results)
@@ -105,10 +127,46 @@ def parse_messages(wire: MessagesRequest) -> ChatTask:
                           ("top_k", wire.top_k), ("stop", wire.stop_sequences)):
         if value is not None:
             options[option] = value
-    tools = [Tool(t.name, t.description, t.input_schema) for t in wire.tools or []]
-    return ChatTask(model=require_model(wire.model), messages=messages,
-                    options=options, think=_think(wire), grammar=wire.grammar or None,
-                    tools=tools, tool_choice=_tool_choice(wire.tool_choice))
+    return ChatTask(model=require_model(wire.model),
+                    messages=_managed(messages, wire.context_management),
+                    options=options, think=_think(wire), think_optional=True,
+                    grammar=wire.grammar or None, tools=_tools(wire.tools or []),
+                    tool_choice=_tool_choice(wire.tool_choice))
+
+
+def _tools(tools: list[WireTool]) -> list[Tool]:
+    """The tools the model is shown: a client's own (`custom`, or no type), listed up
+    front. Server tools are Anthropic's to run, and a deferred tool waits for a tool
+    search that only Anthropic's API performs."""
+    out = []
+    for t in tools:
+        if t.type not in (None, "custom"):
+            left_out(f"anthropic server tool {t.type}", "Anthropic runs server tools "
+                     "itself; a local model is not shown them")
+        elif t.defer_loading:
+            left_out("anthropic deferred tools", "a deferred tool is loaded by "
+                     "Anthropic's tool search, which Corral does not run")
+        else:
+            out.append(Tool(t.name, t.description, t.input_schema))
+    return out
+
+
+def _managed(messages: list[Message], management: ContextManagement | None) -> list[Message]:
+    """`context_management`'s clear_thinking edits, applied: the thinking of all but the
+    kept latest assistant turns is cleared. Other edits are taken and not applied."""
+    for edit in management.edits if management is not None else []:
+        if edit.type.startswith("clear_thinking_"):
+            keep = edit.keep.value if isinstance(edit.keep, KeepTurns) else None
+            if keep is None:
+                continue  # "all" (Claude Code's), or nothing said: every turn keeps it
+            turns = [i for i, m in enumerate(messages) if m.role == "assistant"]
+            cleared = set(turns[:max(len(turns) - keep, 0)])
+            messages = [replace(m, thinking="") if i in cleared else m
+                        for i, m in enumerate(messages)]
+        else:
+            left_out(f"context_management edit {edit.type}", "Corral keeps the whole "
+                     "conversation in its prompt cache; only clear_thinking edits apply")
+    return messages
 
 
 def _stop_reason(final: Finished) -> str:
@@ -126,13 +184,19 @@ def _usage(final: Finished) -> Usage:
 
 class Blocks:
     """A reply's pieces as content blocks: thinking and text blocks grow while their
-    kind of piece keeps coming; each call is a whole tool_use block."""
+    kind of piece keeps coming; each call is a whole tool_use block. `omit_thinking`
+    keeps thinking blocks and drops their text (thinking's `display: omitted`)."""
 
     content_type = SSE
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, omit_thinking: bool = False,
+                 keepalive: float = KEEPALIVE) -> None:
         self.id, self.model = "msg_" + secrets.token_hex(12), model
         self.message = {"id": self.id, "type": "message", "role": "assistant", "model": model}
+        self.omit_thinking, self.keepalive = omit_thinking, keepalive
+
+    def _text(self, piece: Piece) -> str:
+        return "" if self.omit_thinking and piece.kind is Kind.THINKING else piece.text
 
     def whole(self, events: Iterator[Event]) -> MessageResponse:
         content: list[dict[str, Any]] = []
@@ -143,14 +207,14 @@ class Blocks:
             elif event.kind is Kind.CALL:
                 content.append(_tool_use(event))
             elif content and content[-1]["type"] == _block_type(event):
-                content[-1][_field(event)] += event.text
+                content[-1][_field(event)] += self._text(event)
             else:
-                content.append(_opened(event) | {_field(event): event.text})
+                content.append(_opened(event) | {_field(event): self._text(event)})
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": _stop_reason(final), "stop_sequence": None,
                 "usage": _usage(final)}
 
-    def frames(self, events: Iterator[Event]) -> Iterator[bytes]:
+    def frames(self, events: Iterator[Event | Idle]) -> Iterator[bytes]:
         for name, data in self.events(events):
             yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -158,12 +222,15 @@ class Blocks:
         error = format_error(exc, Shape.ANTHROPIC)[1]
         return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
 
-    def events(self, events: Iterator[Event]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def events(self, events: Iterator[Event | Idle]) -> Iterator[tuple[str, dict[str, Any]]]:
         yield "message_start", {"type": "message_start", "message": {
             **self.message, "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": 0, "output_tokens": 0}}}
         index, open_type, final = -1, None, Finished()
         for event in events:
+            if isinstance(event, Idle):
+                yield "ping", {"type": "ping"}
+                continue
             if isinstance(event, Finished):
                 final = event
                 continue
@@ -179,9 +246,10 @@ class Blocks:
                 open_type = kind
                 yield "content_block_start", {"type": "content_block_start", "index": index,
                                               "content_block": _opened(event)}
-            yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": f"{_field(event)}_delta",
-                                                    _field(event): event.text}}
+            if self._text(event):
+                yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                              "delta": {"type": f"{_field(event)}_delta",
+                                                        _field(event): self._text(event)}}
         if open_type is not None:
             yield "content_block_stop", {"type": "content_block_stop", "index": index}
         yield "message_delta", {"type": "message_delta", "delta": {
@@ -220,9 +288,13 @@ def _tool_use(piece: Piece) -> dict[str, Any]:
             "name": call.name, "input": call.arguments}
 
 
+def _blocks_of(wire: MessagesRequest, request: ChatTask) -> Blocks:
+    return Blocks(request.model, omit_thinking=wire.thinking is not None
+                  and wire.thinking.display == "omitted")
+
+
 def messages(services: Services) -> Callable[[Request, Handler], None]:
-    return generation(services, MessagesRequest, parse_messages,
-                      lambda wire, request: Blocks(request.model))
+    return generation(services, MessagesRequest, parse_messages, _blocks_of)
 
 
 def count_tokens(services: Services) -> Callable[[Request, Handler], None]:

@@ -1,9 +1,18 @@
-"""OpenAI's Responses API (/v1/responses) as pipeline requests, stateless as Ollama's is.
+"""OpenAI's Responses API (/v1/responses) as pipeline requests, stateless as Ollama's is,
+and as Codex speaks it.
 
-`input` (a string, or message, function_call, function_call_output and reasoning
-items) becomes chat messages; `instructions` a system message. The reply is a list
-of output items in the order the model wrote them: reasoning (its summary holds the
-thinking), message (output_text), function_call. Streamed, each item is added, takes
+`input` (a string, or message, function_call, function_call_output, custom_tool_call,
+custom_tool_call_output and reasoning items) becomes chat messages; `instructions` and
+`developer` messages system messages. A `namespace` tool's functions are shown to the
+model by qualified name (`ns.name`), and a `custom` (freeform) tool as a function of
+one string, `input`; the model's calls of either are mapped back to the client's
+shape. Tools OpenAI's servers run (web_search and the like) are left out of the
+model's list, and logged once. The reply is a list of output items in the order the
+model wrote them: reasoning (its summary holds the thinking, as plain text: nothing is
+encrypted, whatever `include` asks), message (output_text), function_call,
+custom_tool_call. `store`, `prompt_cache_key` and `client_metadata` are taken and have
+nothing to do: nothing is stored, and the prompt cache finds a conversation's prefix
+by its tokens. Streamed, each item is added, takes
 deltas and is done, between response.created and response.completed; every event
 carries a sequence_number. llama-server's `timings`, with speculative decoding's counts,
 are a field of the whole response, or, streamed, sit beside it on response.completed
@@ -16,14 +25,16 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from corral.api.wire import parse
 from corral.api.wire.common import AudioPart
-from corral.api.wire.responses import (Content, FunctionCallItem, FunctionChoice, MessageItem,
-                                       ReasoningItem, Response, ResponsesRequest, TextPart,
-                                       TimedResponse, Usage)
+from corral.api.wire.responses import (AnyTool, Content, CustomCallItem, CustomTool,
+                                       FunctionCallItem, FunctionChoice, MessageItem,
+                                       NamespaceTool, ReasoningItem, Response,
+                                       ResponsesRequest, TextPart, TimedResponse, Tool as Fn,
+                                       Usage)
 from corral.errors import BadRequest, CorralError
 from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
 from corral.server.dialects.openai import structured, think_of_effort
@@ -33,6 +44,7 @@ from corral.server.chat.models import require_model
 from corral.server.pipeline.services import Services
 from corral.server.pipeline.request import ChatTask, ChoiceMode, Event, Finished, ToolChoice
 from corral.server.pipeline.count import count
+from corral.server.pipeline.leftout import left_out
 from corral.server.dialects.stream import SSE, generation
 from corral.server.dialects.timings import timings
 from corral.server.chat.reply import Kind, Piece
@@ -73,7 +85,7 @@ def _messages(wire: ResponsesRequest) -> list[Message]:
             role = "system" if item.role == "developer" else item.role
             text = _text(item.content, images)
             out.append(Message(role, text, tuple(images)))
-        elif isinstance(item, FunctionCallItem):
+        elif isinstance(item, (FunctionCallItem, CustomCallItem)):
             _call(out, item)
         else:
             out.append(Message("tool", _text(item.output), tool_call_id=item.call_id,
@@ -83,15 +95,20 @@ def _messages(wire: ResponsesRequest) -> list[Message]:
     return out
 
 
-def _call(out: list[Message], item: FunctionCallItem) -> None:
-    """A function_call item joins the assistant message before it, or starts one."""
-    try:
-        args = json.loads(item.arguments or "{}")
-    except ValueError:
-        raise BadRequest("function_call arguments must be JSON") from None
-    if not isinstance(args, dict | None):
-        raise BadRequest("function_call arguments must be a JSON object")
-    call = ToolCall(item.name, args or {}, item.call_id)
+def _call(out: list[Message], item: FunctionCallItem | CustomCallItem) -> None:
+    """A call item joins the assistant message before it, or starts one; the model sees
+    it by the name it was shown (a namespace's member qualified, a custom tool's input as
+    its one argument)."""
+    if isinstance(item, CustomCallItem):
+        args: Any = {"input": item.input}
+    else:
+        try:
+            args = json.loads(item.arguments or "{}")
+        except ValueError:
+            raise BadRequest("function_call arguments must be JSON") from None
+        if not isinstance(args, dict | None):
+            raise BadRequest("function_call arguments must be a JSON object")
+    call = ToolCall(_qualified(item.namespace, item.name), args or {}, item.call_id)
     if out and out[-1].role == "assistant":
         out[-1] = replace(out[-1], tool_calls=out[-1].tool_calls + (call,))
     else:
@@ -101,6 +118,50 @@ def _call(out: list[Message], item: FunctionCallItem) -> None:
 def _format(wire: ResponsesRequest) -> Any:
     fmt = wire.text.format if wire.text is not None else None
     return structured(fmt.type if fmt else None, fmt.schema_ if fmt else None, "text.format")
+
+
+# A freeform tool's one argument: the text the model writes for it.
+FREEFORM = {"type": "object", "properties": {"input": {
+    "type": "string", "description": "the tool's input, as plain text"}}, "required": ["input"]}
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What a tool the model was shown (by its qualified name) is to the client."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
+def _qualified(namespace: str | None, name: str) -> str:
+    return f"{namespace}.{name}" if namespace and not name.startswith(namespace + ".") \
+        else name
+
+
+def expand_tools(tools: list[AnyTool]) -> dict[str, tuple[Tool, Shown]]:
+    """The tools as the model sees them, each keyed by the name the model calls it."""
+    out: dict[str, tuple[Tool, Shown]] = {}
+
+    def add(tool: Fn | CustomTool, namespace: str | None) -> None:
+        name = _qualified(namespace, tool.name)
+        if isinstance(tool, CustomTool):
+            out[name] = Tool(name, tool.description or "", dict(FREEFORM)), \
+                Shown(tool.name, namespace, custom=True)
+        else:
+            out[name] = Tool(name, tool.description or "", tool.parameters
+                             or dict(EMPTY_SCHEMA)), Shown(tool.name, namespace)
+
+    for t in tools:
+        if isinstance(t, NamespaceTool):
+            for member in t.tools:
+                add(member, t.name)
+        elif isinstance(t, (Fn, CustomTool)):
+            add(t, None)
+        else:
+            left_out(f"responses hosted tool {t.type}", "OpenAI's servers run it; Corral "
+                     "runs no hosted tools, so the model is not shown it")
+    return out
 
 
 def parse_responses(wire: ResponsesRequest) -> ChatTask:
@@ -116,8 +177,7 @@ def parse_responses(wire: ResponsesRequest) -> ChatTask:
     choice = wire.tool_choice
     forced = ToolChoice(ChoiceMode.NAMED, choice.name) if isinstance(choice, FunctionChoice) \
         else ToolChoice(ChoiceMode(choice or "auto"))
-    tools = [Tool(t.name, t.description or "", t.parameters or dict(EMPTY_SCHEMA))
-             for t in wire.tools or []]
+    tools = [tool for tool, _ in expand_tools(wire.tools or []).values()]
     return ChatTask(model=require_model(wire.model), messages=_messages(wire),
                        options=options, format=_format(wire), grammar=wire.grammar or None,
                        think=think_of_effort(wire.reasoning.effort if wire.reasoning else None),
@@ -129,8 +189,10 @@ class Items:
 
     content_type = SSE
 
-    def __init__(self, model: str, tool_choice: Any, tools: list[dict[str, Any]]) -> None:
+    def __init__(self, model: str, tool_choice: Any, tools: list[dict[str, Any]],
+                 shown: dict[str, Shown] | None = None, parallel: bool = True) -> None:
         self.model, self.tool_choice, self.tools = model, tool_choice, tools
+        self.shown, self.parallel = shown or {}, parallel
         self.id, self.created = "resp_" + secrets.token_hex(12), int(time.time())
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item growing
@@ -149,7 +211,7 @@ class Items:
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status, "model": self.model, "output": self.output,
                 "output_text": text, "error": None, "incomplete_details": None,
-                "parallel_tool_calls": True, "tool_choice": self.tool_choice or "auto",
+                "parallel_tool_calls": self.parallel, "tool_choice": self.tool_choice or "auto",
                 "tools": self.tools,
                 "usage": usage if status == "completed" else None}
 
@@ -160,23 +222,7 @@ class Items:
         if self.open is not None and self.open["type"] != kind:
             events += self._close()
         if piece.kind is Kind.CALL:
-            call = piece.call
-            assert call is not None
-            item = {"type": "function_call", "id": "fc_" + secrets.token_hex(8),
-                    "call_id": call.id, "name": call.name,
-                    "arguments": json.dumps(call.arguments), "status": "completed"}
-            self.output.append(item)
-            index = len(self.output) - 1
-            events += [("response.output_item.added", {"output_index": index, "item": {
-                           **item, "arguments": "", "status": "in_progress"}}),
-                       ("response.function_call_arguments.delta", {
-                           "item_id": item["id"], "output_index": index,
-                           "delta": item["arguments"]}),
-                       ("response.function_call_arguments.done", {
-                           "item_id": item["id"], "output_index": index,
-                           "arguments": item["arguments"]}),
-                       ("response.output_item.done", {"output_index": index, "item": item})]
-            return events
+            return events + self._called(piece)
         if self.open is None:
             events += self._opened(kind or "message")
         assert self.open is not None
@@ -192,6 +238,31 @@ class Items:
                 "item_id": self.open["id"], "output_index": index, "content_index": 0,
                 "delta": piece.text, "logprobs": []}))
         return events
+
+    def _called(self, piece: Piece) -> list[tuple[str, dict[str, Any]]]:
+        """A call as the client declared its tool: a function_call (with its namespace),
+        or a custom tool's custom_tool_call with its text input."""
+        call = piece.call
+        assert call is not None
+        shown = self.shown.get(call.name, Shown(call.name))
+        kind, field = ("custom_tool_call", "input") if shown.custom else \
+            ("function_call", "arguments")
+        value = call.arguments.get("input") if shown.custom else None
+        text = value if isinstance(value, str) else json.dumps(call.arguments)
+        item = {"type": kind, "id": ("ctc_" if shown.custom else "fc_") + secrets.token_hex(8),
+                "call_id": call.id, "name": shown.name, field: text, "status": "completed"}
+        if shown.namespace:
+            item["namespace"] = shown.namespace
+        self.output.append(item)
+        index = len(self.output) - 1
+        delta = "response.custom_tool_call_input" if shown.custom else \
+            "response.function_call_arguments"
+        return [("response.output_item.added", {"output_index": index, "item": {
+                    **item, field: "", "status": "in_progress"}}),
+                (f"{delta}.delta", {"item_id": item["id"], "output_index": index,
+                                    "delta": text}),
+                (f"{delta}.done", {"item_id": item["id"], "output_index": index, field: text}),
+                ("response.output_item.done", {"output_index": index, "item": item})]
 
     def _opened(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
         index = len(self.output)
@@ -274,8 +345,10 @@ class Items:
 def _items(wire: ResponsesRequest, request: ChatTask) -> Items:
     choice = wire.tool_choice.model_dump() if isinstance(wire.tool_choice, FunctionChoice) \
         else wire.tool_choice
-    return Items(request.model, choice, [t.model_dump(exclude_none=True)
-                                         for t in wire.tools or []])
+    shown = {name: s for name, (_, s) in expand_tools(wire.tools or []).items()}
+    return Items(request.model, choice, [t.model_dump(exclude_none=True, by_alias=True)
+                                         for t in wire.tools or []], shown,
+                 wire.parallel_tool_calls)
 
 
 def responses(services: Services) -> Callable[[Request, Handler], None]:

@@ -5,17 +5,26 @@ fails before it (a full queue, a model that will not load, a prompt over the
 context, a grammar that does not parse) is a real HTTP status, in the API's error
 shape. Once the stream has started, a failure is the API's own in-stream error
 event, and the stream ends cleanly.
+
+A live renderer (one with a `keepalive`, Anthropic's) opens its stream as soon as
+the request is checked, as Anthropic's API does, and sends its keep-alive frame
+whenever nothing else went out for `keepalive` seconds: a client's idle timer never
+sees silence through a model's load or a long prompt's prefill. What fails after
+the opening (a full queue, a load) is then its in-stream error event.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar, Union
 
 from corral.api.wire import Wire, parse
 from corral.errors import CorralError
-from corral.server.http import Handler, Request, Route
+from corral.server.http import Handler, Request, Route, StreamWriter
 from corral.server.pipeline.request import ChatTask, CompletionTask, Event
 from corral.server.pipeline.run import run
 
@@ -45,15 +54,33 @@ class Renderer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Idle:
+    """Nothing came for a live renderer's `keepalive` seconds: its cue for a keep-alive."""
+
+
 def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, stream: bool) -> None:
+    keepalive = getattr(renderer, "keepalive", None)
+    if stream and keepalive:
+        writer = handler.start_stream(renderer.content_type)
+        marked = with_idle(events, keepalive)
+        try:
+            _write(handler, writer, renderer, marked)
+        finally:
+            marked.close()
+        return
     first = next(events, None)  # errors up to here become a status, by the route's shape
     rest: Iterator[Event] = itertools.chain([first], events) if first is not None else events
     if not stream:
         handler.send_json(200, renderer.whole(rest))
         return
-    writer = handler.start_stream(renderer.content_type)
+    _write(handler, handler.start_stream(renderer.content_type), renderer, rest)
+
+
+def _write(handler: Handler, writer: StreamWriter, renderer: Renderer,
+           events: Iterator[Any]) -> None:
     try:
-        for frame in renderer.frames(rest):
+        for frame in renderer.frames(events):
             if not writer.write(frame):
                 break  # the client left; its disconnect already cancelled the generation
     except CorralError as exc:
@@ -62,6 +89,53 @@ def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, strea
         log.error("internal error while streaming %s", handler.request.path, exc_info=exc)
         writer.write(renderer.error_frame(CorralError("internal server error")))
     writer.end()
+
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class _Raised:
+    exc: BaseException
+
+
+def with_idle(events: Iterator[Event], every: float) -> Iterator[Union[Event, Idle]]:
+    """`events`, with an Idle wherever none came for `every` seconds. The generation runs
+    on a thread of its own, so that waiting for it can time out; closing this iterator
+    makes that thread close the generation once its next event comes (a client that
+    left has already cancelled it, so that is soon)."""
+    out: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for event in events:
+                out.put(event)
+                if stop.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - raised again on the reader's side
+            out.put(_Raised(exc))
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # its holds and watchers end on the thread that ran it
+            out.put(_END)
+
+    threading.Thread(target=pump, daemon=True, name="stream-pump").start()
+    try:
+        while True:
+            try:
+                item = out.get(timeout=every)
+            except queue.Empty:
+                yield Idle()
+                continue
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
 
 
 W = TypeVar("W", bound=Wire)

@@ -33,6 +33,7 @@ class Plan:
     images: list[str] = field(default_factory=list)  # completion, checked
     special: bool = False  # control tokens as text (harmony's markers)
     think: bool | str | None = None  # the request's, or on for a thinking model that left it out
+    think_dropped: bool = False  # asked of a model that cannot think, on a route that allows it
 
     @property
     def tool_names(self) -> set[str]:
@@ -44,11 +45,13 @@ def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
     caps = view.capabilities
     if view.rerank:
         raise BadRequest(not_generative(view))
-    if request.think and "thinking" not in caps:
+    dropped = bool(request.think) and "thinking" not in caps
+    if dropped and not request.think_optional:
         raise BadRequest(f'"{request.model}" does not support thinking')
     # No `think` sent: a thinking model thinks, as Ollama decides (Hugging Face's templates
     # mostly default to it too, but Corral follows Ollama where the two differ).
-    think = True if request.think is None and "thinking" in caps else request.think
+    think = None if dropped else \
+        True if request.think is None and "thinking" in caps else request.think
     tools = _tools(view, request)
     grammar = request_grammar(request.grammar, request.format, limits.max_grammar_bytes)
     raw = not isinstance(request, ChatTask) and request.raw  # text as written, unsplit
@@ -60,7 +63,8 @@ def prepare(view: ModelView, request: Task, limits: Settings) -> Plan:
     elif request.images:
         images = checked_images(view, request.images, limits)
     return Plan(request, view, view.options(request.options), fmt, tools, grammar,
-                messages, images, special=uses_harmony(view.template), think=think)
+                messages, images, special=uses_harmony(view.template), think=think,
+                think_dropped=dropped)
 
 
 def not_generative(view: ModelView) -> str:

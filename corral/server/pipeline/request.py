@@ -42,6 +42,9 @@ class TaskBase:
     options: Mapping[str, Any] = field(default_factory=dict)
     keep_alive: float | None = None
     think: bool | str | None = None
+    # A model that cannot think drops `think` instead of refusing it: Anthropic's route,
+    # where Claude Code asks every model to think (Ollama relaxes it there too).
+    think_optional: bool = False
     format: Any = None  # None, "json" or a JSON schema (dict)
     grammar: str | None = None  # raw GBNF (Corral extension)
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities

@@ -27,6 +27,7 @@ from corral.runner.fim import Infill
 from corral.runner.wire import CompletionJob, DoneLine, LoadReport, Logprob
 from corral.server.chat.models import jinja_builder
 from corral.server.pipeline.gbnf import check_gbnf
+from corral.server.pipeline.leftout import left_out
 from corral.server.pipeline.prepare import Plan, prepare
 from corral.server.pipeline.request import (ChatTask, ChoiceMode, CompletionTask, Event,
                                             Finished, Task)
@@ -69,6 +70,9 @@ def run(services: Services, request: Task, on_disconnect: OnDisconnect | None = 
         ) -> Iterator[Event]:
     """Check the request now; the returned events then hold, render and generate."""
     plan = prepare(services.models.view(request.model), request, services.settings)
+    if plan.think_dropped:
+        left_out(f"thinking on {plan.view.name}", "the model cannot think; this route "
+                 "drops `thinking` instead of refusing it, as Ollama's does")
     cancels = Cancels()
     return _events(services, plan, cancels, on_disconnect)
 
