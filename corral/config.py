@@ -107,8 +107,8 @@ def parse_size(value: str) -> int:
 
 def _parse_context(value: str) -> int:
     n = int(value)
-    if n < 4 or n > 1 << 24:
-        raise ValueError("must be between 4 and 16777216")
+    if n != 0 and (n < 4 or n > 1 << 24):
+        raise ValueError("must be 0 (auto) or between 4 and 16777216")
     return n
 
 
@@ -194,7 +194,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("MAX_LOADED_MODELS", "max_loaded_models", 0, "auto",
          "most models loaded at once (0: auto)", _parse_count),
     Spec("MAX_QUEUE", "max_queue", 512, "512", "most pending requests before 503", _parse_count),
-    Spec("CONTEXT_LENGTH", "context_length", 4096, "4096", "default num_ctx per slot",
+    Spec("CONTEXT_LENGTH", "context_length", 0, "auto", "default num_ctx per slot (0: the "
+         "model's trained length, up to 256k, as one slot of it fits in memory)",
          _parse_context),
     Spec("ORIGINS", "origins", (), "", "extra allowed CORS origins, comma separated",
          _parse_origins),
@@ -307,6 +308,12 @@ def llama_lib_path() -> str | None:
 def cuda_visible_devices() -> str | None:
     """CUDA_VISIBLE_DEVICES, when set: which GPUs CUDA (and so llama.cpp) may use."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with `extra` on top: what `corral launch` runs an agent
+    with (its settings for that run, the user's own configuration untouched)."""
+    return {**os.environ, **extra}
 
 
 def load_settings(environ: Mapping[str, str] | None = None, warn: bool = True) -> Settings:

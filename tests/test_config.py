@@ -20,7 +20,7 @@ def test_defaults() -> None:
     assert str(s.host) == "127.0.0.1:11434"
     assert s.models.name == "models"
     assert s.keep_alive == 300.0 and s.num_parallel == 0 and s.max_queue == 512
-    assert s.context_length == 4096 and s.kv_cache_type == "f16"
+    assert s.context_length == 0 and s.kv_cache_type == "f16"  # 0: auto (fitestimate)
     assert s.api_key is None and s.noprune is False and s.flash_attention is None
 
 
@@ -34,7 +34,7 @@ def test_invalid_values_warn_and_fall_back(caplog: pytest.LogCaptureFixture) -> 
     s = load_settings({"CORRAL_MAX_QUEUE": "many", "CORRAL_KEEP_ALIVE": "soon",
                        "CORRAL_CONTEXT_LENGTH": "2", "CORRAL_KV_CACHE_TYPE": "q3"})
     assert (s.max_queue, s.keep_alive, s.context_length, s.kv_cache_type) == (
-        512, 300.0, 4096, "f16")
+        512, 300.0, 0, "f16")
     assert len(s.warnings) == 4
     assert "CORRAL_MAX_QUEUE" in caplog.text
 

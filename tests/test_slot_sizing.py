@@ -118,3 +118,34 @@ def test_the_daemon_asks_nvml_only_for_cuda_and_falls_back_without_it(
     if fitestimate.gpu_backend_present():
         pytest.skip("this install's llama.cpp has a GPU backend of its own")
     assert fitestimate.daemon_free_gpu_memory() == 0  # a CPU build: nothing asked of any GPU
+
+
+def test_default_context_is_the_trained_length_as_memory_allows(tmp_path: Path) -> None:
+    """CORRAL_CONTEXT_LENGTH auto: the trained length where one slot of it fits, else the
+    most that fits (in steps of 1024), never under 4096; the same for a model all along."""
+    long = GGUFInfo(**{**INFO.__dict__, "context_length": 131072})
+    per_token = fitestimate.kv_bytes_per_token(long)
+    assert fitestimate.context_that_fits(long, 64 << 30) == 131072
+    assert fitestimate.context_that_fits(INFO, 64 << 30) == 8192  # its trained length
+    mid = 2 << 30
+    ctx = fitestimate.context_that_fits(long, mid)
+    assert 32768 <= ctx < 131072 and ctx % 1024 == 0
+    room = mid - fitestimate.memory_margin(mid) - fitestimate.estimate(long, 0, 1, 0).total
+    assert ctx * per_token <= room < (ctx + 1024) * per_token
+    assert fitestimate.context_that_fits(long, 100 * MB) == 4096  # the floor
+    huge = GGUFInfo(**{**INFO.__dict__, "context_length": 1 << 20})
+    assert fitestimate.context_that_fits(huge, 1 << 40) == 262144  # Ollama's top tier
+    free = [64 << 30]
+    s = Scheduler(load_settings({}), FakeRunner, free_memory=lambda: free[0],
+                  free_vram=lambda: 0, total_memory=lambda: 64 << 30,
+                  inspect=lambda r: long)
+    r = rec(tmp_path)
+    first = s.fit.default_ctx(r)
+    free[0] = 600 * MB  # the model's own load took the memory: its context stays
+    assert s.fit.default_ctx(r) == first == 131072
+    assert s._load_options(Options(), r).num_ctx == 131072
+    assert s._load_options(Options(num_ctx=2048), r).num_ctx == 2048
+    fixed = Scheduler(load_settings({"CORRAL_CONTEXT_LENGTH": "8192"}), FakeRunner,
+                      free_memory=lambda: 64 << 30, free_vram=lambda: 0,
+                      total_memory=lambda: 64 << 30, inspect=lambda r: long)
+    assert fixed._load_options(Options(), r).num_ctx == 8192

@@ -154,6 +154,10 @@ class Client:
     def delete(self, model: str) -> None:
         self._call("DELETE", "/api/delete", {"model": model})
 
+    def load(self, model: str) -> None:
+        """Load `model`: an empty generate, as Ollama's clients preload one."""
+        self._call("POST", "/api/generate", {"model": model})
+
     def stop(self, model: str) -> None:
         try:
             self._call("POST", "/api/generate", {"model": model, "keep_alive": 0})

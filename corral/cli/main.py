@@ -13,7 +13,8 @@ from corral.api.client import Client
 from corral.cli import tables
 from corral.cli.progress import show_progress
 from corral.cli.runoptions import RunOptions
-from corral.config import Settings, describe_settings, load_settings, parse_duration
+from corral.config import (Settings, child_environment, describe_settings, load_settings,
+                           parse_duration)
 from corral.errors import CorralError
 from corral.version import corral_version
 
@@ -263,6 +264,32 @@ def run(model: str,
         repl.one_shot(c, opts, text)
     else:
         repl.interactive(c, opts)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(ctx: typer.Context,
+           agent: str = typer.Argument("", help="claude, codex or opencode; none: list them."),
+           model: str = typer.Option("", "--model", "-m", help="The model the agent uses.")
+           ) -> None:
+    """Run a coding agent against Corral: corral launch AGENT --model MODEL [-- ARGS]."""
+    import subprocess
+
+    from corral.cli import agents
+
+    if not agent:
+        typer.echo(agents.listing())
+        return
+    spec = agents.agent_named(agent)
+    binary = spec.find()
+    if binary is None:
+        raise CorralError(f"{spec.title} is not installed; install it with: {spec.install}")
+    c = client()
+    if model and not c.exists(model):
+        show_progress(c.stream("/api/pull", {"model": model}))
+    run_as = spec.build(binary, agents.target(c, model, settings().api_key), list(ctx.args))
+    if run_as.warning:
+        typer.echo(f"Warning: {run_as.warning}", err=True)
+    raise typer.Exit(subprocess.call(run_as.argv, env=child_environment(run_as.env)))
 
 
 def _refuse_reranker(c: Client, model: str) -> None:

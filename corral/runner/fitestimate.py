@@ -134,6 +134,32 @@ def slots_that_fit(info: GGUFInfo, num_ctx: int, budget: int, max_slots: int,
     return best
 
 
+DEFAULT_CTX_MIN = 4096  # the old default, and Ollama's smallest tier
+DEFAULT_CTX_MAX = 262144  # Ollama's largest tier
+DEFAULT_CTX_STEP = 1024
+
+
+def context_that_fits(info: GGUFInfo, budget: int, kv_type: str = "f16",
+                      n_batch: int = DEFAULT_BATCH) -> int:
+    """The default num_ctx: the model's trained length, up to DEFAULT_CTX_MAX, as far as
+    one slot of it fits `budget` bytes after the margin (in steps of DEFAULT_CTX_STEP);
+    never under DEFAULT_CTX_MIN (or the trained length, where that is shorter). An
+    agent's first request is 10-20k tokens, so a model that has the length and the
+    memory gets 32k and more; memory that follows use (docs/serving.md) makes a long
+    context cost only the cells a prompt writes."""
+    trained = info.context_length or DEFAULT_CTX_MIN
+    want = min(trained, DEFAULT_CTX_MAX)
+    floor = min(trained, DEFAULT_CTX_MIN)
+    if budget <= 0:
+        return floor
+    room = budget - memory_margin(budget)
+    fixed = estimate(info, 0, 1, 0, kv_type=kv_type, n_batch=n_batch).total
+    fits = (room - fixed) // max(kv_bytes_per_token(info, kv_type), 1)
+    if fits >= want:
+        return want
+    return max(floor, fits // DEFAULT_CTX_STEP * DEFAULT_CTX_STEP)
+
+
 def pool_tokens_that_fit(info: GGUFInfo, want: int, budget: int, n_seqs: int,
                          kv_type: str = "f16", n_batch: int = DEFAULT_BATCH) -> int:
     """A shared KV pool of up to `want` tokens that fits `budget` after the margin."""

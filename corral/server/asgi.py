@@ -160,8 +160,10 @@ class Dispatcher:
 
 
 def needs_key(method: str, path: str) -> bool:
-    """Everything but the root (clients check that it answers) and the page's own files."""
-    return not ((path == "/" and method in ("GET", "HEAD")) or is_page(method, path))
+    """Everything but the root and /api/hello (clients check that they answer, Claude Code
+    without its key) and the page's own files."""
+    return not ((path in ("/", "/api/hello") and method in ("GET", "HEAD"))
+                or is_page(method, path))
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

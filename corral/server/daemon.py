@@ -45,6 +45,7 @@ def routes(services: Services, puller: Puller, pusher: Pusher
     blobs = manage.blobs(services)
     return [
         ("GET", "/", manage.root(services)),
+        ("GET", "/api/hello", manage.root(services)),  # Claude Code's warm-up (HEAD) of its base
         ("GET", "/api/version", manage.version(services)),
         ("POST", "/api/generate", native.generate(services)),
         ("POST", "/api/chat", native.chat(services)),

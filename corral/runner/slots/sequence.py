@@ -17,6 +17,7 @@ generated are prefilled again and sampling continues where it stopped.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
     from corral.runner.llama.sampling import Sampler
+
+log = logging.getLogger("corral.runner")
 
 
 class SeqState(enum.Enum):
@@ -63,6 +66,7 @@ class Sequence:
     last_token: int = -1
     n_generated: int = 0
     n_prompt_eval: int = 0
+    n_prompt: int = 0  # the prompt as read: the context may have cut the job's
     limit: int = 0  # most tokens it may generate
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     stops: StopMatcher = field(default_factory=lambda: StopMatcher([]))
@@ -89,7 +93,10 @@ class Sequence:
         self.limit = limit
         self.stops = StopMatcher(self.job.stop)
         self.pending = tokens[n_prefix:]
-        self.n_prompt_eval = len(self.pending)
+        self.n_prompt_eval, self.n_prompt = len(self.pending), len(tokens)
+        if len(tokens) < len(self.job.prompt):  # said once: a client is told only the count
+            log.warning("a prompt of %d tokens was cut to %d to fit the context; a larger "
+                        "num_ctx reads it whole", len(self.job.prompt), len(tokens))
         self.t_start = now
         self.history = History(tokens)
 
@@ -143,7 +150,7 @@ class Sequence:
             eval_count=self.n_generated,
             eval_duration=int((now - first) * 1e9),
             queue_duration=int((self.t_start - job.submitted) * 1e9),
-            prompt_tokens=len(job.prompt),
+            prompt_tokens=self.n_prompt or len(job.prompt),  # what was read
             # Image placeholders mean nothing outside this runner's vision cache.
             context=tuple([t for t in job.prompt if t >= 0] + self.generated),
             draft_count=self.draft.drafted,

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Protocol, TypeVar, Union
 
 from corral.api.wire import Wire, parse
 from corral.errors import CorralError
@@ -99,7 +99,8 @@ class _Raised:
     exc: BaseException
 
 
-def with_idle(events: Iterator[Event], every: float) -> Iterator[Union[Event, Idle]]:
+def with_idle(events: Iterator[Event], every: float
+              ) -> Generator[Union[Event, Idle], None, None]:
     """`events`, with an Idle wherever none came for `every` seconds. The generation runs
     on a thread of its own, so that waiting for it can time out; closing this iterator
     makes that thread close the generation once its next event comes (a client that

@@ -71,8 +71,8 @@ def run(services: Services, request: Task, on_disconnect: OnDisconnect | None = 
     """Check the request now; the returned events then hold, render and generate."""
     plan = prepare(services.models.view(request.model), request, services.settings)
     if plan.think_dropped:
-        left_out(f"thinking on {plan.view.name}", "the model cannot think; this route "
-                 "drops `thinking` instead of refusing it, as Ollama's does")
+        left_out(f"thinking on {plan.view.record.name.display()}", "the model cannot think; "
+                 "this route drops `thinking` instead of refusing it, as Ollama's does")
     cancels = Cancels()
     return _events(services, plan, cancels, on_disconnect)
 

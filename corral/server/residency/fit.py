@@ -29,6 +29,24 @@ class MemoryFit:
         self.free_vram = free_vram
         self.total_memory = total_memory
         self.inspect = inspect  # the daemon passes its store's cached reader
+        self._contexts: dict[str, int] = {}  # each model's default num_ctx, once made
+
+    def default_ctx(self, record: ModelRecord) -> int:
+        """num_ctx for a request that sets none, where CORRAL_CONTEXT_LENGTH is auto
+        (fitestimate.context_that_fits). Made once per model file: a later request, with
+        less memory free, must ask for the same context or it would reload the model."""
+        key = str(record.model_path)
+        if key not in self._contexts:
+            try:
+                info = self.inspect(record)
+            except CorralError:
+                return fitestimate.DEFAULT_CTX_MIN
+            budget = self.budget() - self._draft(record, fitestimate.DEFAULT_CTX_MIN, 1)
+            if not self.free_vram():  # the prompt cache takes host RAM beside the KV
+                budget -= self.cache_ram()
+            self._contexts[key] = fitestimate.context_that_fits(
+                info, budget, self.settings.kv_cache_type)
+        return self._contexts[key]
 
     def slots(self, record: ModelRecord, opts: Options) -> int:
         """A fixed CORRAL_NUM_PARALLEL wins; else as many as the memory estimate fits, up

@@ -267,7 +267,8 @@ class Scheduler:
         opts = options.load()
         # auto (-1) never forces a reload; nor does draft_num_predict on a model that has
         # no draft model for it to bound
-        return replace(opts, num_ctx=opts.num_ctx or self.settings.context_length,
+        return replace(opts, num_ctx=opts.num_ctx or self.settings.context_length
+                       or self.fit.default_ctx(record),
                        num_gpu=None if opts.num_gpu == -1 else opts.num_gpu,
                        draft_num_predict=opts.draft_num_predict if record.draft else None)
 
