@@ -11,15 +11,17 @@ from corral.api.wire import parse
 from corral.api.wire.anthropic import MessagesRequest
 from corral.server.chat.reply import Kind, Piece
 from corral.server.dialects.anthropic import Blocks, parse_messages
-from corral.server.dialects.stream import Event, Idle, with_idle
+from corral.server.dialects.stream import Event, Idle, Live, with_idle
 from corral.server.pipeline.request import Finished
 
 DEADLINE = 30.0
 
 
-def held(release: threading.Event, closed: threading.Event) -> Iterator[Event]:
-    """A generation that says nothing until `release`: a load, or a long prefill."""
+def held(live: Live, release: threading.Event, closed: threading.Event) -> Iterator[Event]:
+    """A generation admitted at once, which says nothing until `release`: a long
+    prefill."""
     try:
+        live.admit()
         assert release.wait(DEADLINE)
         yield Piece(Kind.CONTENT, "Hi")
         yield Finished(prompt_tokens=3, eval_count=1)
@@ -28,8 +30,8 @@ def held(release: threading.Event, closed: threading.Event) -> Iterator[Event]:
 
 
 def test_message_start_at_once_then_pings_until_the_first_token() -> None:
-    release, closed = threading.Event(), threading.Event()
-    frames = Blocks("m", keepalive=0.01).frames(with_idle(held(release, closed), 0.01))
+    release, closed, live = threading.Event(), threading.Event(), Live(0.01)
+    frames = Blocks("m").frames(with_idle(held(live, release, closed), live))
     names = []
     for frame in frames:
         names.append(frame.decode().split("\n")[0].removeprefix("event: "))
@@ -41,20 +43,22 @@ def test_message_start_at_once_then_pings_until_the_first_token() -> None:
 
 
 def test_a_reader_that_leaves_closes_the_generation() -> None:
-    release, closed = threading.Event(), threading.Event()
-    marked = with_idle(held(release, closed), 0.01)
-    assert isinstance(next(marked), Idle)
+    release, closed, live = threading.Event(), threading.Event(), Live(0.01)
+    marked = with_idle(held(live, release, closed), live)
+    assert isinstance(next(marked), Idle)  # the admission
     marked.close()  # the client left while nothing had come
     release.set()
     assert closed.wait(DEADLINE)  # its holds are given back on the generation's thread
 
 
-def test_errors_come_through_after_the_opening() -> None:
+def test_an_error_before_the_admission_comes_first() -> None:
+    """A full queue or a load that fails raises before anything is yielded: the route
+    answers it with a status, not a stream."""
     def failing() -> Iterator[Event]:
         raise ValueError("no model")
         yield  # pragma: no cover
 
-    marked = with_idle(failing(), DEADLINE)
+    marked = with_idle(failing(), Live(DEADLINE))
     try:
         next(marked)
     except ValueError as exc:

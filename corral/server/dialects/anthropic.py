@@ -11,8 +11,8 @@ that cannot think is dropped on this route, as Ollama's does, and `clear_thinkin
 of `context_management` are applied (docs/agents.md lists what else is taken as is).
 
 Replies are content blocks in the order the model wrote them; streamed, they are
-Anthropic's server-sent events: message_start as soon as the request is checked, `ping`
-while nothing else is said (a load, a long prefill), content_block_start/delta/stop per
+Anthropic's server-sent events: message_start as soon as the request is admitted, `ping`
+while nothing else is said (a long prefill), content_block_start/delta/stop per
 block, message_delta with the stop reason and usage, message_stop. With thinking's
 `display: omitted`, thinking blocks come without their text.
 """

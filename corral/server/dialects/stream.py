@@ -7,10 +7,10 @@ shape. Once the stream has started, a failure is the API's own in-stream error
 event, and the stream ends cleanly.
 
 A live renderer (one with a `keepalive`, Anthropic's) opens its stream as soon as
-the request is checked, as Anthropic's API does, and sends its keep-alive frame
-whenever nothing else went out for `keepalive` seconds: a client's idle timer never
-sees silence through a model's load or a long prompt's prefill. What fails after
-the opening (a full queue, a load) is then its in-stream error event.
+the request is admitted (the scheduler took it and its model is ready), before the
+first token, and sends its keep-alive frame whenever nothing else went out for
+`keepalive` seconds: a client's idle timer never sees silence through a long
+prompt's prefill. A full queue or a model that will not load is still a status.
 """
 
 from __future__ import annotations
@@ -56,25 +56,29 @@ class Renderer(Protocol):
 
 @dataclass(frozen=True)
 class Idle:
-    """Nothing came for a live renderer's `keepalive` seconds: its cue for a keep-alive."""
+    """A live renderer's cue for a keep-alive: the request was admitted, or nothing came
+    for its `keepalive` seconds since."""
 
 
 def respond(handler: Handler, events: Iterator[Event], renderer: Renderer, stream: bool) -> None:
-    keepalive = getattr(renderer, "keepalive", None)
-    if stream and keepalive:
-        writer = handler.start_stream(renderer.content_type)
-        marked = with_idle(events, keepalive)
-        try:
-            _write(handler, writer, renderer, marked)
-        finally:
-            marked.close()
-        return
     first = next(events, None)  # errors up to here become a status, by the route's shape
     rest: Iterator[Event] = itertools.chain([first], events) if first is not None else events
     if not stream:
         handler.send_json(200, renderer.whole(rest))
         return
     _write(handler, handler.start_stream(renderer.content_type), renderer, rest)
+
+
+def respond_live(handler: Handler, events: Iterator[Event], renderer: Renderer,
+                 live: Live) -> None:
+    """A live renderer's stream: opened at the admission, kept alive while nothing comes."""
+    marked = with_idle(events, live)
+    try:
+        first = next(marked, None)  # errors up to the admission become a status
+        rest = itertools.chain([first], marked) if first is not None else marked
+        _write(handler, handler.start_stream(renderer.content_type), renderer, rest)
+    finally:
+        marked.close()
 
 
 def _write(handler: Handler, writer: StreamWriter, renderer: Renderer,
@@ -92,6 +96,7 @@ def _write(handler: Handler, writer: StreamWriter, renderer: Renderer,
 
 
 _END = object()
+_ADMITTED = object()
 
 
 @dataclass(frozen=True)
@@ -99,14 +104,24 @@ class _Raised:
     exc: BaseException
 
 
-def with_idle(events: Iterator[Event], every: float
-              ) -> Generator[Union[Event, Idle], None, None]:
-    """`events`, with an Idle wherever none came for `every` seconds. The generation runs
-    on a thread of its own, so that waiting for it can time out; closing this iterator
-    makes that thread close the generation once its next event comes (a client that
-    left has already cancelled it, so that is soon)."""
-    out: queue.Queue[Any] = queue.Queue()
-    stop = threading.Event()
+class Live:
+    """One live stream's hand-off: the generation's events, and its admission, in one
+    queue (run() calls `admit` once the scheduler has taken the request)."""
+
+    def __init__(self, keepalive: float) -> None:
+        self.keepalive = keepalive
+        self.out: queue.Queue[Any] = queue.Queue()
+
+    def admit(self) -> None:
+        self.out.put(_ADMITTED)
+
+
+def with_idle(events: Iterator[Event], live: Live) -> Generator[Union[Event, Idle], None, None]:
+    """`events`, with an Idle at the admission and wherever none came for the keep-alive
+    after it. The generation runs on a thread of its own, so that waiting for it can
+    time out; closing this iterator makes that thread close the generation once its
+    next event comes (a client that left has already cancelled it, so that is soon)."""
+    out, stop = live.out, threading.Event()
 
     def pump() -> None:
         try:
@@ -123,18 +138,24 @@ def with_idle(events: Iterator[Event], every: float
             out.put(_END)
 
     threading.Thread(target=pump, daemon=True, name="stream-pump").start()
+    admitted = False
     try:
         while True:
-            try:
-                item = out.get(timeout=every)
+            try:  # before the admission a wait has the scheduler's own deadlines
+                item = out.get(timeout=live.keepalive) if admitted else out.get()
             except queue.Empty:
                 yield Idle()
                 continue
-            if item is _END:
+            if item is _ADMITTED:
+                if not admitted:
+                    admitted = True
+                    yield Idle()
+            elif item is _END:
                 return
-            if isinstance(item, _Raised):
+            elif isinstance(item, _Raised):
                 raise item.exc
-            yield item
+            else:
+                yield item
     finally:
         stop.set()
 
@@ -155,6 +176,12 @@ def generation(services: Services, record: type[W], to_request: Callable[[W], R]
         request = to_request(wire)
         if nothing_to_do is not None and nothing_to_do(wire, request, handler):
             return
-        respond(handler, run(services, request, req.on_disconnect), renderer(wire, request),
-                bool(getattr(wire, "stream", False)))
+        answer, stream = renderer(wire, request), bool(getattr(wire, "stream", False))
+        keepalive = getattr(answer, "keepalive", None)
+        if stream and keepalive:
+            live = Live(keepalive)
+            respond_live(handler, run(services, request, req.on_disconnect, live.admit),
+                         answer, live)
+            return
+        respond(handler, run(services, request, req.on_disconnect), answer, stream)
     return route

@@ -66,25 +66,32 @@ class Cancels:
             hook()
 
 
-def run(services: Services, request: Task, on_disconnect: OnDisconnect | None = None
-        ) -> Iterator[Event]:
-    """Check the request now; the returned events then hold, render and generate."""
+def run(services: Services, request: Task, on_disconnect: OnDisconnect | None = None,
+        admitted: Callable[[], None] | None = None) -> Iterator[Event]:
+    """Check the request now; the returned events then hold, render and generate.
+    `admitted` is called once the scheduler has taken the request and its model is
+    ready: past that, what fails is no longer a full queue or a load (a live stream
+    opens there)."""
     plan = prepare(services.models.view(request.model), request, services.settings)
     if plan.think_dropped:
         left_out(f"thinking on {plan.view.record.name.display()}", "the model cannot think; "
                  "this route drops `thinking` instead of refusing it, as Ollama's does")
     cancels = Cancels()
-    return _events(services, plan, cancels, on_disconnect)
+    return _events(services, plan, cancels, on_disconnect, admitted or _nothing)
 
 
-def _events(services: Services, plan: Plan, cancels: Cancels, on_disconnect: OnDisconnect | None
-            ) -> Iterator[Event]:
+def _nothing() -> None:
+    pass
+
+
+def _events(services: Services, plan: Plan, cancels: Cancels, on_disconnect: OnDisconnect | None,
+            admitted: Callable[[], None]) -> Iterator[Event]:
     watcher = on_disconnect(cancels.fire) if on_disconnect is not None else None
     try:
         if plan.request.n == 1:
-            yield from _choice(services, plan, 0, cancels)
+            yield from _choice(services, plan, 0, cancels, admitted)
         else:
-            yield from _choices(services, plan, cancels)
+            yield from _choices(services, plan, cancels, admitted)
     finally:
         if watcher is not None:
             watcher.set()
@@ -93,13 +100,14 @@ def _events(services: Services, plan: Plan, cancels: Cancels, on_disconnect: OnD
 _END = object()
 
 
-def _choices(services: Services, plan: Plan, cancels: Cancels) -> Iterator[Event]:
+def _choices(services: Services, plan: Plan, cancels: Cancels, admitted: Callable[[], None]
+             ) -> Iterator[Event]:
     """n sequences at once, each on a thread of its own that feeds one queue."""
     out: queue.Queue[Any] = queue.Queue()
 
     def work(index: int) -> None:
         try:
-            for event in _choice(services, plan, index, cancels):
+            for event in _choice(services, plan, index, cancels, admitted):
                 out.put(event)
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
             out.put(exc)
@@ -126,7 +134,8 @@ def _choices(services: Services, plan: Plan, cancels: Cancels) -> Iterator[Event
             cancels.fire()  # a sibling failed or the reader left: stop the others
 
 
-def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Iterator[Event]:
+def _choice(services: Services, plan: Plan, index: int, cancels: Cancels,
+            admitted: Callable[[], None]) -> Iterator[Event]:
     """One sequence: hold the model, render, stream pieces, end with its Finished."""
     model, started = plan.view.record.name.display(), time.perf_counter()
     job_id = uuid.uuid4().hex
@@ -141,6 +150,7 @@ def _choice(services: Services, plan: Plan, index: int, cancels: Cancels) -> Ite
         if cancels.fired:
             services.metrics.request(model, "cancelled")
             return
+        admitted()
         body, opened = _runner_body(plan, runner.report, options, job_id)
         parser = ReplyParser(plan.fmt, plan.tool_names,
                              thinking_open=opened)
