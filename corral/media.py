@@ -25,3 +25,22 @@ def audio_format(data: bytes) -> str | None:
 def stb_image(data: bytes) -> bool:
     """Whether stb_image (mtmd's image decoder) reads this format: PNG, JPEG, GIF, BMP."""
     return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM"))
+
+
+# Formats mtmd cannot take as audio, by what their bytes start with, for errors that
+# name what came instead of the vague "not audio".
+_OTHERS = ((b"OggS", "an Ogg file"), (b"\x1aE\xdf\xa3", "a WebM or Matroska file"),
+           (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"),
+           (b"GIF8", "a GIF image"), (b"BM", "a BMP image"), (b"%PDF", "a PDF"))
+
+
+def named(data: bytes) -> str:
+    """What the bytes are, in words, as far as their first bytes tell."""
+    kind = audio_format(data)
+    if kind is not None:
+        return f"a {kind.upper()} clip"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "a WebP image"
+    if data[4:8] == b"ftyp":
+        return "an MP4 or M4A file"
+    return next((name for head, name in _OTHERS if data.startswith(head)), "not a known format")

@@ -217,3 +217,24 @@ def test_thinking_display_omitted(daemon: Daemon) -> None:
     shown = httpx.post(daemon.url + "/v1/messages", timeout=120, json={
         **body, "thinking": {"type": "adaptive"}}).json()
     assert shown["content"][0]["thinking"]  # the same, shown
+
+
+def test_render_takes_every_apis_body(daemon: Daemon) -> None:
+    """/corral/render reads a body as its own route would: Anthropic's (a top-level
+    system, a system turn among the messages), OpenAI's, the Responses API's, Ollama's."""
+    def prompt(body: dict[str, Any]) -> str:
+        resp = httpx.post(daemon.url + "/corral/render", json={"model": AGENT, **body},
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["prompt"])
+
+    ollama_shape = prompt({"messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hi"}]})
+    assert prompt({"system": "Be brief.", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}) == ollama_shape
+    assert prompt({"messages": [{"role": "developer", "content": "Be brief."}, {
+        "role": "user", "content": [{"type": "text", "text": "Hi"}]}]}) == ollama_shape
+    assert prompt({"instructions": "Be brief.", "input": "Hi"}) == ollama_shape
+    turn = prompt({"api": "anthropic", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}]})
+    assert turn.rindex("<|im_start|>system") > turn.index("Hi")  # where it stood

@@ -96,12 +96,13 @@ def test_every_api_hears_the_same_clip(daemon: Daemon, clips: dict[str, Path]) -
     oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
     part: Any = {"type": "input_audio", "input_audio": {"data": b64(clips["noise.wav"]),
                                                         "format": "wav"}}
+    # Parts: the clip where its part stands, after the text as "[img]" puts it natively.
     chat = oai.chat.completions.create(model=EAR, temperature=0, seed=1, max_tokens=N,
                                        messages=[{"role": "user", "content": [
-                                           {"type": "text", "text": ASKED}, part]}])
+                                           {"type": "text", "text": ASK}, part]}])
     assert chat.choices[0].message.content == text
     responses = oai.responses.create(model=EAR, temperature=0, max_output_tokens=N, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": ASKED}, part]}])
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}, part]}])
     assert responses.output_text == text
     with clips["noise.wav"].open("rb") as f:
         heard = oai.audio.transcriptions.create(model=EAR, file=f)
@@ -228,3 +229,58 @@ def test_cli_attaches_audio_paths(daemon: Daemon, clips: dict[str, Path]) -> Non
     assert plain.returncode == 0 and "Added audio" not in plain.stderr
     shown = corral(daemon, "show", EAR)
     assert "audio" in shown.stdout and "qwen2a" in shown.stdout
+
+
+def test_parts_keep_their_order(daemon: Daemon, clips: dict[str, Path]) -> None:
+    """A clip goes where its part stands, as llama-server places its media marker
+    (text parts joined by a new line, nothing around a clip): `[text, clip]` is read
+    with the clip after the text, `[clip, text]` before it, in OpenAI's chat, the
+    Responses API and Anthropic's messages alike, and /corral/render shows it for each."""
+    from corral.runner.wire import MARKER
+
+    clip = b64(clips["noise.wav"])
+    part = {"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}}
+    orders = {"after": [{"type": "text", "text": ASK}, part],
+              "before": [part, {"type": "text", "text": ASK}],
+              "between": [{"type": "text", "text": "One"}, part, {"type": "text", "text": "two"},
+                          {"type": "text", "text": "three"}]}
+    expected = {"after": ASK + MARKER, "before": MARKER + ASK,
+                "between": f"One{MARKER}two\nthree"}
+    answers = {}
+    for name, content in orders.items():
+        body = {"model": EAR, "messages": [{"role": "user", "content": content}]}
+        shown = httpx.post(daemon.url + "/corral/render", json=body, timeout=120).json()
+        assert expected[name] in shown["prompt"] and shown["images"] == 1, shown
+        responses = [{**p, "type": "input_text"} if p["type"] == "text" else p
+                     for p in content]
+        again = httpx.post(daemon.url + "/corral/render", timeout=120, json={
+            "model": EAR, "input": [{"role": "user", "content": responses}]}).json()
+        assert again["prompt"] == shown["prompt"]
+        r = httpx.post(daemon.url + "/v1/chat/completions", timeout=120, json={
+            **body, "temperature": 0, "seed": 1, "max_tokens": N})
+        answers[name] = r.json()["choices"][0]["message"]["content"]
+    # Natively "[img]" marks the place, and a clip with none goes in front (Ollama's).
+    for name, content in (("after", ASKED), ("before", ASK)):
+        native = ollama.Client(host=daemon.url).chat(model=EAR, options=GREEDY, messages=[
+            {"role": "user", "content": content, "images": [clip]}])
+        assert native.message.content == answers[name], name
+    assert answers["after"] != answers["before"]
+
+
+def test_a_transcription_is_audio_and_has_a_bound(daemon: Daemon,
+                                                  clips: dict[str, Path]) -> None:
+    wav = clips["noise.wav"].read_bytes()
+    for data, words in ((png_bytes(8, 8), "a PNG image"), (b"OggS" + b"\0" * 60, "an Ogg file"),
+                        (b"\0\0\0\x20ftypM4A " + b"\0" * 40, "an MP4 or M4A file")):
+        r = httpx.post(daemon.url + "/v1/audio/transcriptions", timeout=60,
+                       data={"model": EAR}, files={"file": ("clip", data)})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert words in message and "audio must be WAV, MP3 or FLAC" in message
+    r = httpx.post(daemon.url + "/v1/audio/transcriptions", timeout=120,
+                   data={"model": EAR, "max_tokens": "3"}, files={"file": ("a.wav", wav)})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] <= 3, r.text
+    from corral.server.dialects.transcriptions import token_bound
+
+    assert token_bound({}, 1.0, None) == 64 and token_bound({}, 600.0, None) == 4801
+    assert token_bound({}, 600.0, 12) == 12 and token_bound({"max_tokens": "16"}, 1.0, 12) == 16

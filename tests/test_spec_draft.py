@@ -343,3 +343,37 @@ def test_a_sequence_priced_out_of_drafting_drafts_again_once_it_copies() -> None
         spec.extended(history, pattern[len(history.tokens) % len(pattern)])
     assert verified_at is not None and verified_at > 0
     assert p.foreseen_right > 0 and p.foreseen == p.foreseen_right
+
+
+def test_a_draft_models_priced_out_sequence_drafts_again_once_it_foresees() -> None:
+    """The same for a draft model's candidates: priced out, a sequence still gets a
+    one-token proposal, unverified, scored by the token that follows; once the draft
+    model is seen to foresee it, it drafts again (it used to get no proposal, and so
+    never drafted again for the rest of the request)."""
+    from corral.runner.speculative.cost import RowCost
+    from corral.runner.speculative.draftmodel import DraftModel
+    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+
+    cost = RowCost(rate=0.2)
+    for rows in (1, 2, 4, 8, 16):
+        cost.observe(rows, 0.010 + 0.100 * rows)
+    decoder = CountingDecoder()
+    spec = Speculation(model=DraftModel(decoder, n_vocab=1000, cells=512, n_max=8),
+                       cost=cost)
+    history = History([10, 11, 12])
+    spec.started(history)
+    p = DraftPolicy()
+    p.verified(8, 0)  # its first draft missed
+    verified_at = None
+    for step in range(60):
+        for even in (False, True):  # a pool, and a KV stream per slot, alike
+            ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, even=even)
+            spec.prepare(ask)
+            if spec.drafts({0: history}):
+                verified_at = step
+                break
+        if verified_at is not None:
+            break
+        spec.extended(history, history.tokens[-1] + 1)  # what the draft model foresaw
+    assert verified_at is not None and verified_at > 0
+    assert p.foreseen_right > 0 and p.foreseen == p.foreseen_right

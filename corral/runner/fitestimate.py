@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from corral.registry.gguf import GGUFInfo
 from corral.runner.loadconfig import DEFAULT_BATCH
@@ -31,6 +31,15 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute
+
+    def without(self, extra: int) -> "Estimate":
+        """This estimate less `extra` bytes it counted beside the weights (a draft model
+        that did not load), on the side it counted them: `estimate` puts what is beside
+        the layers on the GPU when every layer is there, else on the CPU."""
+        on_gpu = self.gpu_layers == self.layers > 0
+        return replace(self, weights=self.weights - extra,
+                       gpu_bytes=max(self.gpu_bytes - extra, 0) if on_gpu else self.gpu_bytes,
+                       cpu_bytes=self.cpu_bytes if on_gpu else max(self.cpu_bytes - extra, 0))
 
 
 # Sequences' worth of cells a draft model's context holds (runner.speculative.draftmodel).

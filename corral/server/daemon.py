@@ -40,7 +40,7 @@ def routes(services: Services, puller: Puller, pusher: Pusher
     """(method, path, route): a path may end in Starlette's `{name:path}` for a prefix."""
     from corral.server import lifecycle, manage, page
     from corral.server.dialects import (anthropic, infill, native, openai, openai_misc,
-                                        rerank, responses, tokens, transcriptions)
+                                        render, rerank, responses, tokens, transcriptions)
 
     blobs = manage.blobs(services)
     return [
@@ -79,7 +79,7 @@ def routes(services: Services, puller: Puller, pusher: Pusher
         ("POST", "/v1/responses", responses.responses(services)),
         ("POST", "/v1/responses/input_tokens", responses.input_tokens(services)),
         ("POST", "/v1/audio/transcriptions", transcriptions.transcriptions(services)),
-        ("POST", "/corral/render", native.render(services)),  # Corral's: the rendered prompt
+        ("POST", "/corral/render", render.render(services)),  # Corral's: the rendered prompt
         ("GET", "/ui", page.page()),  # the page for people
         ("GET", page.PREFIX + "{file:path}", page.page()),
     ]

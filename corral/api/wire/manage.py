@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -72,6 +72,9 @@ class CreateRequest(Named):
 class RenderExtras(Wire):
     """/corral/render's own fields, beside a chat or generate body."""
 
+    # Whose body it is: "ollama" (/api/chat or /api/generate), "openai" (chat
+    # completions), "anthropic" (messages) or "responses"; left out, it is told by shape.
+    api: Optional[Literal["ollama", "openai", "anthropic", "responses"]] = None
     chat_template: Optional[str] = None
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None

@@ -122,6 +122,8 @@ def caches_for(model_path: str, cfg: "EngineConfig") -> PrefixCaches:
                     "flash_attn": cfg.flash_attn, "deterministic": cfg.deterministic,
                     "gpu_layers": cfg.n_gpu_layers, "llama_cpp": llama_version,
                     "adapters": [file_id(a) + [s] for a, s in cfg.adapters]}
+        if cfg.projector:  # two models sharing a text GGUF but not a projector embed an
+            identity["projector"] = file_id(cfg.projector)  # image (and grid it) apart
         try:
             disk = DiskTier(Path(cfg.cache_dir), cfg.cache_disk, namespace(identity),
                             background=True)  # the engine never waits for a write

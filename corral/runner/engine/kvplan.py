@@ -34,10 +34,14 @@ def save_op(slot: Slot, caches: PrefixCaches, n_prefix: int = 0,
 
 def shift_op(slot: Slot, can_shift: bool) -> Shift | None:
     """Context shift: drop half of what follows num_keep. None when the job must end
-    instead ('length'): shifting is off, impossible, or would drop nothing."""
+    instead ('length'): shifting is off, impossible, or would drop nothing. A prompt with
+    M-RoPE images never shifts: its positions are not its token counts, which are all a
+    shift moves (llama.cpp refuses such a context too, but that is not ours to lean on)."""
     job = slot.job
     assert job is not None
     if not (job.shift and can_shift) or job.num_predict == -2:
+        return None
+    if any(span.grid is not None for span in job.images):
         return None
     keep = max(0, min(job.num_keep, slot.n_past // 2))
     discard = (slot.n_past - keep) // 2

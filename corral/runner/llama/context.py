@@ -50,6 +50,7 @@ class EngineConfig:
     cache_ram: int = 0
     cache_disk: int = 0
     cache_dir: str = ""
+    projector: str = ""  # the model's multimodal projector: an image's KV depends on it
 
 
 class LlamaContext:

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corral.process import limit_malloc_arenas
@@ -83,7 +83,8 @@ def load(config: LoadConfig) -> LoadedModel:
         deterministic=config.deterministic, speculative=config.speculative,
         adapters=config.adapters,
         start_slots=config.start_slots, cache_ram=config.cache_ram,
-        cache_disk=config.cache_disk, cache_dir=config.cache_dir)
+        cache_disk=config.cache_disk, cache_dir=config.cache_dir,
+        projector=config.projector or "")
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
@@ -106,8 +107,8 @@ def load(config: LoadConfig) -> LoadedModel:
             vision.close()
         raise
     if draft is None and draft_bytes:  # estimated, and not held after all
-        est = replace(est, weights=est.weights - draft_bytes,
-                      cpu_bytes=max(est.cpu_bytes - draft_bytes, 0))
+        est = est.without(draft_bytes)
+        rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
                        vision, draft, draft_bytes if draft is not None else 0, draft_error)
 

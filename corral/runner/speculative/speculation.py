@@ -85,23 +85,23 @@ class Speculation:
     def _decide(self, ask: Ask) -> dict[int, tuple[Candidate, int]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
-        each; none where its drafts are not kept often enough to pay for their rows.
-        Where every slot has a KV stream of its own, all draft or none (`_even`). The
-        n-gram index's drafts are made for every candidate even so, since one that is not
-        verified still tells its sequence's odds for the price of a lookup: a sequence
-        whose first drafts missed, or that a fit misled by a busy moment priced out, is
-        seen to be copying once it is, and drafts again (a draft model's only where all
-        of them pay)."""
+        each. Where every slot has a KV stream of its own, all are used or none (`_even`).
+        A candidate whose drafts are not kept often enough to pay for their rows still
+        gets one, unverified, which tells its odds by the next token: a sequence whose
+        first drafts missed, or that a fit misled by a busy moment priced out, is seen
+        to be copying once it is, and drafts again. The n-gram index's costs a lookup,
+        so it is whole; a draft model's costs a row of its batch, so it is one token
+        (and where per-slot streams must all pay and some do not, every one is)."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
         look = self.model is None
         out = {}
         for c in cands:
             n = min(c.policy.want(len(cands), c.room), spare)
-            if n > 0 and (look or self._pays(c.policy, len(cands))):
-                out[c.seq_id] = (c, n)
-        if ask.even and not look and len(out) < len(cands):
-            return {}
+            if n > 0:
+                out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands)) else 1)
+        if ask.even and not look and any(not self._pays(c.policy, len(cands)) for c in cands):
+            return {seq: (c, 1) for seq, (c, _) in out.items()}
         return out
 
     def _even(self, cands: list[Candidate], made: dict[int, list[int]]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from corral.config import Settings
 from corral.errors import BadRequest
-from corral.media import audio_format
+from corral.media import audio_format, named
 
 @dataclass(frozen=True)
 class Clip:
@@ -48,7 +48,8 @@ def check_clip(data: bytes, i: int, settings: Settings) -> Clip:
     """The clip's format and length, once it is within the limits; else a 400 naming it."""
     kind = audio_format(data)
     if kind is None:
-        raise BadRequest(f"audio {i} is not a supported audio file (WAV, MP3 or FLAC)")
+        raise BadRequest(f"audio {i} is {named(data)}, which the runner cannot decode: "
+                         "audio must be WAV, MP3 or FLAC")
     if len(data) > settings.max_audio_bytes:
         raise BadRequest(f"audio {i} is over the limit of {settings.max_audio_bytes} bytes"
                          " (CORRAL_MAX_AUDIO_BYTES)")

@@ -79,6 +79,26 @@ def tool_named(messages: list[Message], call_id: str) -> str:
 
 EMPTY_SCHEMA: Json = {"type": "object", "properties": {}}
 
+# Where a media item's part stood in a message whose content came as parts (OpenAI's,
+# Anthropic's, the Responses API's): the prompt puts the item there (chat.prompt), not in
+# front as Ollama's `images` field places them. No client's text can hold it: it is taken
+# out of every text part.
+MEDIA_PLACE = "\x00corral-media\x00"
+
+
+def placed_text(parts: list[str | None]) -> str:
+    """Content parts as one text, each media item (None) where its part stood, joined as
+    llama-server joins them: a text part after a text part on a new line, nothing
+    around a media item."""
+    out, after_media = "", False
+    for part in parts:
+        if part is None:
+            out += MEDIA_PLACE
+        else:
+            out += ("\n" if out and not after_media else "") + part.replace(MEDIA_PLACE, "")
+        after_media = part is None
+    return out
+
 
 @dataclass(frozen=True)
 class Tool:

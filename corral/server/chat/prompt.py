@@ -15,7 +15,7 @@ from typing import Any
 
 from corral.registry.models import FALLBACK_TEMPLATE
 from corral.runner.wire import MARKER as MEDIA_MARKER
-from corral.server.chat.messages import Message, Tool
+from corral.server.chat.messages import MEDIA_PLACE, Message, Tool
 from corral.server.chat.templates.gotemplate import GoTemplate
 from corral.server.chat.templates.jinja import JinjaTemplate
 
@@ -23,7 +23,10 @@ _SENTINEL = "\x00corral-response\x00"
 
 
 def _mark(content: str, n: int) -> str:
-    """Ollama's rule: each image replaces an "[img]" in the text, else goes in front."""
+    """Each media item where its part stood (MEDIA_PLACE); any other by Ollama's rule:
+    it replaces an "[img]" in the text, else goes in front."""
+    n -= content.count(MEDIA_PLACE)
+    content = content.replace(MEDIA_PLACE, MEDIA_MARKER)
     prefix = ""
     for _ in range(n):
         if "[img]" in content:

@@ -31,7 +31,7 @@ from corral.api.wire.anthropic import (AnyChoice, Block, Choice, ContextManageme
                                        ThinkingBlock, Tool as WireTool, ToolChoice,
                                        ToolResultBlock, ToolUseBlock, URLSource, Usage)
 from corral.errors import CorralError, Shape, format_error
-from corral.server.chat.messages import Message, Tool, ToolCall, tool_named
+from corral.server.chat.messages import Message, Tool, ToolCall, placed_text, tool_named
 from corral.server.http import Handler, Request
 from corral.server.chat.images import from_data_uri
 from corral.server.chat.models import require_model
@@ -69,15 +69,16 @@ def _blocks(role: str, content: str | list[Block],
             earlier: list[Message]) -> list[Message]:
     """One Anthropic message as chat messages: tool results first, as Ollama orders them,
     each with the name of the call it answers (from `earlier`), for templates that
-    print it."""
+    print it; text and images in the order the blocks came."""
     if isinstance(content, str):
         return [Message(role, content)]
-    text, thinking, images = [], "", []
+    parts: list[str | None] = []  # None: an image, in its place
+    thinking, images = "", []
     calls: list[ToolCall] = []
     results: list[Message] = []
     for block in content:
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            parts.append(block.text)
         elif isinstance(block, ThinkingBlock):
             thinking = block.thinking
         elif isinstance(block, ToolUseBlock):
@@ -90,9 +91,10 @@ def _blocks(role: str, content: str | list[Block],
             continue  # encrypted by Anthropic: nothing a local model can read
         else:
             images.append(_image_of(block))
+            parts.append(None)
     out = list(results)
-    if text or calls or thinking or images:
-        out.append(Message(role, "".join(text), tuple(images), thinking, tuple(calls)))
+    if parts or calls or thinking:
+        out.append(Message(role, placed_text(parts), tuple(images), thinking, tuple(calls)))
     return out
 
 

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator
 
 from corral.api.types import STREAM_CONTENT_TYPE as NDJSON, nanoseconds, rfc3339
 from corral.api.wire import parse
-from corral.api.wire.manage import RenderExtras
 from corral.api.wire.native import (ChatRequest, EmbeddingsRequest, EmbedRequest,
                                     Final, GenerateRequest, Generation)
 from corral.api.wire.native import Message as WireMessage
@@ -219,21 +218,4 @@ def embeddings(services: Services) -> Callable[[Request, Handler], None]:
         result, _ = embed_inputs(services, view, [wire.prompt], wire.options, keep_alive,
                                  normalize=False, on_disconnect=req.on_disconnect)
         handler.send_json(200, {"embedding": result.embeddings[0]})
-    return route
-
-
-def render(services: Services) -> Callable[[Request, Handler], None]:
-    """POST /corral/render: a Corral extension, never part of an Ollama-shaped answer. It
-    takes an /api/chat body (with `messages`) or an /api/generate one and answers the
-    prompt the model would be given, as the runner would tokenize it; `chat_template`
-    (with `bos_token`, `eos_token`) tries a Jinja template in place of the model's."""
-    from corral.server.pipeline.run import render_only
-
-    def route(req: Request, handler: Handler) -> None:
-        body = req.json()
-        request: ChatTask | CompletionTask = parse_chat(parse(ChatRequest, body)) \
-            if "messages" in body else parse_generate(parse(GenerateRequest, body))
-        extras = parse(RenderExtras, body)
-        handler.send_json(200, render_only(services, request, extras.chat_template or None,
-                                           extras.bos_token or "", extras.eos_token or ""))
     return route

@@ -20,7 +20,8 @@ from corral.api.wire.openai import (ChatChoice, ChatCompletion, ChatCompletionRe
                                     TextChoice, TextCompletion, Usage)
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.runner.wire import Logprob
-from corral.server.chat.messages import Message as ChatMessage, ToolCall, function_tool, tool_named
+from corral.server.chat.messages import (Message as ChatMessage, ToolCall, function_tool,
+                                         placed_text, tool_named)
 from corral.server.http import Handler, Request
 from corral.server.chat.images import from_data_uri
 from corral.server.chat.models import require_model
@@ -81,16 +82,18 @@ def tool_choice_of(choice: ChatToolChoice) -> ToolChoice:
 def _message(m: Message, earlier: list[ChatMessage]) -> ChatMessage:
     content, images = m.content, []
     if isinstance(content, list):
-        texts = []
+        texts: list[str | None] = []  # None: a media item, in its place
         for part in content:
             if part.type == "text":
                 texts.append(part.text)
-            elif part.type == "input_audio":  # Ollama's way: audio rides with the images
+                continue
+            if part.type == "input_audio":  # Ollama's way: audio rides with the images
                 images.append(part.input_audio.data)
             else:
                 url = part.image_url
                 images.append(from_data_uri(url if isinstance(url, str) else url.url))
-        content = "\n".join(texts)
+            texts.append(None)
+        content = placed_text(texts)
     calls = []
     for call in m.tool_calls or []:
         try:

@@ -36,7 +36,8 @@ from corral.api.wire.responses import (AnyTool, Content, CustomCallItem, CustomT
                                        ResponsesRequest, TextPart, TimedResponse, Tool as Fn,
                                        Usage)
 from corral.errors import BadRequest, CorralError
-from corral.server.chat.messages import EMPTY_SCHEMA, Message, Tool, ToolCall, tool_named
+from corral.server.chat.messages import (EMPTY_SCHEMA, Message, Tool, ToolCall, placed_text,
+                                         tool_named)
 from corral.server.dialects.openai import structured, think_of_effort
 from corral.server.http import Handler, Request
 from corral.server.chat.images import from_data_uri
@@ -51,22 +52,24 @@ from corral.server.chat.reply import Kind, Piece
 
 def _text(content: Content, images: list[str] | None = None) -> str:
     """A content's text; its input_image parts (data URIs) and input_audio parts go to
-    `images` (Ollama's list for both) where allowed."""
+    `images` (Ollama's list for both) where allowed, each placed where its part stood."""
     if isinstance(content, str):
         return content
-    parts = []
+    parts: list[str | None] = []
     for part in content:
         if isinstance(part, TextPart):
             parts.append(part.text)
-        elif images is None:
+            continue
+        if images is None:
             raise BadRequest(f"unsupported content part type {part.type!r}")
-        elif isinstance(part, AudioPart):
+        if isinstance(part, AudioPart):
             images.append(part.input_audio.data)
         elif part.file_id:
             raise BadRequest("input_image file_id is not supported: send a data URI")
         else:
             images.append(from_data_uri(part.image_url))
-    return "".join(parts)
+        parts.append(None)
+    return placed_text(parts)
 
 
 def _messages(wire: ResponsesRequest) -> list[Message]:

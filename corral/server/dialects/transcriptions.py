@@ -7,9 +7,12 @@ the `language` after it, the clip last), so the prompt is the one llama-server b
 for the same model. The form's fields are OpenAI's: `file`, `model`, `prompt`, `language`,
 `response_format` (`json`, `text` or `verbose_json`), `temperature` (0 unless given:
 a transcript is not creative writing) and `stream`, which sends OpenAI's
-`transcript.text.delta` and `transcript.text.done` events. The clip is checked as every
-audio clip is (server.chat.audio, in the pipeline's prepare), within the daemon's body
-limit (CORRAL_MAX_BODY).
+`transcript.text.delta` and `transcript.text.done` events; and llama-server's
+`max_tokens`, which bounds the transcript (left out, the clip's length does: a
+random or looping model would otherwise talk on to the end of its context). The upload
+must be audio (WAV, MP3 or FLAC, what mtmd decodes): anything else, a picture included,
+is refused by name before the model is asked, as every clip is checked
+(server.chat.audio), within the daemon's body limit (CORRAL_MAX_BODY).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Iterator
 
 from corral.errors import BadRequest, CorralError, Shape, format_error
 from corral.server.chat.audio import check_clip
-from corral.server.chat.messages import Message
+from corral.server.chat.messages import Message, placed_text
 from corral.server.chat.models import require_model
 from corral.server.chat.reply import Kind
 from corral.server.dialects.openai import Stream
@@ -31,6 +34,26 @@ from corral.server.pipeline.services import Services
 
 INSTRUCTION = "Transcribe audio to text"  # llama-server's (common_chat_get_asr_prompt)
 FORMATS = ("json", "text", "verbose_json")
+# The default bound: speech is 2-4 tokens a second in the tokenizers of today's audio
+# models; eight a second and a floor leave room for dense speech and a language tag.
+TOKENS_PER_SECOND = 8
+MIN_TOKENS = 64
+
+
+def token_bound(fields: dict[str, str], seconds: float, own: int | None) -> int:
+    """The transcript's most tokens: the form's `max_tokens`, else the clip's length's,
+    or the model's own num_predict where that is less."""
+    given = fields.get("max_tokens")
+    if given is None or given == "":
+        bound = max(MIN_TOKENS, int(seconds * TOKENS_PER_SECOND) + 1)
+        return min(bound, own) if own is not None and own >= 0 else bound
+    try:
+        bound = int(given)
+    except ValueError:
+        raise BadRequest("max_tokens must be a whole number") from None
+    if bound < 1:
+        raise BadRequest("max_tokens must be at least 1")
+    return bound
 
 
 def read_form(request: Request) -> tuple[dict[str, str], bytes]:
@@ -67,7 +90,7 @@ def read_form(request: Request) -> tuple[dict[str, str], bytes]:
     return fields, files["file"]
 
 
-def task_of(fields: dict[str, str], clip: bytes, template: str) -> ChatTask:
+def task_of(fields: dict[str, str], clip: bytes, template: str, limit: int) -> ChatTask:
     """The chat that asks for the transcript, as llama-server builds it
     (convert_transcriptions_to_chatcmpl): the instruction, or the form's prompt, then the
     language, then the clip; an LFM2 template's model gets its own preset, the system
@@ -86,10 +109,10 @@ def task_of(fields: dict[str, str], clip: bytes, template: str) -> ChatTask:
         raise BadRequest("temperature must be between 0 and 2")
     image = base64.b64encode(clip).decode("ascii")
     messages = [Message("system", "Perform ASR.")] if lfm2 else []
-    # "[img]" places the clip after the text, where llama-server puts its media marker
-    messages.append(Message("user", text + "[img]", (image,)))
+    # The clip after the text, where llama-server puts its media marker.
+    messages.append(Message("user", placed_text([text, None]), (image,)))
     return ChatTask(model=require_model(fields.get("model")), messages=messages,
-                    options={"temperature": temperature}, think=False)
+                    options={"temperature": temperature, "num_predict": limit}, think=False)
 
 
 class Transcript:
@@ -142,10 +165,10 @@ def transcriptions(services: Services) -> Route:
     def route(req: Request, handler: Handler) -> None:
         fields, clip = read_form(req)
         view = services.models.view(require_model(fields.get("model")))
-        task = task_of(fields, clip, view.template)
-        # The clip's length, for verbose_json; prepare checks every clip before any load.
-        verbose = fields.get("response_format") == "verbose_json"
-        seconds = check_clip(clip, 0, services.settings).seconds if verbose else 0.0
+        # Audio or nothing: a picture would be "transcribed" by a vision model.
+        seconds = check_clip(clip, 0, services.settings).seconds
+        limit = token_bound(fields, seconds, view.options({}).num_predict)
+        task = task_of(fields, clip, view.template, limit)
         renderer = Transcript(fields.get("response_format", "json"), fields.get("language", ""),
                               round(seconds, 3))
         stream = fields.get("stream", "false").lower() == "true"
