@@ -22,6 +22,12 @@ def audio_format(data: bytes) -> str | None:
     return None
 
 
+def webp(data: bytes) -> bool:
+    """Whether these bytes are a WebP: the runner decodes those itself (stb_image reads
+    none)."""
+    return len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+
+
 def stb_image(data: bytes) -> bool:
     """Whether stb_image (mtmd's image decoder) reads this format: PNG, JPEG, GIF, BMP."""
     return data.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM"))
@@ -39,7 +45,7 @@ def named(data: bytes) -> str:
     kind = audio_format(data)
     if kind is not None:
         return f"a {kind.upper()} clip"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+    if webp(data):
         return "a WebP image"
     if data[4:8] == b"ftyp":
         return "an MP4 or M4A file"

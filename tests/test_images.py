@@ -77,9 +77,10 @@ def _webp_bomb() -> bytes:
     return b"RIFF" + (4 + len(chunk) + 20).to_bytes(4, "little") + b"WEBP" + chunk + bytes(20)
 
 
-def test_webp_is_measured_checked_and_handed_on_as_the_same_pixels() -> None:
+def test_webp_is_measured_checked_and_handed_on_as_it_came() -> None:
     """Lossy, lossless and animated WebP: sized from the header, limited before any pixel
-    is decoded, and given to the runner as a PNG of the first frame, the same every time."""
+    is decoded, and handed to the runner as the client sent it (the runner decodes it:
+    the daemon decodes nothing)."""
     import io
 
     from PIL import Image
@@ -91,19 +92,12 @@ def test_webp_is_measured_checked_and_handed_on_as_the_same_pixels() -> None:
     frames[0].save(animated, format="WEBP", save_all=True, append_images=frames[1:],
                    lossless=True)
     assert measure(animated.getvalue()) == ("webp", 50, 40)
-    out = check_images([enc(webp_bytes(40, 30, seed=1))], SETTINGS)
-    assert out == check_images([enc(webp_bytes(40, 30, seed=1))], SETTINGS)
-    png = base64.b64decode(out[0])
-    assert measure(png) == ("png", 40, 30)
-    with Image.open(io.BytesIO(png)) as a, Image.open(io.BytesIO(png_bytes(40, 30, 1))) as b:
-        assert a.convert("RGB").tobytes() == b.convert("RGB").tobytes()
-    first = check_images([enc(animated.getvalue())], SETTINGS)[0]
-    with Image.open(io.BytesIO(base64.b64decode(first))) as frame:
-        assert frame.getpixel((0, 0)) == (0, 0, 0)
+    sent = enc(webp_bytes(40, 30, seed=1))
+    assert check_images([sent], SETTINGS) == [sent]
     with pytest.raises(BadRequest, match="30000x30000 pixels, over the limit"):
         check_images([enc(_webp_bomb())], SETTINGS)
-    with pytest.raises(BadRequest, match="image 0 is a WebP that could not be decoded"):
-        check_images([enc(corrupt_webp())], SETTINGS)
+    # Its data is the runner's to find wrong (tests/test_vision_api.py): here only the header.
+    assert check_images([enc(corrupt_webp())], SETTINGS) == [enc(corrupt_webp())]
 
 
 def test_data_uris_only() -> None:

@@ -46,6 +46,9 @@ class LoadConfig:
     # one step is at most n_batch prompt tokens or a row per slot, which a slow laptop's
     # CPU takes minutes over only for the largest models; 0 or negative: no bound.
     step_timeout: float = 300.0
+    # The daemon's largest request body (CORRAL_MAX_BODY): a job carries a request's media
+    # as they came (base64) beside the text rendered from it, so the runner takes twice it.
+    max_body: int = 16 << 20
 
     @classmethod
     def from_options(cls, model: str, options: Options, **settings: Any) -> "LoadConfig":

@@ -47,7 +47,7 @@ from corral.runner.wire import (Cancel, CompletionJob, Counted, Detokenize, Embe
                                LoadReport, Threads, TokenLine, Tokenize, read_command)
 
 log = logging.getLogger("corral.runner")
-MAX_BODY = 32 << 20
+MAX_BODY = 32 << 20  # at least: twice the daemon's CORRAL_MAX_BODY (LoadConfig.max_body)
 STREAM_DRAIN = 5.0  # seconds a failed runner waits for its streams' error lines to go out
 # From the daemon's death to our exit: the disk tier's write included, which the next
 # daemon does not wait for (exit_with_parent).
@@ -57,6 +57,7 @@ ORPHAN_GRACE = 3.0
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # one request per connection; a stream ends at EOF
     service: RunnerService
+    max_body = MAX_BODY
 
     def setup(self) -> None:
         super().setup()
@@ -76,7 +77,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
+        if length > self.max_body:
             raise BadRequest("request body too large")
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -263,14 +264,18 @@ def exit_with_parent(parent: int, shutdown: Callable[[], None], poll: float = 0.
 
 def watch_steps(service: RunnerService, bound: float, every: float = 1.0) -> None:
     """Progress, not presence: an engine thread inside one step for longer than `bound`
-    (CORRAL_STEP_TIMEOUT) is stalled in native code, and is declared so. Its streams
-    end with the error first, then /health answers it, and the process exits as after a
-    failure; the daemon replaces it as it does a crash."""
-    engine = service.engine
+    (CORRAL_STEP_TIMEOUT; the first step after the load, which pages the weights in, has
+    a grace: StepWatch.bound), or inside a resize's copy, or the media thread inside one
+    decode, tokenize or encode, is stalled in native code, and is declared so. Its streams end with the error first, then /health
+    answers it, and the process exits as after a failure; the daemon replaces it as it
+    does a crash."""
+    engine, vision = service.engine, service.vision
+    watches = [engine.watch] + ([vision.watch] if vision is not None else [])
     while not engine.failed.wait(min(every, bound / 4)):
-        seconds = engine.watch.running_for()
-        if seconds > bound:
-            engine.stall(seconds, bound, first=service.fail_streams)
+        for watch in watches:
+            seconds, limit = watch.running_for(), watch.bound(bound)
+            if seconds > limit:
+                engine.stall(seconds, limit, first=service.fail_streams, what=watch.what)
 
 
 def _exit_on_failure(service: RunnerService, server: ThreadingHTTPServer) -> None:
@@ -296,7 +301,8 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
     # streams and their cancels connect at once; a dropped handshake can surface in the
     # daemon as a lost connection.
     server_class = type("RunnerHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 256})
-    server = server_class(("127.0.0.1", 0), type("H", (Handler,), {"service": service}))
+    server = server_class(("127.0.0.1", 0), type("H", (Handler,), {
+        "service": service, "max_body": max(MAX_BODY, 2 * loaded.config.max_body)}))
     server.daemon_threads = True
     service.server = server
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(

@@ -6,19 +6,18 @@ API's data URIs, Anthropic's base64 sources). Each is checked here from its
 header alone, so a decompression bomb (a few kilobytes claiming 30000 x 30000
 pixels) is refused before anything allocates its pixels, and a truncated or
 foreign file gets a 400 naming the image rather than a failure in native code.
-The runner's decoder (stb_image, inside llama.cpp's mtmd) reads PNG, JPEG, GIF
-and BMP. WebP, which browsers and phones produce and Ollama takes, is measured from
-its header like the others, then decoded here by Pillow (libwebp) and handed on as a
-lossless PNG of its first frame, which the runner reads; the same WebP always gives the
-same PNG, so a follow-up about it reuses its cached tokens. Anything else is refused
-here by name.
+The runner decodes them: PNG, JPEG, GIF and BMP with llama.cpp's own stb_image, and
+WebP, which browsers and phones produce and Ollama takes, with Pillow's libwebp. The
+daemon decodes nothing: it measures each from its header, so a decoder's fault on
+untrusted bytes ends a runner (which is replaced) and never the daemon, and a photo
+crosses to the runner as the client sent it, not as a PNG many times its size.
+Anything else is refused here by name.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import re
 import struct
 from typing import Any
@@ -84,7 +83,7 @@ def _checked_image(data: bytes, image: str, i: int, settings: Settings) -> str:
     if width * height > settings.max_image_pixels:
         raise BadRequest(f"image {i} is {width}x{height} pixels, over the limit of"
                          f" {settings.max_image_pixels} (CORRAL_MAX_IMAGE_PIXELS)")
-    return _png_from_webp(data, i) if kind == "webp" else image
+    return image
 
 
 def _decode(image: Any, i: int, limit: int) -> bytes:
@@ -147,23 +146,6 @@ def _webp_size(data: bytes, i: int) -> tuple[int, int]:
         width, height = struct.unpack("<HH", body[6:10])
         return width & 0x3FFF, height & 0x3FFF
     raise corrupt
-
-
-def _png_from_webp(data: bytes, i: int) -> str:
-    """A checked WebP's first frame as a base64 PNG, for the runner's decoder. Its size
-    was checked from the header already, so Pillow allocates only what the limits allow;
-    a file libwebp cannot decode still is this image's 400."""
-    from PIL import Image  # only a request with a WebP pays for the import
-
-    try:
-        with Image.open(io.BytesIO(data), formats=["WEBP"]) as im:
-            im.seek(0)
-            frame = im.convert("RGBA" if im.mode in ("RGBA", "LA", "P") else "RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-        raise BadRequest(f"image {i} is a WebP that could not be decoded") from None
-    out = io.BytesIO()
-    frame.save(out, format="PNG")
-    return base64.b64encode(out.getvalue()).decode("ascii")
 
 
 def _jpeg_size(data: bytes, i: int) -> tuple[int, int]:

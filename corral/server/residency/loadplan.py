@@ -25,4 +25,5 @@ def load_config(entry: Resident, settings: Settings, fit: MemoryFit) -> LoadConf
         draft=str(record.draft) if record.draft else None,
         cache_ram=fit.cache_ram(), cache_disk=settings.cache_disk,
         cache_dir=str(state_dir() / "kvcache"), step_timeout=settings.step_timeout,
+        max_body=settings.max_body,
         rpc_servers=LoadConfig.rpc_from(entry.options, settings.rpc_servers))
