@@ -99,6 +99,43 @@ sys.exit(main(pending=Pending(sys.argv[3:]), step_hook=hook))
 '''
 
 
+STUCK_NATIVE = '''#!{python}
+import sys
+import threading
+from pathlib import Path
+
+from corral.runner.llama import capi
+capi.install()
+import {module} as native
+from corral.runner.process.loading import Pending
+from corral.runner.process.main import main
+
+marker, real = Path({marker!r}), native.{function}
+
+def stuck(*args):
+    if marker.exists():  # armed by the test: this call never returns, as a stopped
+        marker.unlink()  # RPC worker's or a hung device's does not
+        threading.Event().wait()
+    return real(*args)
+
+native.{function} = stuck
+sys.exit(main(pending=Pending(sys.argv[3:])))
+'''
+
+
+def stuck_native_runner(tmp_path: Path, module: str, function: str) -> tuple[Path, Path]:
+    """A runner whose llama.cpp binding `module.function` (llama-cpp-python's, not ours)
+    never returns once the test creates the marker; (its script, the marker to arm)."""
+    import sys
+
+    marker = tmp_path / "armed"
+    script = tmp_path / "stuck-runner"
+    script.write_text(STUCK_NATIVE.format(python=sys.executable, marker=str(marker),
+                                          module=module, function=function))
+    script.chmod(0o755)
+    return script, marker
+
+
 def stand_in_runner(tmp_path: Path, action: str) -> tuple[Path, Path]:
     """The stand-in runner's script and its marker, armed: the first runner's 4th step
     runs `action` (one line of Python: raise, or block)."""

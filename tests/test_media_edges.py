@@ -64,3 +64,60 @@ def test_a_draft_that_did_not_load_leaves_both_sides_of_the_fit() -> None:
         assert (less.gpu_bytes, less.cpu_bytes) == (
             (est.gpu_bytes - draft, est.cpu_bytes) if on_gpu else
             (est.gpu_bytes, est.cpu_bytes - draft))
+
+
+class _Engine:
+    """What the watchdog reads of an engine: its step's mark, and how it is told."""
+
+    def __init__(self, clock: list[float]) -> None:
+        import threading
+
+        from corral.runner.watch import StepWatch
+
+        self.watch = StepWatch(clock=lambda: clock[0])
+        self.failed = threading.Event()
+        self.stalls: list[tuple[float, float, str]] = []
+
+    def stall(self, seconds: float, bound: float, first: object = None,
+              what: str = "one step") -> None:
+        self.stalls.append((seconds, bound, what))
+        self.failed.set()
+
+
+class _Vision:
+    """The media thread, inside one encode since 0 s."""
+
+    def __init__(self, clock: list[float]) -> None:
+        from corral.runner.watch import StepWatch
+
+        self.watch = StepWatch(clock=lambda: clock[0], first_grace=False)
+        self.watch.enter("one media encode")
+
+
+class _Service:
+    def __init__(self, engine: _Engine, vision: _Vision | None) -> None:
+        self.engine, self.vision = engine, vision
+
+    def fail_streams(self, error: object) -> None: ...
+
+
+def test_the_watchdog_gives_the_first_step_its_grace_and_watches_the_media_encode() -> None:
+    from corral.runner.watch import FIRST_GRACE
+    from corral.runner.process.main import watch_steps
+
+    clock = [0.0]
+    engine = _Engine(clock)
+    engine.watch.enter()  # the first step after the load: the weights page in
+    clock[0] = 30.0  # past the bound of 10 s, within the first step's grace
+    assert engine.watch.bound(10.0) == 10.0 * FIRST_GRACE
+    engine.watch.leave()
+    engine.watch.enter()
+    assert engine.watch.bound(10.0) == 10.0  # a later step has the bound itself
+    clock[0] = 45.0
+    watch_steps(_Service(engine, None), 10.0, every=0.001)  # type: ignore[arg-type]
+    assert engine.stalls == [(15.0, 10.0, "one step")]
+    media_clock = [0.0]
+    quiet, media = _Engine([0.0]), _Vision(media_clock)
+    media_clock[0] = 11.0  # no grace for a first encode: the weights are in by then
+    watch_steps(_Service(quiet, media), 10.0, every=0.001)  # type: ignore[arg-type]
+    assert quiet.stalls == [(11.0, 10.0, "one media encode")]

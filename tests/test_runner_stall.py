@@ -9,6 +9,7 @@ worker."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from pathlib import Path
@@ -23,7 +24,7 @@ from corral.registry.store import Store
 from corral.runner.client import RunnerProcess
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.wire import CompletionJob, EmbedJob
-from tests.support import stand_in_runner, start_daemon, wait_for
+from tests.support import stand_in_runner, start_daemon, stuck_native_runner, wait_for
 
 MODEL = "gemma3:270m-base"
 DEADLINE = 120.0
@@ -86,6 +87,77 @@ def test_a_daemon_told_of_the_stall_first_still_gets_each_streams_error(
     assert runner.proc.returncode == 1  # it exited by itself, unkilled
     reader.join(DEADLINE)
     assert isinstance(ended[0], EngineFailed) and "stalled" in str(ended[0])
+
+
+@pytest.mark.model
+def test_a_resize_stuck_in_its_copy_ends_the_requests_within_the_bound(
+        starter_gguf: Path, tmp_path: Path) -> None:
+    """A second request grows the context from one stream to two; moving the first
+    request's sequence onto it (llama_state_seq_set_data) never returns, as on a stopped
+    RPC worker. The watchdog names the resize, and both requests end with the error."""
+    script, armed = stuck_native_runner(tmp_path, "llama_cpp", "llama_state_seq_set_data")
+    runner = RunnerProcess(LoadConfig(model=str(starter_gguf), num_ctx=256, n_slots=2,
+                                      start_slots=1, step_timeout=BOUND), python=str(script))
+    runner.start(timeout=DEADLINE)
+    assert runner.proc is not None
+    first = runner.completion(CompletionJob("Once upon a time", options=Options(
+        temperature=0, num_predict=2000)))
+    next(first)  # decoding on the only stream
+    armed.touch()
+    ended: list[Exception] = []
+    second = threading.Thread(target=lambda: ended.append(_drain(runner.completion(
+        CompletionJob("The sea", options=Options(temperature=0, num_predict=8))))))
+    second.start()  # needs a second stream: the context grows
+    assert "a resize's copy of the sequences" in str(_ended(first))
+    second.join(DEADLINE)
+    assert isinstance(ended[0], EngineFailed) and "stalled" in str(ended[0])
+    assert not armed.exists()  # the stuck call was the copy's
+    assert runner.proc.wait(timeout=DEADLINE) == 1
+    runner.kill()
+
+
+@pytest.mark.model
+def test_a_stuck_media_encode_ends_the_requests_within_the_bound(
+        chat_gguf: Path, tmp_path: Path) -> None:
+    """The projector's encode (mtmd_encode_chunk) never returns: the watchdog watches
+    the media thread as it does the engine's steps, so the image's request ends with the
+    stall instead of waiting forever, and the runner goes."""
+    from corral.runner.wire import MARKER
+    from tests.vision_model import png_bytes, write_projector
+
+    projector = write_projector(tmp_path / "mlp.gguf", "mlp", 576)
+    script, armed = stuck_native_runner(tmp_path, "llama_cpp.mtmd_cpp", "mtmd_encode_chunk")
+    runner = RunnerProcess(LoadConfig(model=str(chat_gguf), projector=str(projector),
+                                      num_ctx=1024, n_slots=2, step_timeout=BOUND),
+                           python=str(script))
+    runner.start(timeout=DEADLINE)
+    assert runner.proc is not None
+    _drain_ok(runner.completion(CompletionJob("Hello", options=Options(num_predict=2))))
+    armed.touch()  # past the first step's grace: the bound itself applies now
+    image = base64.b64encode(png_bytes(40, 30, seed=1)).decode()
+    looked = runner.completion(CompletionJob.from_json({
+        "prompt": "What is this? " + MARKER, "images": [image],
+        "options": {"temperature": 0, "num_predict": 8}}))
+    failure = _ended(looked)
+    assert "one media encode has run" in str(failure), failure
+    assert not armed.exists()
+    assert runner.proc.wait(timeout=DEADLINE) == 1
+    runner.kill()
+
+
+def _ended(lines: Any) -> Exception:
+    """How the stream ended, read on a thread of its own: within DEADLINE, or a failure."""
+    ended: list[Exception] = []
+    reader = threading.Thread(target=lambda: ended.append(_drain(lines)), daemon=True)
+    reader.start()
+    reader.join(DEADLINE)
+    assert ended, f"the stream had not ended after {DEADLINE:g} s"
+    return ended[0]
+
+
+def _drain_ok(lines: Any) -> None:
+    for _ in lines:
+        pass
 
 
 def _drain(lines: Any) -> Exception:

@@ -126,8 +126,9 @@ def test_openai_anthropic_and_responses_take_inline_images(daemon: Daemon, visio
     oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
     reply = oai.chat.completions.create(model=vision, temperature=0, seed=1, max_tokens=8,
                                         messages=[{"role": "user", "content": [
-                                            {"type": "text", "text": "What is this?"},
-                                            {"type": "image_url", "image_url": {"url": uri}}]}])
+                                            # in front, where Ollama's `images` go
+                                            {"type": "image_url", "image_url": {"url": uri}},
+                                            {"type": "text", "text": "What is this?"}]}])
     assert reply.choices[0].message.content == native
     with pytest.raises(openai.BadRequestError) as remote:
         oai.chat.completions.create(model=vision, messages=[{"role": "user", "content": [
@@ -199,7 +200,8 @@ BAD = {
     "SVG": (base64.b64encode(b'<svg xmlns="http://www.w3.org/2000/svg"/>').decode(), "SVG"),
     "truncated WebP": (base64.b64encode(webp_bytes(40, 30)[:-20]).decode(),
                        "truncated or corrupt WebP"),
-    "corrupt WebP": (base64.b64encode(corrupt_webp()).decode(), "WebP that could not be decoded"),
+    "corrupt WebP": (base64.b64encode(corrupt_webp()).decode(),
+                     "image 0 could not be decoded"),  # by the runner's libwebp
     "empty string": ("", "empty"),
     "invalid base64": ("!!not*base64!!", "not valid base64"),
     "corrupt pixels": (base64.b64encode(_corrupt_png()).decode(), "could not be decoded"),
@@ -219,9 +221,9 @@ def test_a_webp_is_answered_as_the_png_of_its_pixels(daemon: Daemon, vision: str
     assert again.json()["prompt_eval_count"] < got.json()["prompt_eval_count"]
     r = httpx.post(daemon.url + "/v1/chat/completions", timeout=120, json={
         "model": vision, "temperature": 0, "seed": 1, "max_tokens": 8, "messages": [
-            {"role": "user", "content": [
-                {"type": "text", "text": "What is this?"},
-                {"type": "image_url", "image_url": {"url": "data:image/webp;base64," + webp}}]}]})
+            {"role": "user", "content": [  # in front of the text, as Ollama's `images` go
+                {"type": "image_url", "image_url": {"url": "data:image/webp;base64," + webp}},
+                {"type": "text", "text": "What is this?"}]}]})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == png.json()["message"]["content"]
 
@@ -339,3 +341,70 @@ def test_a_projector_that_does_not_load_is_refused_at_create(
     assert "/blobs/" not in str(info.value)  # no server path goes back
     assert "smol-broken:latest" not in [m.model for m in client.list().models]
     assert client.show(CHAT).capabilities  # the daemon is still here
+
+
+def photo(width: int, height: int) -> Any:
+    """A photo-like picture: smooth light, edges and fine grain, as a camera's."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    grain = np.random.default_rng(7).integers(0, 24, (height, width, 3))
+    rgb = np.stack([x / width * 200, y / height * 200, (x + y) % 97], axis=-1) + grain
+    return Image.fromarray(rgb.clip(0, 255).astype("uint8"))
+
+
+def test_a_16_mp_webp_photo_is_read_by_the_runner(daemon: Daemon, vision: str,
+                                                  tmp_path: Path) -> None:
+    """A 4000 x 4000 lossy WebP of several MB (the lossless PNG the daemon once made of
+    it was over the runner's body limit) answers as the PNG of the same decoded pixels
+    does, where a body limit lets that PNG through; the daemon process never maps
+    libwebp, since only runners decode."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    photo(4000, 4000).save(out, format="WEBP", quality=90)
+    webp = out.getvalue()
+    assert len(webp) > 2 << 20
+    with Image.open(io.BytesIO(webp)) as decoded:  # the same pixels, as a PNG
+        png = io.BytesIO()
+        decoded.convert("RGB").save(png, format="PNG", compress_level=1)
+    here = chat(daemon, vision, [base64.b64encode(webp).decode()])
+    assert here.status_code == 200, here.text
+    too_big = chat(daemon, vision, [base64.b64encode(png.getvalue()).decode()])
+    assert too_big.status_code == 413  # the PNG is over the default 16 MiB body
+    # Through `corral serve`, a process of its own, whose maps are its own, with a body
+    # limit that lets the PNG through.
+    from tests.support import free_port, wait_for
+
+    port = free_port()
+    env = env_for(None, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(daemon.store.root),
+                  CORRAL_NUM_PARALLEL="1", CORRAL_CONTEXT_LENGTH="1024",
+                  CORRAL_MAX_BODY=str(128 << 20), CORRAL_MAX_IMAGE_BYTES=str(96 << 20))
+    import subprocess
+
+    proc = subprocess.Popen([*CORRAL, "serve"], env=env, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(url, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout=60)
+        answers = [httpx.post(url + "/api/chat", timeout=300, json={
+            "model": vision, "stream": False, "options": GREEDY, "messages": [
+                {"role": "user", "content": "What is this?",
+                 "images": [base64.b64encode(data).decode()]}]}) for data in (webp, png.getvalue())]
+        assert [a.status_code for a in answers] == [200, 200], answers[-1].text
+        said = [a.json()["message"]["content"] for a in answers]
+        assert said[0] == said[1] == here.json()["message"]["content"]
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "webp" not in maps.lower() and "libwebp" not in maps
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

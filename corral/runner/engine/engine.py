@@ -42,7 +42,7 @@ from corral.runner.engine.plan import StepPlan
 from corral.runner.engine.postprocess import Postprocess
 from corral.runner.engine.run import Outcome, Run
 from corral.runner.engine.schedule import Schedule
-from corral.runner.engine.watch import StepWatch
+from corral.runner.watch import StepWatch
 from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRead, Resized,
                                 SetThreads, Stop, Submit)
 from corral.runner.kv import kvbytes
@@ -166,16 +166,15 @@ class Engine:
             raise result.error
         return result
 
-    def stall(self, seconds: float, bound: float,
-              first: Callable[[EngineFailed], None] | None = None) -> None:
-        """The watchdog's word (runner.process.main): the engine thread has been inside one
-        step for `seconds`, past `bound`, in native code that does not return. As final as
-        a failure, from outside: every job held or sent later ends with it (`first` ends
-        the held ones before anyone is told the engine failed), and the process exits,
-        since nothing can stop the thread itself."""
+    def stall(self, seconds: float, bound: float, first: Callable[[EngineFailed], None]
+              | None = None, what: str = "one step") -> None:
+        """The watchdog's word (runner.process.main): `what` (a step, a media encode) has
+        run for `seconds`, past `bound`, in native code that does not return. As final as
+        a failure: every job held or sent later ends with it (`first` ends the held ones
+        before anyone is told), and the process exits: nothing can stop the thread."""
         if self.failure is None:
             self.failure = EngineFailed(
-                f"the model's engine stalled: one step has run for {seconds:.0f} s, past "
+                f"the model's engine stalled: {what} has run for {seconds:.0f} s, past "
                 f"the {bound:g} s bound (CORRAL_STEP_TIMEOUT), inside llama.cpp (a stopped "
                 "RPC worker or a hung device); the runner is being replaced")
             log.error("%s", self.failure)
@@ -350,10 +349,14 @@ class Engine:
 
     def _resized(self, resized: Resized) -> None:
         """A bigger or smaller context arrived: move every sequence onto it (the context's
-        fields follow in `llama`; the slots are the engine's)."""
+        fields follow in `llama`; the slots are the engine's), watched as a step is."""
         assert self.resizer is not None
-        slots = self.resizer.apply(resized, self.slots, self.llama.num_ctx, self.clock(),
-                                   self.run.save)
+        self.watch.enter("a resize's copy of the sequences")
+        try:
+            slots = self.resizer.apply(resized, self.slots, self.llama.num_ctx, self.clock(),
+                                       self.run.save)
+        finally:
+            self.watch.leave()
         if slots is not None:
             self.slots = slots
             self.schedule.moved(self.llama.scratch)

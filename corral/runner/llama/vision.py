@@ -21,19 +21,22 @@ while a chunk is encoded; a recently seen chunk is not encoded again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import io
 import logging
 import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
-from corral.errors import BadRequest, CorralError, RunnerError
-from corral.media import audio_format, stb_image
+from corral.errors import BadRequest, Cancelled, ContextOverflow, CorralError, RunnerError
+from corral.media import audio_format, stb_image, webp
 from corral.runner.jobs import ImageSpan
+from corral.runner.watch import StepWatch
 from corral.runner.wire import MARKER
 
 if TYPE_CHECKING:
@@ -41,13 +44,39 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("corral.vision")
 
-CACHE_BYTES = 64 << 20  # encoded chunks kept for follow-up questions
+CACHE_BYTES = 64 << 20  # encoded chunks kept for follow-up questions, at least
+CACHE_MAX = 1 << 30  # and at most: past it a context's media are encoded again
+
+
+def cache_bytes(num_ctx: int, n_embd: int) -> int:
+    """The media cache's size: a whole context's worth of encoded chunks (float32
+    embeddings, one row a token), so that a follow-up about the clips and pictures a
+    conversation holds finds them all; within CACHE_BYTES and CACHE_MAX."""
+    return min(max(CACHE_BYTES, num_ctx * n_embd * 4), CACHE_MAX)
 # Seconds a request waits for its media to be decoded and encoded, its place in the
 # thread's queue included: ten minutes of audio on a slow CPU fit; a wedged encoder
 # does not hold its callers for ever.
 PREPARE_TIMEOUT = 600.0
 _TEXT, _IMAGE, _AUDIO = 0, 1, 2
 _log_hook: Any = None
+
+
+def _webp_bitmap(M: Any, data: bytes) -> Any:
+    """A WebP's first frame as an RGB bitmap; None when it cannot be decoded. Pillow's
+    libwebp decodes it here, in the runner, as stb_image reads no WebP: a fault in a
+    decoder of untrusted bytes ends this process, which the daemon replaces, and never
+    the daemon. Its size was checked from its header before it left the daemon."""
+    from PIL import Image  # only a WebP pays for the import
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["WEBP"]) as im:
+            im.seek(0)
+            frame = im.convert("RGB")  # alpha dropped, as stb_image's three channels do
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
+        return None
+    raw = frame.tobytes()
+    return M.mtmd_bitmap_init(frame.width, frame.height,
+                              (ctypes.c_ubyte * len(raw)).from_buffer_copy(raw))
 
 
 def _stb_bitmap(M: Any, buf: Any, size: int) -> Any:
@@ -84,6 +113,8 @@ class Prepare:
     text: str
     images: list[bytes]
     add_special: bool
+    limit: int = 0  # tokens the prompt must stay under (the context); 0: none
+    cancelled: threading.Event = field(default_factory=threading.Event)
     reply: "queue.Queue[tuple[list[int], list[ImageSpan]] | CorralError]" = field(
         default_factory=queue.Queue)
 
@@ -103,7 +134,8 @@ class Vision:
     """A projector loaded beside a text model; `prepare` is safe from any thread."""
 
     def __init__(self, projector: str, model: Any, n_threads: int, use_gpu: bool = False,
-                 cache_bytes: int = CACHE_BYTES) -> None:
+                 num_ctx: int = 0) -> None:
+        """`num_ctx`: the context the media cache holds a whole one of (0: CACHE_BYTES)."""
         from llama_cpp import mtmd_cpp as M
 
         self._m = M
@@ -129,19 +161,31 @@ class Vision:
         self.n_embd = int(L.llama_model_n_embd_inp(model))  # what mtmd checked it against
         self.encoded = 0  # chunks encoded since load (a cache hit does not count)
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self._cache_bytes = 0
+        self._cache_limit = cache_bytes(num_ctx, self.n_embd) if num_ctx else CACHE_BYTES
+        # Around each native call of the media thread (a decode, the tokenize, an
+        # encode), read by the runner's watchdog as the engine's step is.
+        self.watch = StepWatch(first_grace=False)
+        self._failure: CorralError | None = None  # the runner's (fail), once it has one
+        self._lock = threading.Lock()
+        self._current: Prepare | None = None  # the request on the media thread
         self._queue: queue.Queue[Prepare | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="vision", daemon=True)
         self._thread.start()
 
-    def prepare(self, text: str, images: list[bytes], add_special: bool
+    def prepare(self, text: str, images: list[bytes], add_special: bool, limit: int = 0,
+                cancelled: threading.Event | None = None
                 ) -> tuple[list[int], list[ImageSpan]]:
         """Tokens and spans for `text`, whose media markers stand for `images` (pictures
-        and audio clips, in order)."""
+        and audio clips, in order). A prompt of `limit` tokens or more is refused once it
+        is tokenized, before any of its media is encoded (media cannot be cut to fit);
+        `cancelled` stops the encoding between two of its chunks."""
         if text.count(MARKER) != len(images):
             raise BadRequest(f"the prompt has {text.count(MARKER)} image markers for"
                              f" {len(images)} images")
-        request = Prepare(text, images, add_special)
+        if self._failure is not None:
+            raise self._failure
+        request = Prepare(text, images, add_special, limit, cancelled or threading.Event())
         self._queue.put(request)
         try:
             result = request.reply.get(timeout=PREPARE_TIMEOUT)
@@ -150,6 +194,23 @@ class Vision:
         if isinstance(result, CorralError):
             raise result
         return result
+
+    def fail(self, error: CorralError) -> None:
+        """Answer `error` to every request waiting here, the one on the media thread
+        included (stuck in native code, it may never answer): the runner has failed.
+        Requests that come later get it too."""
+        self._failure = error
+        with self._lock:
+            current = self._current
+        if current is not None:
+            current.reply.put(error)
+        while True:
+            try:
+                waiting = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if waiting is not None:
+                waiting.reply.put(error)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -164,6 +225,8 @@ class Vision:
             request = self._queue.get()
             if request is None:
                 return
+            with self._lock:
+                self._current = request
             try:
                 request.reply.put(self._prepare(request))
             except CorralError as exc:
@@ -171,6 +234,17 @@ class Vision:
             except Exception as exc:  # a bug here must not leave a client hanging
                 log.exception("preparing images failed")
                 request.reply.put(RunnerError(f"preparing images failed: {exc}"))
+            finally:
+                with self._lock:
+                    self._current = None
+
+    @contextlib.contextmanager
+    def _native(self, what: str) -> Iterator[None]:
+        self.watch.enter(what)
+        try:
+            yield
+        finally:
+            self.watch.leave()
 
     def _prepare(self, request: Prepare) -> tuple[list[int], list[ImageSpan]]:
         M = self._m
@@ -184,10 +258,13 @@ class Vision:
             text.text, text.text_len = raw, len(raw)
             text.add_special, text.parse_special = request.add_special, True
             handles = (M.mtmd_bitmap_p_ctypes * max(len(bitmaps), 1))(*bitmaps)
-            rc = M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), handles, len(bitmaps))
+            with self._native("tokenizing a prompt with media"):
+                rc = M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), handles,
+                                     len(bitmaps))
             if rc != 0:
                 raise BadRequest(f"the prompt and its images could not be tokenized ({rc})")
-            return self._collect(chunks, request.images)
+            self._fits(chunks, request.limit)
+            return self._collect(chunks, request)
         finally:
             M.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
@@ -206,19 +283,32 @@ class Vision:
         if not audio and not self.vision:
             raise BadRequest("this model does not support images")
         buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
-        if audio:
-            bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
-        else:
-            bitmap = _stb_bitmap(M, buf, len(data)) if stb_image(data) else None
+        with self._native(f"decoding {'audio' if audio else 'image'} {index}"):
+            if audio:
+                bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+            else:
+                bitmap = _webp_bitmap(M, data) if webp(data) else \
+                    _stb_bitmap(M, buf, len(data)) if stb_image(data) else None
         if not bitmap:
-            what = "audio" if audio else "image"
+            what, kinds = ("audio", "an audio file") if audio else \
+                ("image", "a PNG, JPEG, GIF, BMP or WebP")
             raise BadRequest(f"{what} {index} could not be decoded: it is truncated, corrupt"
-                             f" or not {'an audio file' if audio else 'a PNG, JPEG, GIF or BMP'}")
+                             f" or not {kinds}")
         M.mtmd_bitmap_set_id(bitmap, str(index).encode())
         return bitmap
 
-    def _collect(self, chunks: Any, media: list[bytes]) -> tuple[list[int], list[ImageSpan]]:
+    def _fits(self, chunks: Any, limit: int) -> None:
+        """The prompt's tokens, its media's counted as mtmd chunked them, under `limit`."""
         M = self._m
+        n = sum(int(M.mtmd_input_chunk_get_n_tokens(M.mtmd_input_chunks_get(chunks, i)))
+                for i in range(M.mtmd_input_chunks_size(chunks)))
+        if limit and n >= limit:
+            raise ContextOverflow(f"the input with its images and audio ({n} tokens) exceeds "
+                                  f"the context length ({limit})")
+
+    def _collect(self, chunks: Any, request: Prepare) -> tuple[list[int], list[ImageSpan]]:
+        M = self._m
+        media = request.images
         tokens: list[int] = []
         spans: list[ImageSpan] = []
         parts: dict[int, int] = {}  # chunks so far of each media item: tiles, audio windows
@@ -230,6 +320,8 @@ class Vision:
                 ids = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 tokens.extend(int(ids[k]) for k in range(n.value))
             elif kind in (_IMAGE, _AUDIO):
+                if request.cancelled.is_set():  # the client left: the rest is not encoded
+                    raise Cancelled("the request was cancelled while its media were encoded")
                 index = int(M.mtmd_input_chunk_get_id(chunk).decode())
                 part = parts[index] = parts.get(index, -1) + 1
                 digest = hashlib.sha256(media[index] + part.to_bytes(4, "big")).digest()
@@ -273,8 +365,9 @@ class Vision:
 
         M = self._m
         n_tokens = int(M.mtmd_input_chunk_get_n_tokens(chunk))
-        if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
-            raise RunnerError("the projector could not encode the image or audio")
+        with self._native("one media encode"):
+            if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
+                raise RunnerError("the projector could not encode the image or audio")
         out = M.mtmd_get_output_embd(self.ctx)
         n_embd = self.n_embd
         embd = np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).reshape(

@@ -88,16 +88,7 @@ def load(config: LoadConfig) -> LoadedModel:
     native.init_backend(deterministic=cfg.deterministic)
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
-    vision = None
-    if config.projector:
-        from corral.runner.llama.vision import Vision  # numpy: not before the load has started
-
-        try:
-            vision = Vision(config.projector, llama.model, llama.n_threads,
-                            use_gpu=est.gpu_layers > 0)
-        except BaseException:
-            llama.free()
-            raise
+    vision = _vision(config, llama, est.gpu_layers > 0) if config.projector else None
     try:
         draft, why = _with_draft(config, llama, est, draft_cells) if draft_bytes else (None, "")
         draft_error = draft_error or why
@@ -111,6 +102,19 @@ def load(config: LoadConfig) -> LoadedModel:
         rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
                        vision, draft, draft_bytes if draft is not None else 0, draft_error)
+
+
+def _vision(config: LoadConfig, llama: LlamaContext, use_gpu: bool) -> "Vision":
+    """The projector, beside the loaded model (which goes if the projector fails)."""
+    from corral.runner.llama.vision import Vision  # numpy: not before the load has started
+
+    assert config.projector is not None
+    try:
+        return Vision(config.projector, llama.model, llama.n_threads, use_gpu=use_gpu,
+                      num_ctx=llama.num_ctx)
+    except BaseException:
+        llama.free()
+        raise
 
 
 def _draft_size(config: LoadConfig, per_slot: int) -> tuple[int, str]:

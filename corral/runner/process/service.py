@@ -7,6 +7,7 @@ import base64
 import binascii
 import math
 import threading
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,17 @@ if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
 
 
+@dataclass(frozen=True)
+class Preparing:
+    """A job whose prompt is still being made (its media encoded): cancellable already."""
+
+    id: str
+    cancelled: threading.Event
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
 class RunnerService:
     """Turns wire requests into engine jobs; shared by all handler threads."""
 
@@ -34,15 +46,18 @@ class RunnerService:
         self.engine = engine
         self.vision = vision  # when a projector is loaded
         self.report = report
-        self.jobs: dict[str, Job | Embed] = {}  # by id, for /cancel
+        self.jobs: dict[str, Job | Embed | Preparing] = {}  # by id, for /cancel
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.streams = 0  # completions being answered, under `ended`
         self.ended = threading.Condition()
 
-    def prompt_tokens(self, wire: CompletionJob) -> tuple[list[int], list["ImageSpan"]]:
+    def prompt_tokens(self, wire: CompletionJob, limit: int = 0,
+                      cancelled: threading.Event | None = None
+                      ) -> tuple[list[int], list["ImageSpan"]]:
         """The prompt's tokens and its images' spans. The daemon rendered the text; each
-        image sits at a media marker in it, in the order of `images`."""
+        image sits at a media marker in it, in the order of `images`. Media over `limit`
+        tokens are refused before they are encoded; `cancelled` stops their encoding."""
         images = _decode(list(wire.images))
         if images and self.vision is None:
             raise BadRequest("this model does not support images")
@@ -52,7 +67,9 @@ class RunnerService:
             return self.infill_tokens(wire.infill), spans
         if images:
             assert self.vision is not None
-            ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context)
+            ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context,
+                                             max(limit - len(context), 0) if limit else 0,
+                                             cancelled)
             spans = [span.shifted(len(context)) for span in spans]
         else:
             ids = self.engine.tokenize(wire.prompt, add_special=wire.add_bos and not context)
@@ -99,7 +116,18 @@ class RunnerService:
 
     def job(self, wire: CompletionJob) -> Job:
         options = wire.options
-        tokens, spans = self.prompt_tokens(wire)
+        # Cancellable from the start: a client that leaves while its media are encoded
+        # stops that encode (the vision thread is every media request's).
+        cancelled = threading.Event()
+        if wire.id:
+            with self.lock:
+                self.jobs[wire.id] = Preparing(wire.id, cancelled)
+        try:
+            tokens, spans = self.prompt_tokens(wire, self.engine.llama.num_ctx, cancelled)
+        except BaseException:
+            with self.lock:
+                self.jobs.pop(wire.id, None)
+            raise
         job = Job(
             prompt=tokens,
             params=SamplingParams.from_options(options),
@@ -115,6 +143,7 @@ class RunnerService:
             id=wire.id,
             images=tuple(spans),
             reuse_chunk=FIM_REUSE if wire.infill is not None else 0,
+            cancelled=cancelled,
         )
         self.engine.submit(job)
         if job.id:
@@ -148,6 +177,8 @@ class RunnerService:
             held = [job for job in self.jobs.values() if isinstance(job, Job)]
         for job in held:
             job.events.put(Failed(error))
+        if self.vision is not None:  # and those whose media are still being prepared
+            self.vision.fail(error)
 
     def cancel(self, job_id: str) -> bool:
         with self.lock:
