@@ -3,19 +3,25 @@ input embeds the same alone or in a batch of eight, on the chat and the base sta
 and a greedy request gives the same tokens before and after others that seed the draft
 index differently (speculation on).
 
-These pass with the default kernels too on some CPUs and not on others (AVX2: the
-flash-attention kernels split and tile by the batch's shape); the reference kernels
-that deterministic mode asks for (GGML_CPU_USE_REF, install.sh) make them hold on all."""
+An embedding holds because deterministic mode decodes each input alone
+(EmbeddingContext.per_decode): a matmul's rows are not computed alike at every batch
+size on every CPU (llamafile's tiles on AVX2), so the test counts the decodes, and the
+values alone against in a batch then agree whatever the kernels. A generation holds by
+the batch-invariant kernels the mode asks for (no tiled matmul, no repacked weights,
+GGML_CPU_USE_REF in install.sh's ggml), which the greedy test leans on."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from corral.registry.store import Store
-from tests.support import DaemonFactory
+from corral.runner.engine.engine import Engine
+from corral.runner.llama.context import EngineConfig
+from tests.support import DaemonFactory, embed
 
 pytestmark = pytest.mark.model
 MODELS = ["gemma3:270m-base", "smollm2:135m"]
@@ -27,6 +33,24 @@ def post(url: str, path: str, body: dict[str, Any]) -> Any:
     r = httpx.post(url + path, json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_deterministic_mode_embeds_each_input_in_a_decode_of_its_own(
+        starter_gguf: Path) -> None:
+    """The rule the next test's equality rests on: eight inputs are eight decodes in
+    deterministic mode, and share one without it."""
+    for deterministic, decodes in ((True, len(TEXTS)), (False, 1)):
+        engine = Engine(str(starter_gguf), EngineConfig(num_ctx=256,
+                                                        deterministic=deterministic))
+        engine.start()
+        try:
+            tokens = [engine.tokenize(t) for t in TEXTS]
+            together = embed(engine, tokens)
+            assert engine.embed_ctx.decodes == decodes, deterministic
+            if deterministic:
+                assert [embed(engine, [t])[0] for t in tokens] == together
+        finally:
+            engine.stop()
 
 
 def test_an_embedding_is_the_same_alone_and_in_a_batch(starter_store: Store,

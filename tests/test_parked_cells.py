@@ -28,14 +28,17 @@ DEADLINE = 300.0
 
 
 class CancelWhenParked:
-    """A step seam: cancels the current job at the first step its run is parked in."""
+    """A step seam: cancels the current job at the first step its run is parked in, and
+    counts the steps that parked a run (a Park op) and the runs it cancelled parked."""
 
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.job: Job | None = None
         self.cancelled = 0
+        self.parks = 0
 
     def __call__(self, plan: StepPlan) -> None:
+        self.parks += any(isinstance(op, Park) for op in plan.ops)
         if self.engine is not None and self.engine.schedule.parking.run is not None \
                 and self.job is not None and not self.job.cancelled.is_set():
             self.job.cancel()
@@ -164,3 +167,6 @@ def test_random_editor_sessions_leave_only_claimed_cells(
                 held(engine)
     finally:
         engine.stop()
+    # The sessions did what they claim: runs were parked, and cancelled while parked (a
+    # change that stopped parking, or the hook's cancel, would leave nothing to check).
+    assert hook.parks >= 20 and hook.cancelled >= 10, (hook.parks, hook.cancelled)

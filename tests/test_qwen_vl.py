@@ -31,6 +31,8 @@ from tests.vision_model import png_bytes
 pytestmark = pytest.mark.model
 
 N = len(GREEDY["qwen2vl_merger"])
+# llama-server's answer on the Qwen2-VL pair with the image in front of "What is this?"
+LLAMA_SERVER_BEFORE = "aji lapse\ufffd traded ureth Hazards granted Weber"
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +158,17 @@ def test_the_ollama_client_sends_an_image_to_a_qwen_vl_model(
     reply = client.chat(model="qwen-vl-tiny", options=greedy, messages=first)
     assert reply.message.content == detokenize(d.url, "qwen-vl-tiny", GREEDY["qwen2vl_merger"])
     assert reply.eval_count == N
+    # OpenAI's parts put the image where each stands: llama-server's answers to both
+    # orders on the same files (/v1/chat/completions, --temp 0; recorded 2026-12-05).
+    url = "data:image/png;base64," + image("qwen2vl_merger")
+    part, text = {"type": "image_url", "image_url": {"url": url}}, {"type": "text",
+                                                                    "text": "What is this?"}
+    for content, said in (([text, part], reply.message.content),
+                          ([part, text], LLAMA_SERVER_BEFORE)):
+        r = httpx.post(d.url + "/v1/chat/completions", timeout=120, json={
+            "model": "qwen-vl-tiny", "temperature": 0, "seed": 1, "max_tokens": N,
+            "messages": [{"role": "user", "content": content}]})
+        assert r.json()["choices"][0]["message"]["content"] == said
     # Long enough that a restore is worth it (runner.engine.placer.MIN_GAIN)
     long = [{"role": "user", "content": "Look closely at the picture. " * 8 + "What is this?[img]",
              "images": [picture]}]

@@ -442,6 +442,10 @@ def send_attached(tab: Any, element: str, file: Any, text: str, model: str
     answer.locator(".note").wait_for(timeout=ANSWERED_MS)
     assert answer.get_by_role("alert").count() == 0
     assert page.get_by_role("log").locator(f"article.user {element}").count() == 1
+    # Shown in front of the text, where the model reads Ollama's `images`.
+    first = page.get_by_role("log").locator("article.user").last.evaluate(
+        "n => n.firstElementChild.tagName")
+    assert first.lower() == element
     assert page.get_by_label("Attachments").locator(element).count() == 0  # sent, cleared
     body = json.loads(request.value.post_data or "{}")
     assert body["messages"][-1]["images"] == [base64.b64encode(file["buffer"]).decode()]

@@ -48,9 +48,11 @@ function fill(node, message) {
   const open = !!node.querySelector("details.thinking[open]");
   node.replaceChildren();
   if (message.role === "user") {
+    // Attachments first: Ollama's `images` are read in front of the text, so the
+    // transcript shows them where the model reads them.
+    for (const image of message.images || []) node.append(mediaNode(image, "attached file"));
     node.append(el("div", { class: "content" }, ...(message.content || "").split("\n").flatMap(
       (line, i) => (i ? [el("br"), line] : [line]))));
-    for (const image of message.images || []) node.append(mediaNode(image, "attached file"));
   } else {
     if (message.thinking) node.append(thinkingBlock(message, open));
     const content = el("div", { class: "content" });
