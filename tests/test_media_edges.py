@@ -107,15 +107,27 @@ def test_the_watchdog_gives_the_first_step_its_grace_and_watches_the_media_encod
 
     clock = [0.0]
     engine = _Engine(clock)
-    engine.watch.enter()  # the first step after the load: the weights page in
-    clock[0] = 30.0  # past the bound of 10 s, within the first step's grace
-    assert engine.watch.bound(10.0) == 10.0 * FIRST_GRACE
-    engine.watch.leave()
     engine.watch.enter()
-    assert engine.watch.bound(10.0) == 10.0  # a later step has the bound itself
-    clock[0] = 45.0
+    engine.watch.leave(worked=False)  # an idle pass of the loop: no decode yet
+    engine.watch.enter()  # the first step after the load: the weights page in
+    assert engine.watch.bound(10.0) == 10.0 * FIRST_GRACE
+
+    def ticking() -> float:  # each read of the watchdog's is a second later
+        clock[0] += 1.0
+        return clock[0]
+
+    engine.watch._clock = ticking
     watch_steps(_Service(engine, None), 10.0, every=0.001)  # type: ignore[arg-type]
-    assert engine.stalls == [(15.0, 10.0, "one step")]
+    [(seconds, bound, what)] = engine.stalls  # declared past the grace, not the bound
+    assert bound == 10.0 * FIRST_GRACE and seconds > bound and what == "one step"
+    later = _Engine([0.0])
+    later.watch.enter()
+    later.watch.leave()  # a step that decoded: the grace is spent
+    later.watch.enter()
+    assert later.watch.bound(10.0) == 10.0
+    later.watch._clock = lambda: 15.0
+    watch_steps(_Service(later, None), 10.0, every=0.001)  # type: ignore[arg-type]
+    assert later.stalls == [(15.0, 10.0, "one step")]
     media_clock = [0.0]
     quiet, media = _Engine([0.0]), _Vision(media_clock)
     media_clock[0] = 11.0  # no grace for a first encode: the weights are in by then

@@ -36,8 +36,11 @@ class StepWatch:
         self.what = what
         self._since = self._clock()
 
-    def leave(self) -> None:
-        self._since, self.first = None, False
+    def leave(self, worked: bool = True) -> None:
+        """Out of the call; `worked`: it did the work the first step's grace is for (an
+        idle pass of the loop, or a resize, does not)."""
+        self._since = None
+        self.first = self.first and not worked
 
     def bound(self, step_timeout: float) -> float:
         """The bound on the step running now: the first's is FIRST_GRACE times longer."""

@@ -248,8 +248,8 @@ class Engine:
                         self._embeds.step(self.embed_ctx)
                         self._embedded_at, self._transient = self.clock(), True
                     self._step()
-                finally:
-                    self.watch.leave()
+                finally:  # the grace lasts until a decode has paged the weights in
+                    self.watch.leave(worked=self.steps > 0 or self.embed_ctx.decodes > 0)
         except Exception as exc:  # a bug here must not leave any client hanging
             log.exception("engine thread failed")
             self.failure = EngineFailed(f"the model's engine failed: {exc}")
@@ -356,7 +356,7 @@ class Engine:
             slots = self.resizer.apply(resized, self.slots, self.llama.num_ctx, self.clock(),
                                        self.run.save)
         finally:
-            self.watch.leave()
+            self.watch.leave(worked=False)
         if slots is not None:
             self.slots = slots
             self.schedule.moved(self.llama.scratch)

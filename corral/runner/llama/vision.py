@@ -187,6 +187,8 @@ class Vision:
             raise self._failure
         request = Prepare(text, images, add_special, limit, cancelled or threading.Event())
         self._queue.put(request)
+        if self._failure is not None:  # failed while this was put: fail() may have missed it
+            raise self._failure
         try:
             result = request.reply.get(timeout=PREPARE_TIMEOUT)
         except queue.Empty:
@@ -204,19 +206,28 @@ class Vision:
             current = self._current
         if current is not None:
             current.reply.put(error)
+        closing = False
         while True:
             try:
                 waiting = self._queue.get_nowait()
             except queue.Empty:
-                return
-            if waiting is not None:
+                break
+            if waiting is None:
+                closing = True
+            else:
                 waiting.reply.put(error)
+        if closing:  # close() asked first: the thread must still hear it
+            self._queue.put(None)
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        # A thread stuck in native code (a stall) is not waited for: the process exits.
+        self._thread.join(timeout=0 if self.watch.running_for() else 30)
         if not self._thread.is_alive():
             self._free()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     # ---- the vision thread ---------------------------------------------------------------
 

@@ -145,9 +145,14 @@ class Handler(BaseHTTPRequestHandler):
             self._send(*format_error(BadRequest(str(exc)), Shape.RUNNER))
 
     def _completion(self, body: dict[str, Any]) -> None:
-        job = self.service.job(CompletionJob.from_json(body))
-        self.service.opened()
+        wire = CompletionJob.from_json(body)
+        self.service.opened()  # from here: a failing runner waits for this one's answer
         try:
+            try:
+                job = self.service.job(wire)
+            except CorralError as exc:
+                self._send(*format_error(exc, Shape.RUNNER))
+                return
             self._stream(job)
         finally:
             self.service.closed()
@@ -273,7 +278,8 @@ def watch_steps(service: RunnerService, bound: float, every: float = 1.0) -> Non
     watches = [engine.watch] + ([vision.watch] if vision is not None else [])
     while not engine.failed.wait(min(every, bound / 4)):
         for watch in watches:
-            seconds, limit = watch.running_for(), watch.bound(bound)
+            limit = watch.bound(bound)  # first: the first step may end between the two
+            seconds = watch.running_for()
             if seconds > limit:
                 engine.stall(seconds, limit, first=service.fail_streams, what=watch.what)
 
@@ -322,7 +328,9 @@ def main(argv: list[str] | None = None, pending: Pending | None = None,
         service.engine.stop()
         if service.vision is not None:
             service.vision.close()
-    if service.engine.running():  # stalled inside native code: no clean exit can wait for it
+    vision = service.vision
+    if service.engine.running() or (vision is not None and vision.alive()):
+        # stalled inside native code: no clean exit can wait for it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

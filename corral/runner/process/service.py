@@ -68,7 +68,7 @@ class RunnerService:
         if images:
             assert self.vision is not None
             ids, spans = self.vision.prepare(wire.prompt, images, wire.add_bos and not context,
-                                             max(limit - len(context), 0) if limit else 0,
+                                             max(limit - len(context), 1) if limit else 0,
                                              cancelled)
             spans = [span.shifted(len(context)) for span in spans]
         else:
@@ -115,7 +115,6 @@ class RunnerService:
         return data.decode("utf-8", "replace")
 
     def job(self, wire: CompletionJob) -> Job:
-        options = wire.options
         # Cancellable from the start: a client that leaves while its media are encoded
         # stops that encode (the vision thread is every media request's).
         cancelled = threading.Event()
@@ -123,11 +122,20 @@ class RunnerService:
             with self.lock:
                 self.jobs[wire.id] = Preparing(wire.id, cancelled)
         try:
-            tokens, spans = self.prompt_tokens(wire, self.engine.llama.num_ctx, cancelled)
+            job = self._job(wire, cancelled)
         except BaseException:
             with self.lock:
                 self.jobs.pop(wire.id, None)
             raise
+        if job.id:
+            with self.lock:
+                self.jobs[job.id] = job
+        return job
+
+    def _job(self, wire: CompletionJob, cancelled: threading.Event) -> Job:
+        """The engine's job for `wire`, its media prepared, submitted."""
+        options = wire.options
+        tokens, spans = self.prompt_tokens(wire, self.engine.llama.num_ctx, cancelled)
         job = Job(
             prompt=tokens,
             params=SamplingParams.from_options(options),
@@ -146,9 +154,6 @@ class RunnerService:
             cancelled=cancelled,
         )
         self.engine.submit(job)
-        if job.id:
-            with self.lock:
-                self.jobs[job.id] = job
         return job
 
     def opened(self) -> None:
