@@ -5,12 +5,13 @@ Runs the same `corral bench` load (streaming `/v1/completions`, `ignore_eos`,
 
 - llama-server with 4 slots, with 8 slots and `--kv-unified`, with 16 slots and
   `--kv-unified` (`-c 65536`: the tuned peer), and with 1 slot (Ollama's default);
-- Corral in its default mode (elastic KV up to the memory fit), the same with
-  `CORRAL_SPECULATIVE=off`, through Ollama's native `/api/generate` (`corral native`),
-  and in pool mode.
+- Corral in its default mode (one KV buffer the slots share, up to the memory fit),
+  the same with `CORRAL_SPECULATIVE=off`, through Ollama's native `/api/generate`
+  (`corral native`), and with elastic per-slot streams (`CORRAL_KV_POOL=off`, the
+  default before issue 66: the layout's before and after in one run).
 
-Then a burst of 16 streams at an idle Corral (one slot's KV): when the last first
-token came against when the first stream finished, and how many growth steps it took.
+Then a burst of 16 streams at an idle Corral: when the last first token came against
+when the first stream finished, and the slots before and after.
 
 All with the starter model and the same threads, in one run of two passes (the
 contenders in order, then in reverse, each contender's figures the mean of its two
@@ -170,7 +171,7 @@ def contenders(args: argparse.Namespace, binaries: Path, model: Path, threads: i
         ("corral spec off", lambda: start_corral(0, ctx, threads, SPECULATIVE="off")),
         # The same daemon through Ollama's /api/generate: the native route's cost.
         ("corral native", lambda: start_corral(0, ctx, threads)),
-        ("corral pool", lambda: start_corral(0, ctx, threads, KV_POOL="1")),
+        ("corral streams", lambda: start_corral(0, ctx, threads, KV_POOL="off")),
     ]
 
 
@@ -235,8 +236,8 @@ def rss_over_time() -> None:
 
 
 def burst_from_idle(args: argparse.Namespace, threads: int) -> dict[str, float]:
-    """16 streams at once at a Corral that holds one slot's KV: the last first token
-    against the first finish, and the growth steps the burst took."""
+    """16 streams at once at an idle Corral: the last first token against the first
+    finish, and the slots before and after (with elastic streams, a growth step)."""
     url, proc = start_corral(0, args.num_ctx, threads)
     firsts: list[float] = []
     ends: list[float] = []

@@ -180,9 +180,10 @@ SPECS: tuple[Spec, ...] = (
          _parse_count),
     Spec("MAX_SLOTS", "max_slots", 0, "auto",
          "most slots auto mode gives a model (0: 16 on the CPU, 32 on a GPU)", _parse_count),
-    Spec("KV_POOL", "kv_pool", False, "false",
-         "slots share one KV pool; num_ctx caps a sequence instead of reserving it",
-         parse_switch),
+    Spec("KV_POOL", "kv_pool", None, "auto",
+         "on: slots share a KV pool of KV_POOL_TOKENS, num_ctx caps a sequence (preempting "
+         "when it fills); off: a KV stream per slot; auto: one buffer of every slot's "
+         "num_ctx (a stream per slot under DETERMINISTIC)", parse_switch),
     Spec("KV_POOL_TOKENS", "kv_pool_tokens", 0, "auto",
          "KV pool size in tokens (0: MAX_SLOTS x num_ctx, as memory allows)", _parse_count),
     Spec("DETERMINISTIC", "deterministic", False, "false",
@@ -264,7 +265,7 @@ class Settings:
     keep_alive: float
     num_parallel: int
     max_slots: int
-    kv_pool: bool
+    kv_pool: bool | None  # None: auto (Settings.shared_kv)
     kv_pool_tokens: int
     deterministic: bool
     speculative: bool
@@ -297,6 +298,13 @@ class Settings:
     cache_ram: int | None
     cache_disk: int
     warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def shared_kv(self) -> bool:
+        """The default layout: the slots share one KV buffer sized for every slot's
+        num_ctx, so each still has its whole context (nothing is preempted); a KV stream
+        per slot under DETERMINISTIC, whose exactness a shared buffer cannot promise."""
+        return self.kv_pool is None and not self.deterministic
 
 
 def llama_lib_path() -> str | None:

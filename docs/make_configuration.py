@@ -47,12 +47,14 @@ NOTES = """
   directory for `corral` (`~/.local/share/corral` on Linux); the state directory, which
   holds the log, the REPL history and the prompt cache's disk tier, is
   `~/.local/state/corral`.
-- `CORRAL_NUM_PARALLEL` left at auto is elastic: one slot while a model is idle,
-  growing as requests run at once to as many as memory fits, up to
-  `CORRAL_MAX_SLOTS`; `CORRAL_NUM_PARALLEL=N` means exactly N slots from the load on
-  ([serving](serving.md#memory-follows-use)). With `CORRAL_KV_POOL` the slots share
-  one buffer of `CORRAL_KV_POOL_TOKENS` and the newest sequence is preempted when it
-  fills ([pool mode](serving.md#one-batch-for-every-slot)).
+- `CORRAL_NUM_PARALLEL` left at auto gives a model as many slots as memory fits, up
+  to `CORRAL_MAX_SLOTS`, in one KV buffer they share, which commits only the pages its
+  cells write; `CORRAL_NUM_PARALLEL=N` means exactly N slots from the load on
+  ([serving](serving.md#memory-follows-use)). `CORRAL_KV_POOL=off`, and
+  `CORRAL_DETERMINISTIC=1`, keep a KV stream per slot instead, elastic: one while a
+  model is idle, growing as requests run at once. With `CORRAL_KV_POOL=on` the slots
+  share one buffer of `CORRAL_KV_POOL_TOKENS` and the newest sequence is preempted when
+  it fills ([pool mode](serving.md#one-batch-for-every-slot)).
 - `CORRAL_SPECULATIVE` takes `on` or `off` (`yes`/`no` and `1`/`0`, `true`/`false` as
   the other switches do; anything else warns and leaves it on). The daemon reads it
   once at start and passes it to each runner as the model loads, so a change takes a

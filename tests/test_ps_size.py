@@ -1,6 +1,7 @@
 """`ps` tells what a model holds: `size` is the weights, the compute buffer, the KV
 committed now and the prompt cache's RAM, within 20% of the runner's resident memory
-whether it is idle, has its reserve made or has grown; `size_cap` keeps the cap."""
+whether it is idle or busy, in one shared KV buffer (the default) as in elastic per-slot
+streams with their reserve made or grown; `size_cap` keeps the cap."""
 
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ def _generate(d: Daemon, prompt: str, n: int = 8) -> None:
     assert r.status_code == 200, r.text
 
 
+def _burst(one: Any, n: int) -> None:
+    burst = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in burst:
+        t.start()
+    for t in burst:
+        t.join(timeout=300)
+
+
 def _reserve_made(d: Daemon) -> bool:
     d.services.scheduler.watch_once()
     health = _entry(d).health
@@ -91,11 +100,11 @@ def _reserve_made(d: Daemon) -> bool:
 
 @pytest.mark.model
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ps_size_follows_resident_memory(starter_store: Store,
-                                        daemon_factory: DaemonFactory) -> None:
+def test_ps_size_follows_resident_memory_in_elastic_streams(
+        starter_store: Store, daemon_factory: DaemonFactory) -> None:
     # Elastic KV up to 8 slots of 2,048 tokens: ~45 MiB of KV each, 360 MiB at the cap.
     d = daemon_factory(starter_store, NUM_PARALLEL="0", MAX_SLOTS="8",
-                       CONTEXT_LENGTH="2048")
+                       CONTEXT_LENGTH="2048", KV_POOL="off")
     r = httpx.post(d.url + "/api/generate", json={"model": MODEL}, timeout=300)
     assert r.status_code == 200, r.text
     loaded = _check(d, "idle after load")
@@ -113,14 +122,36 @@ def test_ps_size_follows_resident_memory(starter_store: Store,
         _generate(d, f"Tell me story number {i}.", 16)
         done.append(i)
 
-    burst = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in burst:
-        t.start()
-    for t in burst:
-        t.join(timeout=300)
+    _burst(one, 4)
     assert sorted(done) == [0, 1, 2, 3]
     grown = _check(d, "grown")
     # Grown onto the reserve: eight streams, of which only the cells written are held.
     assert grown["slots"] == 8 and grown["size"] < grown["size_cap"] - 200 * MiB
     # The shrunk state is checked on the engine (test_reserve): the daemon's runner
     # shrinks only after 30 s quiet, and no setting reaches that window.
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ps_size_follows_resident_memory_in_the_shared_buffer(
+        starter_store: Store, daemon_factory: DaemonFactory) -> None:
+    # The default: one buffer for 8 slots of 2,048 tokens (360 MiB of KV), made at the
+    # load, of which only the pages its cells write are held.
+    d = daemon_factory(starter_store, NUM_PARALLEL="0", MAX_SLOTS="8",
+                       CONTEXT_LENGTH="2048")
+    r = httpx.post(d.url + "/api/generate", json={"model": MODEL}, timeout=300)
+    assert r.status_code == 200, r.text
+    loaded = _check(d, "idle after load")
+    assert loaded["slots"] == 8 and loaded["slots_cap"] == 8
+    assert loaded["size_cap"] > loaded["size"] + 300 * MiB  # none of it written yet
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        _generate(d, f"Tell me story number {i}. " * 40, 16)  # ~300 cells each
+        done.append(i)
+
+    _burst(one, 8)
+    assert sorted(done) == list(range(8))
+    busy = _check(d, "after a burst")
+    assert busy["slots"] == 8 and busy["size"] > loaded["size"] + 20 * MiB
+    assert busy["size"] < busy["size_cap"] - 200 * MiB

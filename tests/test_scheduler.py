@@ -119,6 +119,19 @@ def test_the_speculative_setting_reaches_the_load_configuration(
     s.stop()
 
 
+@pytest.mark.parametrize("setting,shared", [
+    ({}, True), ({"DETERMINISTIC": "1"}, False), ({"KV_POOL": "off"}, False)])
+def test_the_slots_share_one_kv_buffer_unless_deterministic_or_asked(
+        tmp_path: Path, clock: Clock, setting: dict[str, str], shared: bool) -> None:
+    s = make(clock, NUM_PARALLEL="0", **setting)
+    s.release(acquire(s, record(tmp_path, "a")))
+    config = FakeRunner.started[0].config
+    # Every slot's whole context in the buffer; elastic streams the runner's fallback.
+    assert config.kv_pool == (config.n_slots * config.num_ctx if shared else 0)
+    assert config.n_slots == 16 and config.num_ctx > 0 and config.start_slots == 1
+    s.stop()
+
+
 def test_keep_alive_never_fires_while_busy(tmp_path: Path, clock: Clock) -> None:
     s = make(clock)
     rec = record(tmp_path, "a")

@@ -88,7 +88,27 @@ def test_scheduler_policy(tmp_path: Path) -> None:
     assert pool.fit.pool_tokens(r, opts, 16) == 16 * 4096
     assert scheduler(big, KV_POOL="1", KV_POOL_TOKENS="4096").fit.pool_tokens(r, opts, 16) == 4096
     assert scheduler(small, KV_POOL="1").fit.pool_tokens(r, opts, 16) < 16 * 4096
-    assert scheduler(big).fit.pool_tokens(r, opts, 16) == 0  # default mode: no pool
+    # The default: one buffer of every slot's num_ctx, for as many slots as fit, so an
+    # admitted sequence has its whole context and none is preempted.
+    assert scheduler(big).fit.pool_tokens(r, opts, 16) == 16 * 4096
+    assert scheduler(small).fit.pool_tokens(r, opts, 3) == 3 * 4096
+    # A KV stream per slot: in deterministic mode, or asked for.
+    assert scheduler(big, DETERMINISTIC="1").fit.pool_tokens(r, opts, 16) == 0
+    assert scheduler(big, KV_POOL="off").fit.pool_tokens(r, opts, 16) == 0
+
+
+def test_the_shared_buffer_falls_back_to_streams_where_its_pages_cannot_follow_use() -> None:
+    from corral.runner.kv.reserve import possible
+    from corral.runner.loadconfig import LoadConfig
+    from corral.runner.process.loading import layout
+
+    shared = LoadConfig(model="m", n_slots=16, kv_pool=16 * 4096, start_slots=1)
+    assert possible(), "ggml is not built by install.sh"
+    assert layout(shared, offloaded=False) == 16 * 4096
+    assert layout(shared, offloaded=True) == 0  # a GPU's memory would hold all of it
+    # Pool mode and a fixed slot count are asked for as they are: no elastic streams.
+    assert layout(LoadConfig(model="m", n_slots=16, kv_pool=4096), offloaded=True) == 4096
+    assert layout(LoadConfig(model="m", n_slots=4), offloaded=False) == 0
 
 
 

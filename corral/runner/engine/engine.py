@@ -1,5 +1,6 @@
-"""The engine: one llama.cpp context, its slots (KV streams, more of them as requests run
-at once: runner.kv.growth), continuous batching and the prompt cache.
+"""The engine: one llama.cpp context, its slots (one shared KV buffer by default, whose
+pages follow the cells written: runner.kv.settle; or a KV stream each, more of them as
+requests run at once: runner.kv.growth), continuous batching and the prompt cache.
 
 Exactly one thread (the engine thread) touches the model's context. Commands
 arrive on one queue (runner.jobs: Submit, Embed, Stop, Resized, SetThreads); each
@@ -20,8 +21,9 @@ overwrites the logits of the one before, so the batch is sampled first. Then spe
 decides and makes the next step's drafts (runner.speculative.speculation): from the
 n-gram index, or from a draft model (a Modelfile's DRAFT), whose context this thread
 owns too.
-After it, elastic KV's policy hears the step's demand (runner.kv.growth). Every batch and
-index is checked before native code, which aborts the whole process on misuse.
+After it, elastic KV's policy hears the step's demand (runner.kv.growth); between steps,
+engine/housekeeping.py gives back what a burst took. Every batch and index is checked
+before native code, which aborts the whole process on misuse.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from corral.errors import BadRequest, EngineFailed, RunnerError
 from corral.runner.cache.caches import PrefixCaches, caches_for
 from corral.runner.cache.diskread import Reader, read_entry, reads_for
 from corral.runner.engine import imagefeed
+from corral.runner.engine.housekeeping import Housekeeping
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placer
 from corral.runner.engine.plan import StepPlan
@@ -48,6 +51,7 @@ from corral.runner.jobs import (ClearCache, Embed, Failed, Inbox, Job, PrefixRea
 from corral.runner.kv import kvbytes
 from corral.runner.kv.growth import Capacity, Resizer
 from corral.runner.kv.reserve import Reserve, possible as reserve_possible
+from corral.runner.kv.settle import Settler
 from corral.runner.llama import native
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
@@ -59,10 +63,6 @@ from corral.runner.speculative.speculation import speculation
 
 log = logging.getLogger("corral.engine")
 
-# An idle embedding context is freed after this long: a burst of embed calls
-# reuses it, and a daemon that embeds once does not keep its buffers for good.
-EMBED_KEEP = 10.0
-TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a millisecond)
 
 
 class Engine:
@@ -96,9 +96,7 @@ class Engine:
             load_seconds = clock() - t0
         # The context's fields have one owner: `llama`, which a resize updates.
         self.llama, self.load_seconds = llama, load_seconds
-        self._embedded_at = self._trimmed_at = 0.0
         self._embeds = EmbedQueue()
-        self._transient = False  # freed native memory waits to be handed back when idle
         self.slots = [Slot(seq_id=i, num_ctx=llama.num_ctx) for i in range(llama.streams)]
         # The cap's context is made ahead, uncommitted, where the KV is host memory and
         # ggml's clear hands pages back (a test's reserve_gate holds its build).
@@ -122,6 +120,8 @@ class Engine:
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters, alone=config.deterministic)
+        self.settler = Settler(llama) if self.pool is not None else None
+        self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch)
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -238,7 +238,8 @@ class Engine:
                 # however short (a client that sends its next request at once still
                 # leaves one between two of them), so the reserve is made before a burst.
                 idle = self._idle()
-                self._housekeep(idle)
+                self.housekeeping.rest(idle, self.clock(), self.slots, self.sampled > 0,
+                                       self.run.save)
                 self._drain(block=idle)
                 if self._stopping:
                     break
@@ -246,7 +247,7 @@ class Engine:
                 try:
                     if self._embeds:
                         self._embeds.step(self.embed_ctx)
-                        self._embedded_at, self._transient = self.clock(), True
+                        self.housekeeping.freed(self.clock())
                     self._step()
                 finally:  # the grace lasts until a decode has paged the weights in
                     self.watch.leave(worked=self.steps > 0 or self.embed_ctx.decodes > 0)
@@ -289,7 +290,8 @@ class Engine:
         changes = self.post.take()
         self.native_time += changes.native
         self.sampled += changes.sampled
-        self._transient = self._transient or changes.freed
+        if changes.freed:
+            self.housekeeping.freed()
         if self.resizer is not None and plan.demand is not None:  # may start a builder thread
             demand = plan.demand
             self.resizer.tick(demand.busy, demand.waiting, demand.now, demand.warm)
@@ -341,7 +343,8 @@ class Engine:
                 if self.spec is not None:
                     self.spec.set_threads(item.n)
             elif isinstance(item, ClearCache):
-                self._transient = self._transient or self.caches.ram.clear() > 0
+                if self.caches.ram.clear() > 0:
+                    self.housekeeping.freed()
             try:
                 item = self._commands.get()
             except queue.Empty:
@@ -360,20 +363,6 @@ class Engine:
         if slots is not None:
             self.slots = slots
             self.schedule.moved(self.llama.scratch)
-
-    def _housekeep(self, idle: bool) -> None:
-        """Give back what bursts took, so memory returns to what `ps` reports: when idle,
-        and every few seconds under load, when the engine may never be idle."""
-        # runner.kv.reserve: made on a builder thread after the first rest.
-        if idle and self.resizer is not None:
-            self.resizer.rest(self.sampled > 0)
-        now = self.clock()
-        if idle and self.embed_ctx.ctx is not None and now - self._embedded_at > EMBED_KEEP:
-            self.embed_ctx.free()
-            self._transient = True
-        if self._transient and (idle or now - self._trimmed_at > TRIM_EVERY):
-            native.release_free_memory()
-            self._transient, self._trimmed_at = False, now
 
     def _fail_everyone(self, error: RunnerError) -> None:
         for slot in self.slots:

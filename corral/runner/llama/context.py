@@ -166,6 +166,12 @@ class LlamaContext:
         pages = self._kv_pages.get(_address(ctx if ctx is not None else self.ctx))
         return None if pages is None else resident(pages)
 
+    def kv_size(self) -> int | None:
+        """Bytes of the KV pages of the context in use, written or not; None where they
+        cannot be told apart (as kv_committed)."""
+        pages = self._kv_pages.get(_address(self.ctx))
+        return None if pages is None else sum(end - start for start, end in pages)
+
     def adopt(self, ctx: Any, streams: int) -> Any:
         """Engine thread: serve from `ctx` from now on; returns the old context, which the
         caller frees (discard) or keeps (runner.kv.reserve)."""

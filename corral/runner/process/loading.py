@@ -24,6 +24,7 @@ from corral.runner import fitestimate
 from corral.runner.llama import native
 from corral.runner.tools import rpc
 from corral.runner.llama.context import EngineConfig, LlamaContext
+from corral.runner.kv.reserve import possible as reserve_possible
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.speculative.draftmodel import STREAMS
 
@@ -49,6 +50,17 @@ class LoadedModel:
     draft: "DraftModel | None" = None
     draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV (0: none)
     draft_error: str = ""  # why the model's draft model did not load ("": it did, or none)
+
+
+def layout(config: LoadConfig, offloaded: bool) -> int:
+    """The shared KV buffer's size (0: a KV stream per slot). The daemon's default, a
+    buffer of every slot's num_ctx (passed with elastic streams as the alternative),
+    costs only the pages its cells write where the KV is host memory and install.sh's
+    ggml hands a clear's pages back; elsewhere (a GPU's memory, stock ggml) it would
+    commit the whole buffer at load, so elastic streams hold what is used instead."""
+    if config.kv_pool and config.start_slots and (offloaded or not reserve_possible()):
+        return 0
+    return config.kv_pool
 
 
 def load(config: LoadConfig) -> LoadedModel:
@@ -79,7 +91,8 @@ def load(config: LoadConfig) -> LoadedModel:
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
-        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap, kv_pool=config.kv_pool,
+        kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap,
+        kv_pool=layout(config, est.gpu_layers > 0 or bool(rpc_free)),
         deterministic=config.deterministic, speculative=config.speculative,
         adapters=config.adapters,
         start_slots=config.start_slots, cache_ram=config.cache_ram,

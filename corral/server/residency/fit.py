@@ -85,8 +85,12 @@ class MemoryFit:
                                        self.settings.kv_cache_type)
 
     def pool_tokens(self, record: ModelRecord, opts: Options, slots: int) -> int:
-        """Pool mode's KV size in tokens: the setting, or every sequence's cap, as memory
-        allows (one buffer either way: it is allocated whole when the model loads)."""
+        """The shared KV buffer's size in tokens (0: a stream per slot). By default every
+        slot's num_ctx, which the slot count already fits in memory; in pool mode the
+        setting, or every sequence's cap as memory allows. One buffer either way: its
+        pages are committed as cells are written (runner.kv.reserve)."""
+        if self.settings.shared_kv:
+            return slots * int(opts.num_ctx or 0)
         if not self.settings.kv_pool:
             return 0
         if self.settings.kv_pool_tokens:

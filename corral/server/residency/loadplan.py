@@ -16,8 +16,10 @@ def load_config(entry: Resident, settings: Settings, fit: MemoryFit) -> LoadConf
         flash_attn=settings.flash_attention,
         kv_cache_type=settings.kv_cache_type, template=record.template,
         kv_pool=fit.pool_tokens(record, entry.options, entry.slots),
-        # Auto mode is elastic: one slot's KV while idle, growing to the memory fit as
-        # requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start.
+        # Per-slot streams are elastic: one slot's KV while idle, growing to the memory
+        # fit as requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start. The
+        # shared buffer passes it on too: where its pages cannot follow use, the runner
+        # falls back to those streams (runner.process.loading.layout).
         start_slots=1 if settings.num_parallel <= 0 and not settings.kv_pool else 0,
         deterministic=settings.deterministic, speculative=settings.speculative,
         adapters=tuple((str(path), 1.0) for path in record.adapters),

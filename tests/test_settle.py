@@ -1,0 +1,76 @@
+"""A shared KV buffer settles when quiet (runner.kv.settle): the pages a burst wrote go
+back, the most recent conversation stays in the first cells, the others go to the
+prompt cache, and each comes back from where it went."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import wait_for
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs madvise")
+MiB = 1 << 20
+
+
+@linux
+@pytest.mark.model
+def test_a_quiet_shared_buffer_gives_back_what_a_burst_wrote(starter_gguf: Path) -> None:
+    from corral.runner.engine.engine import Engine
+    from corral.runner.kv.reserve import possible
+    from corral.runner.kv.settle import SettleState
+    from corral.runner.llama.context import EngineConfig
+    from tests.test_engine import PROMPTS, run, run_together
+
+    assert possible(), "ggml is not built by install.sh: its clear writes every page"
+    # 4 x 2,048 cells of the base starter in one buffer: ~150 MB, none of it written yet.
+    engine = Engine(str(starter_gguf), EngineConfig(n_slots=4, num_ctx=2048, kv_pool=8192,
+                                                    cache_ram=256 << 20))
+    settler = engine.settler
+    assert settler is not None and settler.state is SettleState.SETTLED
+    settler.shrink_after = 3600  # the test says when
+    engine.start()
+    try:
+        assert (engine.llama.kv_committed() or 0) < 4 * MiB
+        prompts = [" ".join([p] * 40) for p in PROMPTS]  # ~400-500 tokens each
+        run_together(engine, [(p, 8, {}) for p in prompts])
+        burst = engine.llama.kv_committed()
+        assert burst is not None and burst > 12 * MiB  # four conversations' cells
+        assert settler.state is SettleState.ACTIVE and settler.settles == 0
+        latest = max(engine.slots, key=lambda s: s.last_used)
+        kept = list(latest.cached)
+        settler.shrink_after = 0.0
+        wait_for(lambda: settler.settles == 1, timeout=60)
+        settled = engine.llama.kv_committed()
+        assert settled is not None and settled < burst // 2  # one of four kept
+        assert [s.cached for s in engine.slots if s.cached] == [kept]
+        status = engine.status()
+        assert status["cache_entries"] == 3  # the three others, in the prompt cache
+        # The kept one is served from its cells; the others from the prompt cache.
+        settler.shrink_after = 3600
+        [latest_prompt] = [p for p in prompts
+                           if kept[:len(engine.tokenize(p))] == engine.tokenize(p)]
+        _, stats = run(engine, latest_prompt, 4)
+        assert stats.prompt_eval_count <= 2
+        hits = engine.status()["cache_hits"]
+        others = [p for p in prompts if p != latest_prompt]
+        for prompt in others:
+            _, stats = run(engine, prompt, 4)
+            assert stats.prompt_eval_count < 16
+        assert engine.status()["cache_hits"] == hits + 3
+    finally:
+        engine.stop()
+
+
+def test_a_settle_waits_for_the_quiet_and_comes_once() -> None:
+    from corral.runner.kv.settle import SettleState, Settler
+
+    settler = Settler(llama=None, shrink_after=30.0)  # type: ignore[arg-type]
+    assert not settler.due(100.0)  # nothing written since it was made
+    settler.busy(100.0)
+    assert settler.state is SettleState.ACTIVE
+    assert not settler.due(129.9) and settler.due(130.0)
+    settler.busy(131.0)  # a request came back: the quiet starts again
+    assert not settler.due(160.9) and settler.due(161.0)
