@@ -237,7 +237,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 
 
 def memory_case(models: Path, tmp: Path, model: str, slots: int) -> dict[str, Any]:
-    """Idle and after-use runner memory; `slots` 0 is auto mode (elastic KV)."""
+    """Idle and after-use runner memory; `slots` 0 is auto mode (the shared KV buffer)."""
     env = {"NUM_PARALLEL": str(slots)} if slots else {}
     d = Daemon(models, tmp, CONTEXT_LENGTH="4096", **env)
     try:
@@ -352,7 +352,8 @@ def report(cold: dict[str, float], routes: dict[str, dict[str, float]], n_models
     lines.append("")
     if memory:
         lines += ["Runner resident memory against `ps` SIZE (num_ctx 4096 per slot; auto is "
-                  "elastic: one slot's KV while idle, up to the cap):", "",
+                  "one KV buffer for every slot up to the cap, holding the pages its cells "
+                  "wrote):", "",
                   "| model | mode | ps size idle MB | RSS idle MB | cap MB | ps size after MB | "
                   "RSS after embed + concurrent schema MB |", "|---|---|---|---|---|---|---|"]
         for m in memory:
