@@ -166,6 +166,14 @@ class LlamaContext:
         pages = self._kv_pages.get(_address(ctx if ctx is not None else self.ctx))
         return None if pages is None else resident(pages)
 
+    def cells_bytes(self) -> int:
+        """llama.cpp's bookkeeping of the context's KV cells, committed when it is made
+        (llama_kv_cells: each cell's position, shift and sequence set), per cache (a
+        sliding-window model has two): about CELL_BYTES a cell, which a shared buffer
+        sized for sixteen slots makes worth counting (7 MB for 131,072 cells)."""
+        caches = 2 if L.llama_model_n_swa(self.model) > 0 else 1
+        return self.n_ctx * CELL_BYTES * caches
+
     def kv_size(self) -> int | None:
         """Bytes of the KV pages of the context in use, written or not; None where they
         cannot be told apart (as kv_committed)."""
@@ -231,6 +239,11 @@ class LlamaContext:
     def free(self) -> None:
         native.free_model(self.batch, self.ctx, self.model)
         self.batch = self.ctx = self.model = None
+
+
+# Measured, 2026-12-05: 524,288 cells against 8,192 add 26 MiB of RSS at load on
+# SmolLM2-135M (one cache), 48 MiB against 32,768 on Gemma 3 270M (two).
+CELL_BYTES = 52
 
 
 def _address(ctx: Any) -> int:

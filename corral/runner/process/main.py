@@ -231,10 +231,11 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
         "utf-8", "replace")
     eos = native.token_bytes(llama.vocab, L.llama_vocab_eos(llama.vocab), True).decode(
         "utf-8", "replace")
+    cells = llama.cells_bytes()  # host memory, beside the estimate's compute buffer
     report = LoadReport(
-        weights=est.weights, kv=est.kv, compute=est.compute,
+        weights=est.weights, kv=est.kv, compute=est.compute + cells,
         gpu_layers=est.gpu_layers, layers=est.layers,
-        size=est.total, size_vram=est.gpu_bytes - loaded.rpc_bytes,
+        size=est.total + cells, size_vram=est.gpu_bytes - loaded.rpc_bytes,
         size_rpc=loaded.rpc_bytes, rpc_servers=tuple(config.rpc_servers),
         num_ctx=llama.num_ctx, n_ctx=llama.n_ctx, slots=config.n_slots,
         # Elastic KV holds start_slots' worth while idle: `size` is what the cap holds.

@@ -21,15 +21,10 @@ from corral.runner.speculative.policy import DraftPolicy
 
 DECAY = 0.98  # weight of a step in the fit, per later step: the last hundred or so count
 PRIOR = 8  # drafted tokens' worth of the runner's acceptance rate a sequence starts from
-# The most a row may cost against a pass over the weights, as the fit reads it: a fit
-# misled by a loaded machine (steps that took long by chance when they had many rows)
-# asks one stream to keep at most 3/4 of its drafts, so it can slow copying down, never
-# stop it. Bounding the row, not the share a draft must keep: at sixteen streams, where
-# a step is nearly all rows, a real fit asks for 0.9 and more, and a bound of 0.75 on
-# the share let sequences that kept three quarters of their drafts draft, at a cost of
-# 9% of the throughput with speculation off (compare.py, 2026-12-05: one shared KV
-# buffer, where each stream drafts its own length).
-ROW_RATIO = 3.0
+# The most a draft is ever asked to keep: a sequence that keeps this much of its drafts
+# drafts however the fit reads (a copy is kept whole), so a fit misled by a loaded
+# machine can slow copying down, never stop it.
+CEILING = 0.75
 
 
 def passes(runs: list[tuple[int, int]]) -> int:
@@ -85,14 +80,13 @@ class RowCost:
     def needed(self, decoding: int) -> float:
         """The share of its tokens a draft must expect to keep to pay for its rows in a
         step where `decoding` slots decode: a row's cost over a token's share of the
-        step, a row being at most ROW_RATIO passes. 0 while the fit is unknown (drafting
-        is how it becomes known)."""
+        step, at most CEILING. 0 while the fit is unknown (drafting is how it becomes
+        known)."""
         fit = self.fit()
         if fit is None:
             return 0.0
         base, row = fit
-        row = min(row, ROW_RATIO * base)
-        return row * decoding / (base + row * decoding)
+        return min(row * decoding / (base + row * decoding), CEILING)
 
     def expects(self, policy: DraftPolicy) -> float:
         """A sequence's acceptance rate: its own, from the runner's at first, counting
