@@ -90,6 +90,11 @@ def parse_switch(value: str) -> bool:
     return word in ("on", "yes") or value in _TRUE
 
 
+def _parse_auto_switch(value: str) -> bool | None:
+    """A switch that may also be left to Corral: `auto` is its default (None)."""
+    return None if value.lower() == "auto" else parse_switch(value)
+
+
 def _parse_count(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -183,7 +188,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("KV_POOL", "kv_pool", None, "auto",
          "on: slots share a KV pool of KV_POOL_TOKENS, num_ctx caps a sequence (preempting "
          "when it fills); off: a KV stream per slot; auto: one buffer of every slot's "
-         "num_ctx (a stream per slot under DETERMINISTIC)", parse_switch),
+         "num_ctx (a stream per slot under DETERMINISTIC)", _parse_auto_switch),
     Spec("KV_POOL_TOKENS", "kv_pool_tokens", 0, "auto",
          "KV pool size in tokens (0: MAX_SLOTS x num_ctx, as memory allows)", _parse_count),
     Spec("DETERMINISTIC", "deterministic", False, "false",

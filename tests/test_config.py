@@ -128,6 +128,10 @@ def test_a_switch_reads_one_way_under_corrals_names_and_ollamas_way_under_its() 
     s = load_settings(off, warn=False)
     assert (s.deterministic, s.kv_pool, s.noprune, s.speculative) == (False, False, False,
                                                                       False)
+    auto = load_settings({"CORRAL_KV_POOL": "auto"}, warn=False)
+    assert auto.kv_pool is None and auto.shared_kv and not auto.warnings
+    assert not load_settings({"CORRAL_KV_POOL": "auto", "CORRAL_DETERMINISTIC": "1"},
+                             warn=False).shared_kv
     bad = load_settings({"CORRAL_FLASH_ATTENTION": "enabled"}, warn=False)
     assert bad.flash_attention is None and "CORRAL_FLASH_ATTENTION" in bad.warnings[0]
     # Ollama's rule for its own settings' names: ParseBool, and what does not parse is

@@ -128,6 +128,7 @@ def test_the_slots_share_one_kv_buffer_unless_deterministic_or_asked(
     config = FakeRunner.started[0].config
     # Every slot's whole context in the buffer; elastic streams the runner's fallback.
     assert config.kv_pool == (config.n_slots * config.num_ctx if shared else 0)
+    assert config.kv_shared is shared
     assert config.n_slots == 16 and config.num_ctx > 0 and config.start_slots == 1
     s.stop()
 

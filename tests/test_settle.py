@@ -74,3 +74,32 @@ def test_a_settle_waits_for_the_quiet_and_comes_once() -> None:
     assert not settler.due(129.9) and settler.due(130.0)
     settler.busy(131.0)  # a request came back: the quiet starts again
     assert not settler.due(160.9) and settler.due(161.0)
+
+
+def test_a_request_ended_within_one_step_counts_and_a_queued_one_waits() -> None:
+    """The engine may never be seen busy between two rests (a request placed, decoded
+    and ended in one step): its steps say it ran. A settle that is due waits while a
+    request is queued (a disk read, the inbox), which it would only delay."""
+    from types import SimpleNamespace
+
+    from corral.runner.engine.housekeeping import Housekeeping
+    from corral.runner.kv.settle import SettleState, Settler
+    from corral.runner.watch import StepWatch
+
+    # A llama whose pages cannot be told (stock ggml): a settle is then a no-op.
+    settler = Settler(SimpleNamespace(kv_committed=lambda: None, kv_size=lambda: None),
+                      shrink_after=30.0)  # type: ignore[arg-type]
+    house = Housekeeping(SimpleNamespace(ctx=None), None, settler,  # type: ignore[arg-type]
+                         StepWatch())
+
+    def rest(now: float, steps: int, queued: int = 0) -> None:
+        house.rest(True, now, [], False, lambda slot: None, steps, queued)
+
+    rest(0.0, steps=0)
+    assert settler.state is SettleState.SETTLED
+    rest(1.0, steps=1)  # one step ran since the last rest, though idle at both
+    assert settler.state is SettleState.ACTIVE and settler.busy_at == 1.0
+    rest(40.0, steps=1, queued=1)
+    assert settler.state is SettleState.ACTIVE  # due, but a request waits
+    rest(41.0, steps=1)
+    assert settler.state is SettleState.SETTLED and settler.settles == 0

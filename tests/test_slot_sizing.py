@@ -98,17 +98,19 @@ def test_scheduler_policy(tmp_path: Path) -> None:
 
 
 def test_the_shared_buffer_falls_back_to_streams_where_its_pages_cannot_follow_use() -> None:
-    from corral.runner.kv.reserve import possible
     from corral.runner.loadconfig import LoadConfig
     from corral.runner.process.loading import layout
 
-    shared = LoadConfig(model="m", n_slots=16, kv_pool=16 * 4096, start_slots=1)
-    assert possible(), "ggml is not built by install.sh"
-    assert layout(shared, offloaded=False) == 16 * 4096
-    assert layout(shared, offloaded=True) == 0  # a GPU's memory would hold all of it
-    # Pool mode and a fixed slot count are asked for as they are: no elastic streams.
-    assert layout(LoadConfig(model="m", n_slots=16, kv_pool=4096), offloaded=True) == 4096
-    assert layout(LoadConfig(model="m", n_slots=4), offloaded=False) == 0
+    for start in (1, 0):  # elastic, or a fixed CORRAL_NUM_PARALLEL
+        shared = LoadConfig(model="m", n_slots=16, kv_pool=16 * 4096, start_slots=start,
+                            kv_shared=True)
+        assert layout(shared, offloaded=False, pages_follow=True) == 16 * 4096
+        assert layout(shared, offloaded=True, pages_follow=True) == 0  # a GPU's memory
+        assert layout(shared, offloaded=False, pages_follow=False) == 0  # stock ggml
+    # Pool mode is asked for: kept as it is, wherever the KV lives.
+    pool = LoadConfig(model="m", n_slots=16, kv_pool=4096)
+    assert layout(pool, offloaded=True, pages_follow=False) == 4096
+    assert layout(LoadConfig(model="m", n_slots=4), offloaded=False, pages_follow=True) == 0
 
 
 

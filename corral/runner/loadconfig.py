@@ -31,6 +31,9 @@ class LoadConfig:
     kv_cache_type: str = "f16"
     template: str | None = None  # a TEMPLATE layer, which wins over the GGUF's
     kv_pool: int = 0  # tokens in a KV pool the slots share; 0: one reservation per slot
+    # The pool is the default layout's (every slot's num_ctx), not one asked for: where
+    # its pages cannot follow the cells, the runner keeps a stream per slot instead.
+    kv_shared: bool = False
     start_slots: int = 0  # elastic KV: slots held while idle, growing to n_slots; 0: fixed
     deterministic: bool = False  # batch-invariant kernels (slower; see EngineConfig)
     speculative: bool = True  # n-gram speculative decoding (CORRAL_SPECULATIVE; EngineConfig)

@@ -239,7 +239,8 @@ class Engine:
                 # leaves one between two of them), so the reserve is made before a burst.
                 idle = self._idle()
                 self.housekeeping.rest(idle, self.clock(), self.slots, self.sampled > 0,
-                                       self.run.save)
+                                       self.run.save, self.steps,
+                                       self.placer.queued() + self._commands.qsize())
                 self._drain(block=idle)
                 if self._stopping:
                     break

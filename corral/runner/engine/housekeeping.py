@@ -29,6 +29,7 @@ class Housekeeping:
         self.embed_ctx, self.resizer, self.settler, self.watch = \
             embed_ctx, resizer, settler, watch
         self.embedded_at = self.trimmed_at = 0.0
+        self.steps = 0  # the engine's decode steps when last here
         self.transient = False  # freed native memory waits to be handed back when idle
 
     def freed(self, now: float | None = None) -> None:
@@ -38,14 +39,17 @@ class Housekeeping:
             self.embedded_at = now
 
     def rest(self, idle: bool, now: float, slots: list[Slot], sampled: bool,
-             save: Callable[[Slot], None]) -> None:
+             save: Callable[[Slot], None], steps: int, queued: int) -> None:
+        """`steps`: the engine's decode steps so far (a request placed, decoded and ended
+        within one step never shows as busy here); `queued`: requests not yet placed
+        (waiting for a disk read, or still in the inbox), which a settle would delay."""
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
             self.resizer.rest(sampled)
         if self.settler is not None:
-            if not idle:
+            if not idle or steps != self.steps:
                 self.settler.busy(now)
-            elif self.settler.due(now):  # a shared buffer's pages back (runner.kv.settle)
+            elif self.settler.due(now) and not queued:  # pages back (runner.kv.settle)
                 self.watch.enter("a settle of the shared KV")
                 try:
                     self.transient = self.settler.settle(slots, save) or self.transient
@@ -57,3 +61,4 @@ class Housekeeping:
         if self.transient and (idle or now - self.trimmed_at > TRIM_EVERY):
             native.release_free_memory()
             self.transient, self.trimmed_at = False, now
+        self.steps = steps

@@ -1,11 +1,12 @@
-"""Cell accounting for slots that share one KV pool (CORRAL_KV_POOL=1).
+"""Cell accounting for slots that share one KV buffer.
 
-In the default mode every slot reserves its whole num_ctx. In pool mode the
-slots share one unified KV buffer, num_ctx only caps a sequence, and so more
-sequences run than reservations would allow. The price is that the pool can
-fill while they generate: then the newest sequence is preempted (its cells
-freed, its job back at the front of the queue with its progress) and
-recomputed once there is room. Pure: it reads slot state and decides; schedule
+By default the buffer holds every slot's num_ctx, so every admitted sequence has its
+whole context and nothing below is ever short of cells but a step that a parked infill
+run crowds. In pool mode (CORRAL_KV_POOL=on) the buffer is smaller, num_ctx only caps a
+sequence, and so more sequences run than reservations would allow. The price is that
+the pool can fill while they generate: then the newest sequence is preempted (its
+cells freed, its job back at the front of the queue with its progress) and recomputed
+once there is room. Pure: it reads slot state and decides; schedule
 (runner.engine.schedule) turns its decisions into the step's ops.
 """
 

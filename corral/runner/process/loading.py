@@ -52,13 +52,14 @@ class LoadedModel:
     draft_error: str = ""  # why the model's draft model did not load ("": it did, or none)
 
 
-def layout(config: LoadConfig, offloaded: bool) -> int:
+def layout(config: LoadConfig, offloaded: bool, pages_follow: bool) -> int:
     """The shared KV buffer's size (0: a KV stream per slot). The daemon's default, a
-    buffer of every slot's num_ctx (passed with elastic streams as the alternative),
-    costs only the pages its cells write where the KV is host memory and install.sh's
-    ggml hands a clear's pages back; elsewhere (a GPU's memory, stock ggml) it would
-    commit the whole buffer at load, so elastic streams hold what is used instead."""
-    if config.kv_pool and config.start_slots and (offloaded or not reserve_possible()):
+    buffer of every slot's num_ctx (`kv_shared`), costs only the pages its cells write
+    where the KV is host memory and ggml hands a clear's pages back (`pages_follow`:
+    install.sh's ggml); elsewhere (a GPU's memory, stock ggml) it would commit the whole
+    buffer at load, so a stream per slot holds what is used instead (elastic, unless
+    the slot count is fixed). A pool asked for (CORRAL_KV_POOL=on) is kept as asked."""
+    if config.kv_shared and (offloaded or not pages_follow):
         return 0
     return config.kv_pool
 
@@ -92,7 +93,7 @@ def load(config: LoadConfig) -> LoadedModel:
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,
         n_threads=config.n_threads, n_gpu_layers=est.gpu_layers, flash_attn=config.flash_attn,
         kv_cache_type=config.kv_cache_type, use_mmap=config.use_mmap,
-        kv_pool=layout(config, est.gpu_layers > 0 or bool(rpc_free)),
+        kv_pool=layout(config, est.gpu_layers > 0 or bool(rpc_free), reserve_possible()),
         deterministic=config.deterministic, speculative=config.speculative,
         adapters=config.adapters,
         start_slots=config.start_slots, cache_ram=config.cache_ram,

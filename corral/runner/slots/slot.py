@@ -1,4 +1,5 @@
-"""A slot is one llama.cpp KV stream: a state machine with every transition here.
+"""A slot is one llama.cpp sequence (its cells in the shared KV buffer, or a KV stream
+of its own): a state machine with every transition here.
 
     IDLE --assign--> PREFILL --prompt done--> DECODE --vacate--> IDLE
                        \\-------------------vacate-----------------^
@@ -34,7 +35,7 @@ _ALLOWED = {
 
 @dataclass
 class Slot:
-    seq_id: int  # llama.cpp's sequence id: which KV stream this slot is
+    seq_id: int  # llama.cpp's sequence id (with a stream per slot, which stream)
     num_ctx: int
     state: SlotState = SlotState.IDLE
     cached: list[int] = field(default_factory=list)  # tokens whose KV is resident, in order

@@ -16,6 +16,7 @@ def load_config(entry: Resident, settings: Settings, fit: MemoryFit) -> LoadConf
         flash_attn=settings.flash_attention,
         kv_cache_type=settings.kv_cache_type, template=record.template,
         kv_pool=fit.pool_tokens(record, entry.options, entry.slots),
+        kv_shared=settings.shared_kv,
         # Per-slot streams are elastic: one slot's KV while idle, growing to the memory
         # fit as requests run at once; CORRAL_NUM_PARALLEL=N holds N from the start. The
         # shared buffer passes it on too: where its pages cannot follow use, the runner
