@@ -62,8 +62,13 @@ class Settler:
     def settle(self, slots: list[Slot], save: Callable[[Slot], None]) -> bool:
         """ACTIVE -> SETTLED: every slot is idle (the engine's caller checks). Whether the
         buffer was cleared; a cache that cannot be written back is dropped (the slot
-        then holds nothing), never left half there."""
-        self.state = SettleState.SETTLED
+        then holds nothing), never left half there. SETTLED once it is done."""
+        try:
+            return self._settle(slots, save)
+        finally:
+            self.state = SettleState.SETTLED
+
+    def _settle(self, slots: list[Slot], save: Callable[[Slot], None]) -> bool:
         committed, size = self.llama.kv_committed(), self.llama.kv_size()
         if committed is None or not size:
             return False  # stock ggml: the clear would write every page, nothing comes back
