@@ -359,7 +359,10 @@ def main() -> None:
     parser.add_argument("--build-seconds", type=float, default=None)
     parser.add_argument("--cpu", action="store_true", help="the rehearsal: no CUDA")
     run = Run(parser.parse_args())
-    daemon = Daemon(run, "default")
+    # On a GPU the KV is device memory, where the runner keeps elastic per-slot streams
+    # (runner.process.loading.layout) and check 5 reads their growth; the rehearsal's
+    # KV is host memory, where the default is one shared buffer: it asks for the GPU's.
+    daemon = Daemon(run, "default", **({"KV_POOL": "off"} if run.cpu else {}))
     try:
         made = run.step("model", lambda: make_model(run, run.tokenizer, daemon))
         if "error" not in made:
