@@ -40,7 +40,7 @@ def test_a_quiet_shared_buffer_gives_back_what_a_burst_wrote(starter_gguf: Path)
         latest = max(engine.slots, key=lambda s: s.last_used)
         kept = list(latest.cached)
         size = engine.llama.kv_size()
-        assert burst is not None and size is not None
+        assert burst is not None and size is not None, "the KV's pages are not counted"
         need = size * len(kept) // engine.llama.n_ctx
         # Four conversations' cells, well past one's and the slack a settle allows.
         assert burst > need + SLACK + 8 * MiB, (burst, need)
@@ -94,11 +94,13 @@ def test_a_request_ended_within_one_step_counts_and_a_queued_one_waits() -> None
     # A llama whose pages cannot be told (stock ggml): a settle is then a no-op.
     settler = Settler(SimpleNamespace(kv_committed=lambda: None, kv_size=lambda: None),
                       shrink_after=30.0)  # type: ignore[arg-type]
+    waiting = [0]
     house = Housekeeping(SimpleNamespace(ctx=None), None, settler,  # type: ignore[arg-type]
-                         StepWatch())
+                         StepWatch(), lambda: waiting[0])
 
     def rest(now: float, steps: int, queued: int = 0) -> None:
-        house.rest(True, now, [], False, lambda slot: None, steps, queued)
+        waiting[0] = queued
+        house.rest(True, now, [], False, lambda slot: None, steps)
 
     rest(0.0, steps=0)
     assert settler.state is SettleState.SETTLED

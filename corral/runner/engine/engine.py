@@ -121,7 +121,8 @@ class Engine:
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters, alone=config.deterministic)
         self.settler = Settler(llama) if self.pool is not None else None
-        self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch)
+        self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch,
+                                         lambda: self.placer.queued() + self._commands.qsize())
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -239,8 +240,7 @@ class Engine:
                 # leaves one between two of them), so the reserve is made before a burst.
                 idle = self._idle()
                 self.housekeeping.rest(idle, self.clock(), self.slots, self.sampled > 0,
-                                       self.run.save, self.steps,
-                                       self.placer.queued() + self._commands.qsize())
+                                       self.run.save, self.steps)
                 self._drain(block=idle)
                 if self._stopping:
                     break

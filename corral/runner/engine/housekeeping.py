@@ -25,9 +25,13 @@ TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a mil
 
 class Housekeeping:
     def __init__(self, embed_ctx: EmbeddingContext, resizer: Resizer | None,
-                 settler: Settler | None, watch: StepWatch) -> None:
+                 settler: Settler | None, watch: StepWatch,
+                 queued: Callable[[], int] = lambda: 0) -> None:
+        """`queued`: requests not yet placed (waiting for a disk read, or still in the
+        inbox), which a settle would delay; asked only when one is due."""
         self.embed_ctx, self.resizer, self.settler, self.watch = \
             embed_ctx, resizer, settler, watch
+        self.queued = queued
         self.embedded_at = self.trimmed_at = 0.0
         self.steps = 0  # the engine's decode steps when last here
         self.transient = False  # freed native memory waits to be handed back when idle
@@ -39,17 +43,16 @@ class Housekeeping:
             self.embedded_at = now
 
     def rest(self, idle: bool, now: float, slots: list[Slot], sampled: bool,
-             save: Callable[[Slot], None], steps: int, queued: int) -> None:
+             save: Callable[[Slot], None], steps: int) -> None:
         """`steps`: the engine's decode steps so far (a request placed, decoded and ended
-        within one step never shows as busy here); `queued`: requests not yet placed
-        (waiting for a disk read, or still in the inbox), which a settle would delay."""
+        within one step never shows as busy here)."""
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
             self.resizer.rest(sampled)
         if self.settler is not None:
             if not idle or steps != self.steps:
                 self.settler.busy(now)
-            elif self.settler.due(now) and not queued:  # pages back (runner.kv.settle)
+            elif self.settler.due(now) and not self.queued():  # pages back (runner.kv.settle)
                 self.watch.enter("a settle of the shared KV")
                 try:
                     self.transient = self.settler.settle(slots, save) or self.transient
