@@ -245,7 +245,7 @@ def test_an_unverified_draft_tells_its_sequences_odds_by_the_token_that_came() -
     spec.cost.observe(1, 0.030)
     spec.cost.observe(33, 0.020 + 0.010 * 33)  # a row costs a third of a step
     before = spec.cost.expects(policy)
-    assert not spec._pays(policy, 2)
+    assert not spec._pays(policy, 2, 8)
     for token in A[10:14]:  # it copies A; B's text offers no draft, so none is verified
         assert drafted(s, [copying, other]) == {}
         spec.extended(copying.sequence.history, token)  # type: ignore[union-attr]

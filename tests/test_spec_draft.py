@@ -152,28 +152,59 @@ def test_the_drafting_modules_load_without_llama_cpp() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
-    """A CPU like this one: a step costs 20 ms and 10 ms a row. One stream's draft pays
-    if a third of it is kept; four streams' only if 2/3 is; until steps of two sizes
-    came, nothing is known and drafting is how it is learned; a fit that says a step
-    costs nothing but its rows is noise, and known as nothing."""
-    from corral.runner.speculative.cost import RowCost
+# What a decode-only step of the base starter cost by its rows on this 2-core AVX-512
+# machine (llama_decode in one unified KV, milliseconds): the repacked weights take rows
+# four at a time, so a row past a multiple of four costs about a pass over the weights.
+CPU_STEPS = {1: 23, 4: 34, 5: 51, 8: 53, 9: 69, 12: 66, 15: 91, 16: 84, 17: 99, 18: 104,
+             20: 100, 24: 120, 32: 144, 36: 159, 40: 176, 48: 209}
 
-    cost = RowCost()
-    assert cost.fit() is None and cost.needed(1) == 0.0
-    for _ in range(5):
-        cost.observe(1, 0.030)
-    assert cost.fit() is None  # one size of step: no slope yet
-    for rows in (4, 9, 33):
-        cost.observe(rows, 0.020 + 0.010 * rows)
-    base, row = cost.fit()  # type: ignore[misc]
-    assert abs(base - 0.020) < 1e-6 and abs(row - 0.010) < 1e-6
-    assert abs(cost.needed(1) - 1 / 3) < 1e-6 and abs(cost.needed(4) - 2 / 3) < 1e-6
-    assert cost.needed(16) == 0.75  # 8/9 by the fit: the ceiling, so a copy still drafts
-    noisy = RowCost()
-    for rows, seconds in ((2, 0.001), (3, 0.002), (30, 0.30)):
-        noisy.observe(rows, seconds)
-    assert noisy.fit() is None and noisy.needed(4) == 0.0
+
+def test_the_step_cost_is_learned_by_row_count_and_says_which_drafts_pay() -> None:
+    """On the measured CPU curve: beside sixteen streams a draft of two rows at 80%
+    does not pay (it made c=16 a tenth slower under a fitted line) and four rows do; a
+    stream alone takes its whole copy; fifteen streams take a row even at 10% (sixteen
+    rows cost less than fifteen). Until a step of the streams' own rows is seen, every
+    draft is taken (drafting is how the cost is learned); a count never seen above the
+    largest is priced as the largest, so it is tried once."""
+    from corral.runner.speculative.cost import StepCost
+
+    cost = StepCost()
+    assert cost.estimate(16) is None and cost.best(16, [(1, 0.8)] * 2) == 2
+    for rows, ms in CPU_STEPS.items():
+        cost.observe(rows, ms / 1000)
+    assert cost.estimate(16) == 0.084 and abs(cost.estimate(22) - 0.110) < 1e-9
+    assert cost.estimate(60) == 0.209  # above the largest seen: as the largest, tried once
+    assert cost.best(16, [(1, 0.8)] * 2) == 0
+    assert cost.best(16, [(1, 0.8)] * 4) == 4
+    assert cost.best(16, [(1, 0.98)] * 3 + [(1, 0.2)]) == 4  # the fourth fills the four
+    assert cost.best(1, [(1, 0.95)] * 31) == 31
+    assert cost.best(15, [(1, 0.1)]) == 1
+    assert cost.best(16, [(1, 0.1)] * 16) == 0
+    cost.observe(16, 0.184)  # one slow step moves the mean a fifth of the way
+    assert abs(cost.estimate(16) - 0.104) < 1e-9
+    cost.observe(3, 0.020, passes=2)  # a step split in two is no row count's price
+    assert abs(cost.estimate(3) - (0.023 + 0.011 * 2 / 3)) < 1e-9
+
+
+def test_a_row_count_not_seen_for_a_while_is_forgotten_and_so_tried_again() -> None:
+    from corral.runner.speculative import cost as costs
+
+    cost = costs.StepCost()
+    cost.observe(16, 0.084)
+    cost.observe(18, 0.300)  # a busy moment: drafting beside sixteen looks dear
+    assert cost.best(16, [(1, 0.9)] * 2) == 0
+    for _ in range(costs.STALE - 1):
+        cost.observe(16, 0.084)
+    assert cost.best(16, [(1, 0.9)] * 2) == 0  # seen STALE - 1 steps ago
+    cost.observe(16, 0.084)
+    assert cost.best(16, [(1, 0.9)] * 2) == 2  # 18 forgotten: priced as 16 until tried
+    assert cost.estimate(18) == 0.084
+
+
+def test_a_sequence_expects_the_runners_rate_then_its_own() -> None:
+    from corral.runner.speculative.cost import StepCost
+
+    cost = StepCost()
     p = DraftPolicy()
     assert cost.expects(p) == cost.rate == 0.5  # a new sequence: the runner's rate
     p.verified(8, 8)
@@ -181,6 +212,37 @@ def test_the_row_cost_is_fitted_from_steps_and_says_when_a_draft_pays() -> None:
     for _ in range(50):
         cost.verified(10, 1)
     assert abs(cost.rate - 0.1) < 0.01
+
+
+def test_a_shared_buffers_drafts_are_cut_by_the_step_cost_likeliest_first() -> None:
+    """Sixteen streams in one buffer on the measured CPU curve: the drafts of the
+    sequences likeliest to keep them go in, cut where the rows that pay end."""
+    from corral.runner.speculative.cost import StepCost
+    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+
+    class Fixed:  # a draft source that offers every sequence 2 tokens
+        def add(self, history: History) -> None: ...
+
+        def draft(self, history: History, n: int) -> list[int]:
+            return [7, 8][:n]
+
+    cost = StepCost()
+    for rows, ms in CPU_STEPS.items():
+        cost.observe(rows, ms / 1000)
+    spec = Speculation(Fixed(), cost=cost)
+    cands = []
+    for seq in range(16):
+        p = DraftPolicy()
+        if seq in (3, 9):  # two copying sequences
+            p.verified(8, 8)
+            p.verified(16, 16)
+        elif seq == 5:  # one that is often right
+            p.verified(8, 6)
+        cands.append(Candidate(seq, p, History([1, 2, 3]), room=100))
+    spec.prepare(Ask(cands, n_batch=512, even=False))
+    made = spec.drafts({c.seq_id: c.history for c in cands})
+    assert made == {3: [7, 8], 9: [7, 8]}  # 20 rows: 19.5 tokens in 100 ms, not 16 in 84
+    assert spec.cost.best(16, [(1, 0.875)] * 4 + [(1, 0.625)] * 2) == 4
 
 
 def test_passes_follow_llama_cpps_sequential_equal_split() -> None:
@@ -194,17 +256,6 @@ def test_passes_follow_llama_cpps_sequential_equal_split() -> None:
     assert passes([(0, 9), (1, 1), (2, 9), (3, 1)]) == 3  # 0 and 2 are not consecutive
     assert passes([(0, 9), (1, 9), (2, 3), (3, 1)]) == 3  # 4 x 1, 3 x 2, 2 x 6
     assert passes([(0, 1), (2, 1)]) == 2  # a gap splits even one row each
-
-
-def test_the_fit_prices_a_pass_and_a_row_apart() -> None:
-    """Steps split into several passes are not taken for dear rows."""
-    from corral.runner.speculative.cost import RowCost
-
-    cost = RowCost()
-    for rows, n in ((4, 1), (36, 1), (20, 2), (4, 1), (30, 3), (12, 1)):
-        cost.observe(rows, 0.015 * n + 0.004 * rows, passes=n)
-    base, row = cost.fit()  # type: ignore[misc]
-    assert abs(base - 0.015) < 1e-6 and abs(row - 0.004) < 1e-6
 
 
 class CountingDecoder:
@@ -321,12 +372,12 @@ def test_a_sequence_priced_out_of_drafting_drafts_again_once_it_copies() -> None
     drafts stop being verified, but the index's are still made and scored by the token
     that follows, so once it is seen to copy it drafts again (it used to stay off for
     the rest of the request: two runs of benchmarks/spec.py at 0.5x llama-server)."""
-    from corral.runner.speculative.cost import RowCost
+    from corral.runner.speculative.cost import StepCost
     from corral.runner.speculative.speculation import Ask, Candidate, Speculation
 
-    cost = RowCost(rate=0.2)
-    for rows in (1, 2, 4, 8, 16):
-        cost.observe(rows, 0.010 + 0.100 * rows)  # rows priced dear: a draft must be 3/4 kept
+    cost = StepCost(rate=0.2)
+    for rows in range(1, 33):
+        cost.observe(rows, 0.010 + 0.030 * rows)  # rows priced dear: a draft must be 3/4 kept
     spec = Speculation(NgramIndex(), cost=cost)
     pattern = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     history = History(pattern * 3)
@@ -350,13 +401,13 @@ def test_a_draft_models_priced_out_sequence_drafts_again_once_it_foresees() -> N
     one-token proposal, unverified, scored by the token that follows; once the draft
     model is seen to foresee it, it drafts again (it used to get no proposal, and so
     never drafted again for the rest of the request)."""
-    from corral.runner.speculative.cost import RowCost
+    from corral.runner.speculative.cost import StepCost
     from corral.runner.speculative.draftmodel import DraftModel
     from corral.runner.speculative.speculation import Ask, Candidate, Speculation
 
-    cost = RowCost(rate=0.2)
-    for rows in (1, 2, 4, 8, 16):
-        cost.observe(rows, 0.010 + 0.100 * rows)
+    cost = StepCost(rate=0.2)
+    for rows in range(1, 33):
+        cost.observe(rows, 0.010 + 0.030 * rows)
     decoder = CountingDecoder()
     spec = Speculation(model=DraftModel(decoder, n_vocab=1000, cells=512, n_max=8),
                        cost=cost)

@@ -100,44 +100,36 @@ def test_a_grammar_constrained_request_drafts_and_stays_in_its_grammar(
     assert on[1].stats.draft_count > 0
 
 
-class Reach(NgramIndex):
-    """The n-gram index, noting how far each draft it gave reached (the sequence's length
-    had every token of it been kept)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reach: list[int] = []
-        self.drafted = 0  # tokens given, all verified at one slot (nothing cuts them)
-
-    def draft(self, history: History, n: int) -> list[int]:
-        out = super().draft(history, n)
-        if out:
-            self.reach.append(len(history.tokens) + len(out))
-            self.drafted += len(out)
-        return out
-
-
 def test_stop_strings_and_limits_cut_inside_a_draft(starter_gguf: Path,
                                                     engines: dict[bool, Engine]) -> None:
     """The output is plain decoding's. A stop string cuts inside a draft: one did reach
     past where the sequence ended (else this checks nothing); a limit bounds the draft
-    before it is made, so none reaches past it, and at 30 drafts are kept."""
-    index = Reach()
+    before it is made, so none reaches past it, and at 30 drafts are kept. Every token
+    a step verified counts (the step cost may cut a draft before it goes in)."""
+    verified, reach = [0], []  # tokens verified; how far each verified draft reached
+
+    def step(plan):  # type: ignore[no-untyped-def]
+        for slot in plan.batch.decoding:
+            draft = plan.batch.drafts.get(slot.seq_id, [])
+            if draft:
+                verified[0] += len(draft)
+                reach.append(len(slot.sequence.history.tokens) + len(draft))
+
     engine = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048, deterministic=True),
-                    index=index)
+                    step_hook=step)
     engine.start()
     try:
         for job in ({"stop": ["self.history"]}, {"num_predict": 7}, {"num_predict": 30}):
-            index.reach.clear()
-            index.drafted = 0
+            reach.clear()
+            verified[0] = 0
             on = run(engine, REPETITIVE, **dict(job))
             same(on, run(engines[False], REPETITIVE, **dict(job)))
             # Every drafted token counts, the last draft's too (its sample ended it).
-            assert on[1].stats.draft_count == index.drafted, job
+            assert on[1].stats.draft_count == verified[0] > 0, job
             if "stop" in job:
-                assert max(index.reach) > len(on[1].stats.context)
+                assert max(reach) > len(on[1].stats.context)
             else:
-                assert max(index.reach, default=0) <= len(on[1].stats.context), job
+                assert max(reach, default=0) <= len(on[1].stats.context), job
         assert on[1].stats.draft_accepted_count > 0
     finally:
         engine.stop()

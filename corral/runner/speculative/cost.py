@@ -1,30 +1,39 @@
-"""Whether a draft pays for its rows, learned from the engine's own decode steps.
+"""Whether draft rows pay, from what the engine's own decode steps cost by their rows.
 
-Every row of a batch that asks for logits costs about the same, and a verified draft is
-such a row whether it is kept or not. What a row saves is a token's share of a step.
-On a CPU one stream's step is mostly reading the weights, so a row costs a small part
-of it and a draft pays when a quarter of it is kept; four streams' step is already
-mostly arithmetic, so a row costs nearly what the token it may save does, and only a
-draft that is nearly always kept pays (a model with a large vocabulary, whose output
-layer is most of a row, sooner). The fit below says which, on this machine and model,
-from steps that decoded only (time = base x passes + rows x row, least squares over
-recent steps, a pass being one of the ubatches llama.cpp splits a batch into), and
-each sequence's acceptance rate, which starts from the runner's own, says
-how much of a draft it may expect to keep.
+Every row of a batch that asks for logits costs something, and a verified draft is such
+a row whether it is kept or not; what a kept row saves is a token's share of a step. So
+a step should carry the draft rows that give the most tokens a second: its decoding
+streams' tokens plus what the drafts are expected to keep, over what a step of that
+many rows costs.
+
+What a step of so many rows costs is not a line. On the CPU, ggml's repacked weights
+(the AVX2 and AVX-512 kernels for Q4_K and friends) multiply four rows at a time, and
+read the weights once more for each row left over: measured on the base starter with
+two threads (llama_decode, one unified KV), 16 rows took 84 ms, 17 took 99, 18 took 104,
+20 took 100, 24 took 120 and 32 took 144; 15 rows cost more than 16. Under a line fitted
+through such steps a draft of two rows beside sixteen streams looked nearly free and
+made the step a quarter dearer (speculation then cost 9-12% of throughput at c=16). So
+the cost is kept as it was seen: a moving mean of the seconds of decode-only steps of
+each row count (a GPU's nearly flat curve and a CPU's steps alike), between seen counts
+the line through the nearest two, and above the largest seen count the cost of that
+one: a larger step is priced as free until it is tried once, since trying is how it
+becomes known. A count not seen for STALE steps is forgotten, and so tried again: a
+moment of load does not price a layout out for good.
+
+Each sequence's acceptance rate, which starts from the runner's own, says how much of
+a draft it may expect to keep.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 
 from corral.runner.speculative.policy import DraftPolicy
 
-DECAY = 0.98  # weight of a step in the fit, per later step: the last hundred or so count
+ALPHA = 0.2  # weight of a new step in its row count's mean
+STALE = 256  # decode steps after which a row count's mean is forgotten
 PRIOR = 8  # drafted tokens' worth of the runner's acceptance rate a sequence starts from
-# The most a draft is ever asked to keep: a sequence that keeps this much of its drafts
-# drafts however the fit reads (a copy is kept whole), so a fit misled by a loaded
-# machine can slow copying down, never stop it.
-CEILING = 0.75
 
 
 def passes(runs: list[tuple[int, int]]) -> int:
@@ -48,45 +57,52 @@ def passes(runs: list[tuple[int, int]]) -> int:
 
 
 @dataclass
-class RowCost:
+class StepCost:
     rate: float = 0.5  # the runner's acceptance rate (a moving average)
-    # decayed sums for time = base x passes + row x rows (least squares, through 0)
-    _pp: float = 0.0
-    _pn: float = 0.0
-    _nn: float = 0.0
-    _pt: float = 0.0
-    _nt: float = 0.0
+    # rows -> (mean seconds of a decode-only step of that many rows, the step it was
+    # last seen at)
+    _seconds: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _steps: int = 0
 
     def observe(self, rows: int, seconds: float, passes: int = 1) -> None:
         """A step that decoded `rows` rows, each with logits, in `passes` ubatches, in
-        `seconds`."""
-        d = DECAY
-        self._pp = self._pp * d + passes * passes
-        self._pn = self._pn * d + passes * rows
-        self._nn = self._nn * d + rows * rows
-        self._pt = self._pt * d + passes * seconds
-        self._nt = self._nt * d + rows * seconds
+        `seconds`. A step split into several passes (per-slot streams with drafts of
+        different lengths, which the layout never plans) is no row count's price."""
+        self._steps += 1
+        if passes != 1:
+            return
+        seen = self._seconds.get(rows)
+        mean = seconds if seen is None else seen[0] + ALPHA * (seconds - seen[0])
+        self._seconds[rows] = (mean, self._steps)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(base, per row) seconds: a pass over the weights, and a row; None until steps
-        of different shapes came."""
-        det = self._pp * self._nn - self._pn * self._pn
-        if det <= 1e-9 * max(self._pp * self._nn, 1.0):
-            return None
-        base = (self._pt * self._nn - self._nt * self._pn) / det
-        row = (self._nt * self._pp - self._pt * self._pn) / det
-        return (base, row) if row > 0 and base > 0 else None  # else noise, not a machine
+    def estimate(self, rows: int) -> float | None:
+        """What a decode-only step of `rows` rows is expected to cost; None where no step
+        of as many rows or fewer has been seen lately."""
+        return _at(self._fresh(), rows)
 
-    def needed(self, decoding: int) -> float:
-        """The share of its tokens a draft must expect to keep to pay for its rows in a
-        step where `decoding` slots decode: a row's cost over a token's share of the
-        step, at most CEILING. 0 while the fit is unknown (drafting is how it becomes
-        known)."""
-        fit = self.fit()
-        if fit is None:
-            return 0.0
-        base, row = fit
-        return min(row * decoding / (base + row * decoding), CEILING)
+    def best(self, decoding: int, offers: list[tuple[int, float]]) -> int:
+        """How many of `offers` to take, in their order, into a step where `decoding`
+        streams decode: each is (rows, the tokens they are expected to keep), and the
+        answer the prefix with the most tokens a second by `estimate`, the shortest of
+        equals. All of them while no step of `decoding` rows has been seen: drafting is
+        how the cost becomes known."""
+        fresh = self._fresh()
+        alone = _at(fresh, decoding)
+        if alone is None:
+            return len(offers)
+        best_n, best_rate = 0, decoding / alone
+        rows, tokens = decoding, float(decoding)
+        for n, (more_rows, kept) in enumerate(offers, 1):
+            rows, tokens = rows + more_rows, tokens + kept
+            cost = _at(fresh, rows)
+            if cost is not None and tokens / cost > best_rate * (1 + 1e-9):
+                best_n, best_rate = n, tokens / cost
+        return best_n
+
+    def _fresh(self) -> list[tuple[int, float]]:
+        """(rows, mean seconds) of the row counts seen within STALE steps, by rows."""
+        return sorted((r, s) for r, (s, at) in self._seconds.items()
+                      if self._steps - at < STALE)
 
     def expects(self, policy: DraftPolicy) -> float:
         """A sequence's acceptance rate: its own, from the runner's at first, counting
@@ -98,3 +114,19 @@ class RowCost:
     def verified(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.rate += 0.1 * (accepted / drafted - self.rate)
+
+
+def _at(fresh: list[tuple[int, float]], rows: int) -> float | None:
+    """The cost of `rows` by the seen counts (`StepCost._fresh`): the count's own mean,
+    else the line through the nearest seen below and above, else (none seen above) the
+    largest seen's; None where none was seen at or below."""
+    i = bisect_left(fresh, (rows, float("-inf")))
+    if i < len(fresh) and fresh[i][0] == rows:
+        return fresh[i][1]
+    if i == 0:
+        return None
+    (r0, s0) = fresh[i - 1]
+    if i == len(fresh):
+        return s0
+    r1, s1 = fresh[i]
+    return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)

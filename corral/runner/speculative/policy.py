@@ -17,9 +17,10 @@ nothing. So:
   ROWS // decoding each (at one stream a slot may draft 32; at sixteen, 2). Rows that
   verify one slot's guesses would otherwise crowd out the tokens other streams are
   sure to keep.
-- A sequence whose drafts are not kept often enough to pay for their rows, as this
-  machine's own steps price them, does not draft (runner.speculative.cost); each drafts once
-  before that is judged. Where every slot has a KV stream of its own, the decoding
+- A step carries the draft rows that give it the most tokens a second, as this
+  machine's own steps price a step of each row count (runner.speculative.cost): the
+  sequences likeliest to keep them first, cut where the rows that pay end; each
+  sequence drafts once before its odds are judged. Where every slot has a KV stream of its own, the decoding
   slots of a step draft as many tokens each. Speculation (runner.speculative.speculation)
   applies these rules, once a step for each decoding sequence.
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import NamedTuple
 
-from corral.runner.speculative.cost import RowCost, passes
+from corral.runner.speculative.cost import StepCost, passes
 from corral.runner.speculative.draftmodel import DraftModel
 from corral.runner.speculative.ngram import DraftSource, History, NgramIndex
 from corral.runner.speculative.policy import DraftPolicy
@@ -46,17 +46,17 @@ class Ask(NamedTuple):
 
 class Speculation:
     def __init__(self, source: DraftSource | None = None, model: DraftModel | None = None,
-                 cost: RowCost | None = None) -> None:
+                 cost: StepCost | None = None) -> None:
         """`model`: a draft model (a Modelfile's DRAFT), which is then the source; else
         `source`, the n-gram index by default (or a test's)."""
         self.model = model
         # (not `or`: an empty index has no length, and is falsy)
         self.source: DraftSource = model if model is not None else \
             source if source is not None else NgramIndex()
-        self.cost = cost or RowCost()
+        self.cost = cost or StepCost()
         self._made: dict[int, tuple[History, int, list[int]]] = {}  # seq -> what it drafts
         # id(history) -> (its length then, a draft's first token, its policy): drafts
-        # made and not verified, scored by the next token (RowCost.expects)
+        # made and not verified, scored by the next token (StepCost.expects)
         self._unverified: dict[int, tuple[int, int, DraftPolicy]] = {}
         self._split = False  # a KV stream per slot: llama.cpp splits batches (cost.passes)
 
@@ -71,10 +71,7 @@ class Speculation:
         if self.model is not None:
             self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
         made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
-        decoding = len(ask.candidates)
-        used = self._even(ask.candidates, made) if ask.even else {
-            seq: made[seq] for seq, (c, _) in decided.items()
-            if made[seq] and self._pays(c.policy, decoding)}
+        used = (self._even if ask.even else self._cut)(ask.candidates, made)
         for c in ask.candidates:
             tokens, history = made.get(c.seq_id), c.history
             if tokens and used.get(c.seq_id):
@@ -85,13 +82,13 @@ class Speculation:
     def _decide(self, ask: Ask) -> dict[int, tuple[Candidate, int]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
-        each. Where every slot has a KV stream of its own, all are used or none (`_even`).
-        A candidate whose drafts are not kept often enough to pay for their rows still
-        gets one, unverified, which tells its odds by the next token: a sequence whose
-        first drafts missed, or that a fit misled by a busy moment priced out, is seen
-        to be copying once it is, and drafts again. The n-gram index's costs a lookup,
-        so it is whole; a draft model's costs a row of its batch, so it is one token
-        (and where per-slot streams must all pay and some do not, every one is)."""
+        each. The n-gram index's drafts cost a lookup, so they are made whole and cut
+        after (`_cut`, `_even`). A draft model's cost a row of its batch each, so a
+        candidate whose draft would not pay for its rows gets one token (and where
+        per-slot streams must all pay and some do not, every one does): a draft made
+        and not verified still tells its odds by the next token, so a sequence whose
+        first drafts missed, or that a busy moment priced out, is seen to be copying
+        once it is, and drafts again."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
         look = self.model is None
@@ -99,35 +96,53 @@ class Speculation:
         for c in cands:
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
-                out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands)) else 1)
-        if ask.even and not look and any(not self._pays(c.policy, len(cands)) for c in cands):
+                out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
+        if ask.even and not look and any(
+                not self._pays(c.policy, len(cands), n) for c, n in out.values()):
             return {seq: (c, 1) for seq, (c, _) in out.items()}
         return out
 
+    def _cut(self, cands: list[Candidate], made: dict[int, list[int]]
+             ) -> dict[int, list[int]]:
+        """In one shared KV buffer each stream drafts its own length: the step takes the
+        draft rows that give it the most tokens a second (StepCost.best), the tokens of
+        the sequences likeliest to keep them first, each draft cut where the rows end."""
+        odds = sorted(((self.cost.expects(c.policy), c.seq_id) for c in cands
+                       if made.get(c.seq_id)), reverse=True)
+        offers = [(1, p) for p, seq in odds for _ in made[seq]]
+        left = self.cost.best(len(cands), offers)
+        used = {}
+        for _, seq in odds:
+            if left <= 0:
+                break
+            used[seq], left = made[seq][:left], left - len(made[seq])
+        return used
+
     def _even(self, cands: list[Candidate], made: dict[int, list[int]]
               ) -> dict[int, list[int]]:
-        """Where every slot has a KV stream of its own: every decoding slot's draft cut
-        to the shortest, or none, unless every one has a draft that pays.
+        """Where every slot has a KV stream of its own: every decoding slot drafts as
+        many tokens, as many as pay, or none unless every one has a draft.
 
         llama.cpp splits such a batch into ubatches of as many rows of each sequence
         (cost.passes), each a pass over the weights, so drafts of different lengths cost
         passes; and streams that advance together stay together, where drafting some
         lets them run ahead and leaves the rest to a slower tail. Measured on four copies
         at once (benchmarks/spec.py's workload, six runs each): choosing each step's
-        layout by the fit instead (drafts cut to each length, in as many passes, or
-        filled up to it with guesses, in one) gave 126-142 tok/s, this 147-151. What
-        made this rule pay by chance was the odds, not the cut (`prepare`)."""
-        if not cands or any(not made.get(c.seq_id) or not self._pays(c.policy, len(cands))
-                            for c in cands):
+        layout by a fitted line instead (drafts cut to each length, in as many passes,
+        or filled up to it with guesses, in one) gave 126-142 tok/s, this 147-151."""
+        if not cands or any(not made.get(c.seq_id) for c in cands):
             return {}
         least = min(len(made[c.seq_id]) for c in cands)
-        return {c.seq_id: made[c.seq_id][:least] for c in cands}
+        kept = sum(self.cost.expects(c.policy) for c in cands)
+        k = self.cost.best(len(cands), [(len(cands), kept)] * least)
+        return {c.seq_id: made[c.seq_id][:k] for c in cands} if k else {}
 
-    def _pays(self, policy: DraftPolicy, decoding: int) -> bool:
-        """Whether a sequence's drafts are kept often enough to pay for their rows. Each
-        drafts once before the odds decide: its own text may be a copy where the
+    def _pays(self, policy: DraftPolicy, decoding: int, length: int) -> bool:
+        """Whether a sequence's draft of `length` tokens would pay for its rows alone.
+        Each drafts once before the odds decide: its own text may be a copy where the
         runner's last requests were not."""
-        return not policy.drafted or self.cost.expects(policy) >= self.cost.needed(decoding)
+        return not policy.drafted or self.cost.best(
+            decoding, [(1, self.cost.expects(policy))] * length) > 0
 
     # ---- schedule ------------------------------------------------------------------------
 
