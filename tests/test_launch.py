@@ -171,13 +171,18 @@ def test_real_agents_finish_a_one_line_task(daemon: Daemon, tmp_path: Path) -> N
                           PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                           CORRAL_HOST=proxy.url.removeprefix("http://"))
             Path(env["HOME"]).mkdir()
+            before = len(proxy.exchanges)
             ran = subprocess.run([*CORRAL, "launch", name, "--model", AGENT, "--", *args],
                                  capture_output=True, text=True, env=env, cwd=work,
                                  stdin=subprocess.DEVNULL, timeout=600)
             assert ran.returncode == 0, (name, ran.stdout[-2000:], ran.stderr[-2000:])
-            assert ran.stdout.strip(), (name, ran.stderr[-2000:])
-            sent = [e.path for e in proxy.exchanges]
-            assert any(p.startswith(("/v1/messages", "/v1/responses", "/v1/chat")) for p in sent)
+            # Structure, not text: a tiny model's answer may be empty (Codex printed
+            # nothing once, its 1,024 tokens spent), so the agent's model requests are
+            # what is asserted: answered, none refused.
+            mine = [(e.path, e.status) for e in proxy.exchanges[before:]]
+            model_routes = ("/v1/messages", "/v1/responses", "/v1/chat")
+            assert any(status == 200 and path.startswith(model_routes)
+                       for path, status in mine), (name, mine)
             assert not proxy.refused(), [(e.method, e.path, e.status) for e in proxy.refused()]
     finally:
         proxy.close()
