@@ -19,10 +19,11 @@ nothing. So:
   sure to keep.
 - A step carries the draft rows that give it the most tokens a second, as this
   machine's own steps price a step of each row count (runner.speculative.cost): the
-  sequences likeliest to keep them first, cut where the rows that pay end; each
-  sequence drafts once before its odds are judged. Where every slot has a KV stream of its own, the decoding
-  slots of a step draft as many tokens each. Speculation (runner.speculative.speculation)
-  applies these rules, once a step for each decoding sequence.
+  sequences likeliest to keep them first, cut where the rows that pay end; a new
+  sequence is judged by the runner's rate until it has its own. Where every slot has
+  a KV stream of its own, the decoding slots of a step draft as many tokens each.
+  Speculation (runner.speculative.speculation) applies these rules, once a step for
+  each decoding sequence.
 """
 
 from __future__ import annotations

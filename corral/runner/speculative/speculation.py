@@ -85,7 +85,7 @@ class Speculation:
         each. The n-gram index's drafts cost a lookup, so they are made whole and cut
         after (`_cut`, `_even`). A draft model's cost a row of its batch each, so a
         candidate whose draft would not pay for its rows gets one token (and where
-        per-slot streams must all pay and some do not, every one does): a draft made
+        per-slot streams must all pay and some do not, every one gets one): a draft made
         and not verified still tells its odds by the next token, so a sequence whose
         first drafts missed, or that a busy moment priced out, is seen to be copying
         once it is, and drafts again."""
