@@ -276,6 +276,7 @@ class Engine:
             out = self.run.step(plan, self.slots)
             self.post.step(plan, out)
             self._stuck(self.run.trim(self.post.rejected()))
+            rows_time = self.clock() - t0  # the decode, and the samplers of its rows
             self.native_time += out.native
             if plan.image is not None and out.ok \
                     and plan.image.slot.seq_id not in out.skipped():  # after the batch: run.py
@@ -283,7 +284,7 @@ class Engine:
                 self.post.image(plan.image, image)
                 self.native_time += image.native
             if self.spec is not None:
-                self._speculate(out)
+                self._speculate(out, rows_time)
             self.step_time += self.clock() - t0
             self.steps += 1
         elif plan.ops:  # nothing decodes, but what ended may hold cells: they go now
@@ -297,13 +298,16 @@ class Engine:
             demand = plan.demand
             self.resizer.tick(demand.busy, demand.waiting, demand.now, demand.warm)
 
-    def _speculate(self, out: Outcome) -> None:
+    def _speculate(self, out: Outcome, seconds: float) -> None:
         """The next step's drafts, made now for the sequences it will decode (a draft
         model decodes here, on this thread); a step that only decoded prices its rows
-        (every one has logits)."""
+        (every one has logits) by what it took, `seconds`: its decode and the sampling
+        and verifying of each row, which llama_decode's time leaves out (on the base
+        starter's 262k-token vocabulary, sixteen streams: 107 ms in llama_decode, 114
+        in all; with eight draft rows beside them, 138 and 150)."""
         assert self.spec is not None
         if out.ok and out.batch.decoding and not out.batch.prefill:  # in this step's layout
-            self.spec.observe([row.seq_id for row in out.batch.rows], out.native)
+            self.spec.observe([row.seq_id for row in out.batch.rows], seconds)
         ask = self.schedule.ask(self.slots)
         if ask is not None:
             self.spec.prepare(ask)
