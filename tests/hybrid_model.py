@@ -1,0 +1,96 @@
+"""Test helper: a tiny random LFM2 GGUF (a hybrid: short-convolution layers between
+attention layers), written with the `gguf` package.
+
+No hybrid model small enough for the tests ships on PyPI, so the tests make one as
+llama.cpp loads LFM2 (src/models/lfm2.cpp): a layer whose `head_count_kv` is 0 is a
+short convolution (`shortconv.in_proj`, `shortconv.conv` of `shortconv.l_cache` taps,
+`shortconv.out_proj`), the rest attention with q and k norms; the output norm is named
+`token_embd_norm`. Its memory is llama.cpp's hybrid one: KV cells for the attention
+layers, and a recurrent state per sequence for the convolutions, which cannot be cut
+back to an earlier position. The vocabulary is the chat starter's (SmolLM2's BPE with
+ChatML tokens), so text tokenizes as it would for a real model. Its text means nothing;
+the path is real.
+
+    python -m tests.hybrid_model CHAT_GGUF OUT.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from benchmarks.gpu_model import copy_tokenizer
+
+ARCH = "lfm2"
+# conv, attention, conv, conv, attention, conv: the shape of LFM2's layer pattern
+LAYERS = (0, 2, 0, 0, 2, 0)  # head_count_kv per layer; 0 is a short convolution
+N_EMBD, N_HEAD, N_FF, L_CACHE = 64, 4, 128, 3
+
+
+def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> Path:
+    """A loadable LFM2 with seeded random weights and `tokenizer`'s vocabulary. `sure`
+    scales the output norm: a model sure of its next token loops, which gives the
+    n-gram index text to draft from."""
+    reader = gguf.GGUFReader(str(tokenizer))
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(dst), ARCH)
+    copy_tokenizer(reader, w)
+    w.add_name("corral test hybrid")
+    w.add_file_type(1)  # MOSTLY_F16
+    w.add_context_length(4096)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(len(LAYERS))
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(list(LAYERS))
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_shortconv_l_cache(L_CACHE)
+
+    def rand(*dims: int, std: float = 0.05) -> np.ndarray:  # numpy order: ggml's reversed
+        return rng.normal(0.0, std, dims).astype(np.float16 if len(dims) > 1 else np.float32)
+
+    def ones(n: int, scale: float = 1.0) -> np.ndarray:
+        return (scale * (1.0 + rng.normal(0.0, 0.05, n))).astype(np.float32)
+
+    e, hd = N_EMBD, N_EMBD // N_HEAD
+    w.add_tensor("token_embd.weight", rand(n_vocab, e, std=0.5))
+    w.add_tensor("token_embd_norm.weight", ones(e, sure))
+    for i, n_kv in enumerate(LAYERS):
+        tensors = [("attn_norm", ones(e)), ("ffn_norm", ones(e)),
+                   ("ffn_gate", rand(N_FF, e)), ("ffn_up", rand(N_FF, e)),
+                   ("ffn_down", rand(e, N_FF))]
+        if n_kv:
+            kv = n_kv * hd
+            tensors += [("attn_q", rand(e, e)), ("attn_k", rand(kv, e)),
+                        ("attn_v", rand(kv, e)), ("attn_output", rand(e, e)),
+                        ("attn_q_norm", ones(hd)), ("attn_k_norm", ones(hd))]
+        else:
+            tensors += [("shortconv.in_proj", rand(3 * e, e, std=0.2)),
+                        # F32: ggml's ssm_conv reads its kernel as floats
+                        ("shortconv.conv", rand(e, L_CACHE, std=0.5).astype(np.float32)),
+                        ("shortconv.out_proj", rand(e, e, std=0.2))]
+        for name, data in tensors:
+            w.add_tensor(f"blk.{i}.{name}.weight", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tokenizer", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    write_hybrid(args.tokenizer, args.out)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
