@@ -28,6 +28,7 @@ ARCH = "lfm2"
 # conv, attention, conv, conv, attention, conv: the shape of LFM2's layer pattern
 LAYERS = (0, 2, 0, 0, 2, 0)  # head_count_kv per layer; 0 is a short convolution
 N_EMBD, N_HEAD, N_FF, L_CACHE = 64, 4, 128, 3
+Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
 def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> Path:
@@ -40,7 +41,7 @@ def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -
     w = gguf.GGUFWriter(str(dst), ARCH)
     copy_tokenizer(reader, w)
     w.add_name("corral test hybrid")
-    w.add_file_type(1)  # MOSTLY_F16
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_context_length(4096)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(len(LAYERS))
@@ -52,14 +53,24 @@ def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -
     w.add_shortconv_l_cache(L_CACHE)
 
     def rand(*dims: int, std: float = 0.05) -> np.ndarray:  # numpy order: ggml's reversed
-        return rng.normal(0.0, std, dims).astype(np.float16 if len(dims) > 1 else np.float32)
+        return rng.normal(0.0, std, dims).astype(np.float32)
+
+    def add(name: str, data: np.ndarray) -> None:
+        """Matrices in Q8_0, as the starters are quantized: with batch-invariant kernels
+        (CORRAL_DETERMINISTIC) a row's logits are then the same in any batch, which
+        ggml's F16 matmuls do not promise (a verifying batch's rows differ from one
+        token's in the third digit of a logprob)."""
+        if data.ndim > 1:
+            w.add_tensor(name, gguf.quants.quantize(data, Q8), raw_dtype=Q8)
+        else:
+            w.add_tensor(name, data)
 
     def ones(n: int, scale: float = 1.0) -> np.ndarray:
         return (scale * (1.0 + rng.normal(0.0, 0.05, n))).astype(np.float32)
 
     e, hd = N_EMBD, N_EMBD // N_HEAD
-    w.add_tensor("token_embd.weight", rand(n_vocab, e, std=0.5))
-    w.add_tensor("token_embd_norm.weight", ones(e, sure))
+    add("token_embd.weight", rand(n_vocab, e, std=0.5))
+    add("token_embd_norm.weight", ones(e, sure))
     for i, n_kv in enumerate(LAYERS):
         tensors = [("attn_norm", ones(e)), ("ffn_norm", ones(e)),
                    ("ffn_gate", rand(N_FF, e)), ("ffn_up", rand(N_FF, e)),
@@ -71,11 +82,13 @@ def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -
                         ("attn_q_norm", ones(hd)), ("attn_k_norm", ones(hd))]
         else:
             tensors += [("shortconv.in_proj", rand(3 * e, e, std=0.2)),
-                        # F32: ggml's ssm_conv reads its kernel as floats
-                        ("shortconv.conv", rand(e, L_CACHE, std=0.5).astype(np.float32)),
+                        ("shortconv.conv", rand(e, L_CACHE, std=0.5)),
                         ("shortconv.out_proj", rand(e, e, std=0.2))]
         for name, data in tensors:
-            w.add_tensor(f"blk.{i}.{name}.weight", data)
+            if name == "shortconv.conv":  # F32: ggml's ssm_conv reads its kernel as floats
+                w.add_tensor(f"blk.{i}.{name}.weight", data)
+            else:
+                add(f"blk.{i}.{name}.weight", data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
