@@ -1,21 +1,27 @@
 """A hybrid model (recurrent layers beside attention) on the engine, a tiny random LFM2
-the tests write (tests/hybrid_model.py): its memory cannot be cut back, so speculation
-stays off and a slot whose tokens a prompt keeps only in part is read again whole, with
-the answer a fresh slot gives. (Issue 67 brings checkpoints and rollback to such models;
-this is what they start from.)"""
+the tests write (tests/hybrid_model.py). Its memory cannot be cut back to an earlier
+position, but llama.cpp keeps the states of a sequence's last tokens (n_rs_seq), so a
+rejected draft is taken back and speculation stays on: the output is plain decoding's,
+logprobs and all, with batch-invariant kernels. A cut the memory cannot make (a prompt
+that keeps less of a slot than it holds) is never asked of llama.cpp, whose snapshots
+would take back a few positions from states no draft wrote: the prompt is read again."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.llama.context import EngineConfig
+from corral.runner.llama.context import RS_SEQ, EngineConfig, snapshot_planes
 
-PROMPT = "The quick brown fox"
+# The model's own choices (an adjective, an animal) follow from its state: after a
+# rollback that left the state wrong, the choices and their logprobs would change.
+GRAMMAR = ('root ::= ("The " ("red" | "blue" | "green" | "old" | "big") " " '
+           '("fox" | "cat" | "dog") " jumps over the lazy dog. ")+')
+PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
@@ -26,33 +32,73 @@ def hybrid_gguf(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
-def engine(hybrid_gguf: Path) -> Iterator[Engine]:
-    made = Engine(str(hybrid_gguf), EngineConfig(n_slots=1, num_ctx=1024, deterministic=True))
-    made.start()
+def engines(hybrid_gguf: Path) -> Iterator[dict[bool, Engine]]:
+    made = {spec: Engine(str(hybrid_gguf), EngineConfig(
+        n_slots=1, num_ctx=1024, deterministic=True, speculative=spec))
+        for spec in (True, False)}
+    for e in made.values():
+        e.start()
     yield made
-    made.stop()
+    for e in made.values():
+        e.stop()
 
 
-def run(engine: Engine, prompt: list[int], n: int) -> Done:
+def run(engine: Engine, prompt: list[int], **job: Any) -> tuple[list[Token], Done]:
     done = engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
-                             num_predict=n, ignore_eos=True))
+                             logprobs=2, ignore_eos=True, **job))
+    tokens = []
     while isinstance(event := done.events.get(timeout=300), Token):
-        pass
+        tokens.append(event)
     assert isinstance(event, Done), event
-    return event
+    return tokens, event
 
 
-def test_a_hybrid_memory_cannot_take_back_drafts(engine: Engine) -> None:
-    assert not engine.llama.can_rollback and engine.spec is None
+def same(a: tuple[list[Token], Done], b: tuple[list[Token], Done]) -> None:
+    assert "".join(t.text for t in a[0]) == "".join(t.text for t in b[0])
+    assert [lp for t in a[0] for lp in t.logprobs] == [lp for t in b[0] for lp in t.logprobs]
+    assert a[1].stats.context == b[1].stats.context
 
 
-def test_a_prompt_that_keeps_part_of_the_slot_is_read_again(engine: Engine) -> None:
-    prompt = engine.tokenize(PROMPT, add_special=True)
-    tokens = list(run(engine, prompt, 16).stats.context)
-    assert tokens[:len(prompt)] == prompt and len(tokens) == len(prompt) + 16
-    again = tokens[:-3] + [tokens[-1]]  # all but the last three, and a token of its own
-    kept = run(engine, again, 12)
-    assert kept.stats.prompt_eval_count == kept.stats.prompt_tokens == len(again)
-    run(engine, prompt[:2], 1)  # the slot now holds something else
-    fresh = run(engine, again, 12)
-    assert fresh.stats.context == kept.stats.context
+def test_a_hybrid_memory_keeps_states_for_drafts_only_with_speculation_on(
+        engines: dict[bool, Engine]) -> None:
+    on, off = engines[True].llama, engines[False].llama
+    assert on.recurrent and not on.can_cut and on.state_bytes > 0
+    assert on.undo == RS_SEQ and on.can_rollback and engines[True].spec is not None
+    assert on.snapshot_bytes() == on.state_bytes * RS_SEQ * 2  # the slot and a scratch one
+    assert off.undo == 0 and not off.can_rollback and engines[False].spec is None
+    assert off.snapshot_bytes() == 0
+
+
+def test_snapshots_take_at_most_a_tenth_of_the_weights() -> None:
+    assert snapshot_planes(2_000, 2, 3_000_000) == RS_SEQ
+    assert snapshot_planes(1 << 20, 17, 1 << 30) == 6  # 16 slots of a 1 MB state, 1 GB
+    assert snapshot_planes(50 << 20, 17, 6 << 30) == 0  # speculation off: none fits
+
+
+def test_drafts_on_a_hybrid_change_nothing(engines: dict[bool, Engine]) -> None:
+    prompt = engines[True].tokenize(PROMPT, add_special=True)
+    on = run(engines[True], prompt, num_predict=96, grammar=GRAMMAR)
+    off = run(engines[False], prompt, num_predict=96, grammar=GRAMMAR)
+    same(on, off)
+    stats = on[1].stats
+    # drafts were kept, and some were taken back: the rollback ran
+    assert stats.draft_accepted_count > 0
+    assert stats.draft_count > stats.draft_accepted_count
+    assert off[1].stats.draft_count == 0
+
+
+def test_a_prompt_that_keeps_part_of_the_slot_is_read_again(
+        engines: dict[bool, Engine]) -> None:
+    """The slot holds a prompt and 16 generated tokens (the last decoded alone); the next
+    prompt keeps all but the last three. llama.cpp would take those three back from the
+    snapshots of a one-token ubatch; the engine reads the prompt again instead."""
+    outs = []
+    for spec in (True, False):
+        engine = engines[spec]
+        prompt = engine.tokenize(PROMPT, add_special=True)
+        tokens = list(run(engine, prompt, num_predict=16)[1].stats.context)
+        assert tokens[:len(prompt)] == prompt and len(tokens) == len(prompt) + 16
+        again = tokens[:-3] + [tokens[-1]]  # all but the last three, and one of its own
+        outs.append(run(engine, again, num_predict=24))
+        assert outs[-1][1].stats.prompt_eval_count == len(again)  # none of it kept
+    same(outs[0], outs[1])

@@ -110,8 +110,10 @@ class Engine:
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
         # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
-        # state has no positions): None, and a loaded draft model is freed.
-        self.spec = speculation(config.speculative and llama.can_rollback, index, draft)
+        # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
+        # is freed. With the snapshots, drafts are at most `undo` tokens.
+        self.spec = speculation(config.speculative and llama.can_rollback, index, draft,
+                                llama.undo)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,

@@ -24,8 +24,12 @@ class KVOps:
     only by an op on it, which forgets its state): fifteen requests branching from one
     slot read it once."""
 
-    def __init__(self, ctx: Any, mem: Any, caches: PrefixCaches, streams: int) -> None:
+    def __init__(self, ctx: Any, mem: Any, caches: PrefixCaches, streams: int,
+                 can_cut: bool = True) -> None:
+        """`can_cut`: the memory takes a partial removal at any position (not a
+        recurrent one, runner.llama.context)."""
         self.ctx, self.mem, self.caches, self.streams = ctx, mem, caches, streams
+        self.can_cut = can_cut
         self.failed: set[int] = set()
         self._donors: dict[int, KVBytes] = {}
 
@@ -39,7 +43,12 @@ class KVOps:
             L.llama_memory_seq_rm(mem, seq, -1, -1)
         elif isinstance(op, Trim):
             # A partial removal fails on memories that cannot roll back (recurrent models).
-            if not L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1):
+            # With snapshots for drafts (n_rs_seq) llama.cpp would take back any of the
+            # last few positions, from states only a draft's ubatch wrote: only a
+            # draft's trim is asked of it.
+            cut = op.draft or self.can_cut or \
+                op.n_prefix > L.llama_memory_seq_pos_max(mem, seq)
+            if not (cut and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
                 self._fail(seq)
         elif isinstance(op, Move):
             L.llama_memory_seq_rm(mem, seq, op.dst, op.src)

@@ -50,10 +50,13 @@ class Drop:
 @dataclass(frozen=True)
 class Trim:
     """Keep the first `n_prefix` positions (all cells go when it is 0). A partial removal
-    fails on memories that cannot roll back (recurrent models): the placement fails."""
+    fails on memories that cannot cut (recurrent models): the placement fails. `draft`:
+    a rejected draft's tokens, which such a memory takes back from its snapshots of the
+    last ubatch (runner.llama.context RS_SEQ)."""
 
     seq_id: int
     n_prefix: int
+    draft: bool = False
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,8 @@ class Postprocess:
             self._sample(slot, row + 1 + i, self.llama.batch)
         spec.verified(seq.draft, len(draft), accepted)
         if len(slot.cached) < filled:
-            self._rejected.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached))))
+            self._rejected.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached)),
+                                       draft=True))
 
     def _image(self, image: ImageSlice) -> None:
         slot, count = image.slot, image.count

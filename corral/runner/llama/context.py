@@ -18,6 +18,22 @@ from corral.runner.llama import native
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.loadconfig import DEFAULT_BATCH
 
+# The recurrent states a sequence keeps for taking back a rejected draft: a draft is at
+# most this long on such a model. Each is a copy of every sequence's recurrent state
+# (on paper, 160 KB a sequence for LFM2-1.2B's short convolutions, tens of MB for
+# Qwen3.5's delta-net), so fewer are kept where RS_SEQ of them would take more than SNAPSHOT_SHARE
+# of the weights' bytes, and none (speculation off) where one would.
+RS_SEQ = 8
+SNAPSHOT_SHARE = 0.1
+
+
+def snapshot_planes(state: int, seqs: int, weights: int) -> int:
+    """How many states of its last tokens each of `seqs` sequences keeps, each `state`
+    bytes, beside `weights` bytes of weights: RS_SEQ, fewer where they would take more
+    than SNAPSHOT_SHARE of the weights."""
+    return min(RS_SEQ, int(SNAPSHOT_SHARE * weights) // max(state * seqs, 1))
+
+
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
 
 
@@ -78,20 +94,34 @@ class LlamaContext:
         self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
             min(cfg.start_slots, cfg.n_slots)
         self.ctx: Any = None
+        # Recurrent or hybrid (recurrent layers beside attention: LFM2, Qwen3.5, ...)
+        self.recurrent = bool(L.llama_model_is_recurrent(self.model)
+                              or L.llama_model_is_hybrid(self.model))
         # Each context's KV pages (native.kv_pages), by its address, while it lives; no
         # entry where they could not be told (stock ggml's clear commits them all).
         self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
+        # A recurrent memory's states kept for taking back drafts (n_rs_seq), as many as
+        # RS_SEQ and SNAPSHOT_SHARE allow for every sequence (the slots and a scratch one).
+        spec = self.recurrent and cfg.speculative
+        self.state_bytes = self._state_bytes() if spec else 0
+        self.planes = snapshot_planes(self.state_bytes, cfg.n_slots + 1,
+                                      int(L.llama_model_size(self.model))) if spec else 0
         self.ctx = self.new_context(self.streams)
         self._apply_adapters(cfg.adapters)
         self.mem = L.llama_get_memory(self.ctx)
         self.n_batch = int(L.llama_n_batch(self.ctx))
         self.n_ctx = int(L.llama_n_ctx(self.ctx))
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        # A partial removal from a sequence's memory works (a draft's rejected cells go):
-        # not with recurrent state, which has no positions to cut at.
-        self.can_rollback = not (L.llama_model_is_recurrent(self.model)
-                                 or L.llama_model_is_hybrid(self.model))
+        # A partial removal from a sequence's memory works at any position: not with
+        # recurrent state, which has no positions to cut at.
+        self.can_cut = not self.recurrent
+        # How many of a sequence's last tokens its memory can take back (a rejected
+        # draft's): any number where it can cut; where it is recurrent, the snapshots
+        # llama.cpp keeps of the last ubatch's states (n_rs_seq; 0 where the model's
+        # architecture has none, llm_arch_supports_rs_rollback).
+        self.undo = None if self.can_cut else int(L.llama_n_rs_seq(self.ctx))
+        self.can_rollback = self.undo is None or self.undo > 0
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None
@@ -140,6 +170,9 @@ class LlamaContext:
         # Gemma 3's sliding-window cache must be full size, or prefix reuse and
         # context shift would need KV that has already been evicted.
         cparams.swa_full = True
+        # A recurrent memory keeps the states of a sequence's last RS_SEQ tokens so that a
+        # rejected draft can be taken back (speculation's drafts are at most that long).
+        cparams.n_rs_seq = self.planes
         cparams.embeddings = False
         cparams.no_perf = True
         cparams.flash_attn_type = self.flash_attn_type
@@ -165,6 +198,32 @@ class LlamaContext:
         they cannot be told apart (ggml's clear committed all of them)."""
         pages = self._kv_pages.get(_address(ctx if ctx is not None else self.ctx))
         return None if pages is None else resident(pages)
+
+    def snapshot_bytes(self) -> int:
+        """The recurrent states kept for taking back drafts (`planes` copies of each
+        sequence's), where llama.cpp keeps them for this model (`undo`)."""
+        return self.state_bytes * (self.undo or 0) * (self.cfg.n_slots + 1)
+
+    def _state_bytes(self) -> int:
+        """One sequence's recurrent state, measured: in a context of one sequence that
+        has read one token, what its partial state (the part no cut can reach,
+        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) holds."""
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        ctx = L.llama_init_from_model(self.model, cparams)
+        if not ctx:
+            return 0
+        try:
+            token = (L.llama_token * 1)(max(int(L.llama_vocab_bos(self.vocab)), 0))
+            if L.llama_decode(ctx, L.llama_batch_get_one(token, 1)) != 0:
+                return 0
+            return int(L.llama_state_seq_get_size_ext(
+                ctx, 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        finally:
+            L.llama_free(ctx)
 
     def cells_bytes(self) -> int:
         """llama.cpp's bookkeeping of the context's KV cells, committed when it is made

@@ -231,7 +231,9 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
         "utf-8", "replace")
     eos = native.token_bytes(llama.vocab, L.llama_vocab_eos(llama.vocab), True).decode(
         "utf-8", "replace")
-    cells = llama.cells_bytes()  # host memory, beside the estimate's compute buffer
+    # host memory beside the estimate's compute buffer: the cells' bookkeeping, and the
+    # recurrent states kept for taking back drafts
+    cells = llama.cells_bytes() + llama.snapshot_bytes()
     report = LoadReport(
         weights=est.weights, kv=est.kv, compute=est.compute + cells,
         gpu_layers=est.gpu_layers, layers=est.layers,

@@ -46,9 +46,14 @@ class Ask(NamedTuple):
 
 class Speculation:
     def __init__(self, source: DraftSource | None = None, model: DraftModel | None = None,
-                 cost: StepCost | None = None) -> None:
+                 cost: StepCost | None = None, undo: int | None = None) -> None:
         """`model`: a draft model (a Modelfile's DRAFT), which is then the source; else
-        `source`, the n-gram index by default (or a test's)."""
+        `source`, the n-gram index by default (or a test's). `undo`: the most tokens the
+        model's memory can take back, where it is recurrent (runner.llama.context); a
+        draft is never longer, and since llama.cpp splits every batch of such a memory
+        into ubatches of as many rows of each sequence, its decoding sequences draft as
+        many tokens each, as per-slot streams do."""
+        self.undo = undo
         self.model = model
         # (not `or`: an empty index has no length, and is falsy)
         self.source: DraftSource = model if model is not None else \
@@ -66,12 +71,12 @@ class Speculation:
         """Decide what each candidate drafts at the next step, and make those drafts."""
         self._made.clear()
         self._unverified.clear()
-        self._split = ask.even
+        even = self._split = ask.even or self.undo is not None
         decided = self._decide(ask)
         if self.model is not None:
             self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
         made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
-        used = (self._even if ask.even else self._cut)(ask.candidates, made)
+        used = (self._even if even else self._cut)(ask.candidates, made)
         for c in ask.candidates:
             tokens, history = made.get(c.seq_id), c.history
             if tokens and used.get(c.seq_id):
@@ -93,11 +98,13 @@ class Speculation:
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
         look = self.model is None
         out = {}
+        if self.undo is not None:
+            spare = min(spare, self.undo)
         for c in cands:
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
                 out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
-        if ask.even and not look and any(
+        if (ask.even or self.undo is not None) and not look and any(
                 not self._pays(c.policy, len(cands), n) for c, n in out.values()):
             return {seq: (c, 1) for seq, (c, _) in out.items()}
         return out
@@ -204,13 +211,14 @@ class Speculation:
 
 
 def speculation(on: bool, source: DraftSource | None = None,
-                model: DraftModel | None = None) -> Speculation | None:
+                model: DraftModel | None = None, undo: int | None = None
+                ) -> Speculation | None:
     """Speculative decoding for an engine, its drafts from a draft model (a Modelfile's
     DRAFT: it proposes after each step, on the engine thread), else from the n-gram index
-    (or a test's `source`); None where it is off, and then a draft model loaded for
-    nothing is freed."""
+    (or a test's `source`), each at most `undo` tokens where that is set (a recurrent
+    memory's); None where it is off, and then a draft model loaded for nothing is freed."""
     if on:
-        return Speculation(source, model)
+        return Speculation(source, model, undo=undo)
     if model is not None:
         model.free()
     return None
