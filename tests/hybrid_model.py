@@ -11,12 +11,13 @@ back to an earlier position. The vocabulary is the chat starter's (SmolLM2's BPE
 ChatML tokens), so text tokenizes as it would for a real model. Its text means nothing;
 the path is real.
 
-    python -m tests.hybrid_model CHAT_GGUF OUT.gguf
+    python -m tests.hybrid_model CHAT_GGUF OUT.gguf [--size tiny|bench]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -25,13 +26,27 @@ import numpy as np
 from benchmarks.gpu_model import copy_tokenizer
 
 ARCH = "lfm2"
-# conv, attention, conv, conv, attention, conv: the shape of LFM2's layer pattern
-LAYERS = (0, 2, 0, 0, 2, 0)  # head_count_kv per layer; 0 is a short convolution
-N_EMBD, N_HEAD, N_FF, L_CACHE = 64, 4, 128, 3
+L_CACHE = 3
 Q8 = gguf.GGMLQuantizationType.Q8_0
 
 
-def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> Path:
+@dataclass(frozen=True)
+class Shape:
+    layers: tuple[int, ...]  # head_count_kv per layer; 0 is a short convolution
+    n_embd: int
+    n_head: int
+    n_ff: int
+
+
+# `tiny`: conv, attention, conv, conv, attention, conv, the shape of LFM2's layer
+# pattern; `bench`: a wider one of ten layers for benchmarks/hybrid.py (LFM2's own are
+# not on PyPI).
+SHAPES = {"tiny": Shape((0, 2, 0, 0, 2, 0), 64, 4, 128),
+          "bench": Shape((0, 0, 4, 0, 0, 4, 0, 0, 4, 0), 512, 8, 1536)}
+
+
+def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0,
+                 shape: Shape = SHAPES["tiny"]) -> Path:
     """A loadable LFM2 with seeded random weights and `tokenizer`'s vocabulary. `sure`
     scales the output norm: a model sure of its next token loops, which gives the
     n-gram index text to draft from."""
@@ -43,11 +58,11 @@ def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -
     w.add_name("corral test hybrid")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_context_length(4096)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(len(LAYERS))
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(list(LAYERS))
+    w.add_embedding_length(shape.n_embd)
+    w.add_block_count(len(shape.layers))
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(list(shape.layers))
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_shortconv_l_cache(L_CACHE)
@@ -68,13 +83,13 @@ def write_hybrid(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -
     def ones(n: int, scale: float = 1.0) -> np.ndarray:
         return (scale * (1.0 + rng.normal(0.0, 0.05, n))).astype(np.float32)
 
-    e, hd = N_EMBD, N_EMBD // N_HEAD
+    e, ff, hd = shape.n_embd, shape.n_ff, shape.n_embd // shape.n_head
     add("token_embd.weight", rand(n_vocab, e, std=0.5))
     add("token_embd_norm.weight", ones(e, sure))
-    for i, n_kv in enumerate(LAYERS):
+    for i, n_kv in enumerate(shape.layers):
         tensors = [("attn_norm", ones(e)), ("ffn_norm", ones(e)),
-                   ("ffn_gate", rand(N_FF, e)), ("ffn_up", rand(N_FF, e)),
-                   ("ffn_down", rand(e, N_FF))]
+                   ("ffn_gate", rand(ff, e)), ("ffn_up", rand(ff, e)),
+                   ("ffn_down", rand(e, ff))]
         if n_kv:
             kv = n_kv * hd
             tensors += [("attn_q", rand(e, e)), ("attn_k", rand(kv, e)),
@@ -100,8 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokenizer", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--size", choices=sorted(SHAPES), default="tiny")
     args = parser.parse_args()
-    write_hybrid(args.tokenizer, args.out)
+    write_hybrid(args.tokenizer, args.out, shape=SHAPES[args.size])
     print(args.out)
 
 

@@ -4,7 +4,9 @@ position, but llama.cpp keeps the states of a sequence's last tokens (n_rs_seq),
 rejected draft is taken back and speculation stays on: the output is plain decoding's,
 logprobs and all, with batch-invariant kernels. A cut the memory cannot make (a prompt
 that keeps less of a slot than it holds) is never asked of llama.cpp, whose snapshots
-would take back a few positions from states no draft wrote: the prompt is read again."""
+would take back a few positions from states no draft wrote: the slot goes back to a
+checkpoint, its recurrent state read where a later prompt is likely to branch (one
+token before a prompt's end, and where a turn starts past what the slot kept)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.llama.context import RS_SEQ, EngineConfig, snapshot_planes
+from corral.runner.llama.context import CHECKPOINTS, RS_SEQ, EngineConfig, snapshot_planes
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
 # rollback that left the state wrong, the choices and their logprobs would change.
@@ -64,15 +66,18 @@ def test_a_hybrid_memory_keeps_states_for_drafts_only_with_speculation_on(
     on, off = engines[True].llama, engines[False].llama
     assert on.recurrent and not on.can_cut and on.state_bytes > 0
     assert on.undo == RS_SEQ and on.can_rollback and engines[True].spec is not None
-    assert on.snapshot_bytes() == on.state_bytes * RS_SEQ * 2  # the slot and a scratch one
+    # the slot and a scratch sequence keep RS_SEQ states each; the slot its checkpoints
+    assert on.checkpoints == off.checkpoints == CHECKPOINTS
+    assert on.snapshot_bytes() == on.state_bytes * (RS_SEQ * 2 + CHECKPOINTS)
     assert off.undo == 0 and not off.can_rollback and engines[False].spec is None
-    assert off.snapshot_bytes() == 0
+    assert off.snapshot_bytes() == off.state_bytes * CHECKPOINTS
 
 
 def test_snapshots_take_at_most_a_tenth_of_the_weights() -> None:
     assert snapshot_planes(2_000, 2, 3_000_000) == RS_SEQ
     assert snapshot_planes(1 << 20, 17, 1 << 30) == 6  # 16 slots of a 1 MB state, 1 GB
     assert snapshot_planes(50 << 20, 17, 6 << 30) == 0  # speculation off: none fits
+    assert snapshot_planes(50 << 20, 4, 6 << 30, CHECKPOINTS) == 3
 
 
 def test_drafts_on_a_hybrid_change_nothing(engines: dict[bool, Engine]) -> None:
@@ -87,18 +92,56 @@ def test_drafts_on_a_hybrid_change_nothing(engines: dict[bool, Engine]) -> None:
     assert off[1].stats.draft_count == 0
 
 
-def test_a_prompt_that_keeps_part_of_the_slot_is_read_again(
+def fresh(engine: Engine, tokens: list[int], **job: Any) -> tuple[list[Token], Done]:
+    """`tokens` read whole: another prompt takes the slot first (nothing in common)."""
+    other = engine.tokenize("Zebras", add_special=False)
+    assert other[0] != tokens[0]
+    run(engine, other, num_predict=1)
+    out = run(engine, tokens, **job)
+    assert out[1].stats.prompt_eval_count == len(tokens)
+    return out
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["drafting", "plain"])
+def test_a_regenerate_reads_only_the_last_prompt_token(engines: dict[bool, Engine],
+                                                       spec: bool) -> None:
+    engine = engines[spec]
+    prompt = engine.tokenize(PROMPT, add_special=True)
+    first = fresh(engine, prompt, num_predict=16)
+    again = run(engine, prompt, num_predict=16)  # back to the state one token short
+    assert again[1].stats.prompt_eval_count == 1
+    same(again, first)
+
+
+def test_an_edited_last_message_goes_back_to_the_turn_before(
+        engines: dict[bool, Engine]) -> None:
+    engine = engines[True]
+    tokenize = engine.tokenize
+    turn1 = tokenize(PROMPT, add_special=True)
+    reply = list(run(engine, turn1, num_predict=12)[1].stats.context)[len(turn1):]
+    history = turn1 + reply
+    asked = run(engine, history + tokenize(" Tell me more about the fox.", add_special=False),
+                num_predict=12)
+    assert asked[1].stats.prompt_eval_count < asked[1].stats.prompt_tokens  # the turn kept
+    edited = history + tokenize(" Tell me about the dog instead.", add_special=False)
+    out = run(engine, edited, num_predict=12)
+    # read from where the second turn started, not from scratch
+    assert out[1].stats.prompt_eval_count <= len(edited) - len(history) + 1
+    same(out, fresh(engine, edited, num_predict=12))
+
+
+def test_a_prompt_that_keeps_part_of_the_slot_goes_back_to_a_checkpoint(
         engines: dict[bool, Engine]) -> None:
     """The slot holds a prompt and 16 generated tokens (the last decoded alone); the next
     prompt keeps all but the last three. llama.cpp would take those three back from the
-    snapshots of a one-token ubatch; the engine reads the prompt again instead."""
-    outs = []
+    snapshots of a one-token ubatch; the engine goes back to the checkpoint one token
+    before the first prompt's end instead, and reads the rest."""
     for spec in (True, False):
         engine = engines[spec]
         prompt = engine.tokenize(PROMPT, add_special=True)
         tokens = list(run(engine, prompt, num_predict=16)[1].stats.context)
         assert tokens[:len(prompt)] == prompt and len(tokens) == len(prompt) + 16
         again = tokens[:-3] + [tokens[-1]]  # all but the last three, and one of its own
-        outs.append(run(engine, again, num_predict=24))
-        assert outs[-1][1].stats.prompt_eval_count == len(again)  # none of it kept
-    same(outs[0], outs[1])
+        out = run(engine, again, num_predict=24)
+        assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
+        same(out, fresh(engine, again, num_predict=24))

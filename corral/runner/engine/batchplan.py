@@ -72,13 +72,14 @@ class Batch:
 
 
 def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | None = None,
-              joins: dict[int, int] | None = None) -> Batch:
+              stops: dict[int, int] | None = None) -> Batch:
     """The batch: each decoding slot's next token and its draft (`drafts`, slot seq -> the
     tokens to verify after it: speculation sized them for this step,
-    runner.speculative.speculation), then prompt chunks, oldest request first. `joins`:
-    slot seq -> the position where a parked run joins it (runner.engine.parking), where
-    its prefill stops for the step."""
-    plan, drafts, joins = Batch(), drafts or {}, joins or {}
+    runner.speculative.speculation), then prompt chunks, oldest request first. `stops`:
+    slot seq -> the token count where its prefill stops for the step: where a parked run
+    joins it (runner.engine.parking), or where a checkpoint is read (a recurrent memory's,
+    runner.engine.schedule)."""
+    plan, drafts, stops = Batch(), drafts or {}, stops or {}
     decoding = [s for s in slots if s.state is SlotState.DECODE][:n_batch]
     spare = (n_batch - len(decoding)) // max(len(decoding), 1)
     # A bound, not a decision: the rows a draft may take never overflow the batch.
@@ -98,8 +99,8 @@ def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | No
         if len(plan.rows) >= n_batch or attended >= ATTEND_BUDGET:
             break
         room = n_batch - len(plan.rows)
-        if slot.seq_id in joins:  # a parked run joins there (a Join, runner.engine.parking)
-            room = min(room, joins[slot.seq_id] - slot.n_past)
+        if slot.seq_id in stops:
+            room = min(room, stops[slot.seq_id] - slot.n_past)
         take = text_run(slot.pending, room)
         if take == 0:
             continue  # an image comes next: it goes through its own batch (plan.ImageSlice)

@@ -108,7 +108,8 @@ class Engine:
         self.pool = KVPool(llama.n_ctx) if config.kv_pool else None
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
-            self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader))
+            self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader),
+            llama.can_cut)
         # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
         # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
         # is freed. With the snapshots, drafts are at most `undo` tokens.
@@ -117,7 +118,7 @@ class Engine:
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, self.spec)
+                                 llama.scratch, self.spec, checkpoints=llama.checkpoints > 0)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,

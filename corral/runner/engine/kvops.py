@@ -10,8 +10,8 @@ import llama_cpp as L
 
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine.admission import align_prefix
-from corral.runner.engine.plan import (Branch, Drop, Join, KVOp, Move, Park, Restore, Save,
-                                       Shift, Trim)
+from corral.runner.engine.plan import (Branch, Drop, Join, KVOp, Mark, Move, Park, Restore,
+                                       Rewind, Save, Shift, Trim)
 from corral.runner.kv import kvbytes
 from corral.runner.prefix import KVBytes
 from corral.runner.slots.slot import Slot, SlotState
@@ -25,17 +25,24 @@ class KVOps:
     slot read it once."""
 
     def __init__(self, ctx: Any, mem: Any, caches: PrefixCaches, streams: int,
-                 can_cut: bool = True) -> None:
+                 can_cut: bool = True, checkpoints: int = 0) -> None:
         """`can_cut`: the memory takes a partial removal at any position (not a
-        recurrent one, runner.llama.context)."""
+        recurrent one, runner.llama.context); `checkpoints`: how many a slot keeps."""
         self.ctx, self.mem, self.caches, self.streams = ctx, mem, caches, streams
-        self.can_cut = can_cut
+        self.can_cut, self.checkpoints = can_cut, checkpoints
         self.failed: set[int] = set()
         self._donors: dict[int, KVBytes] = {}
 
     def run(self, op: KVOp) -> None:
         if isinstance(op, Save):  # reads the cells before a later op overwrites them
             self._save(op)
+            return
+        if isinstance(op, Mark):  # reads only: a donor's state read this step still holds
+            # (a slot preempted after its mark was planned holds nothing to read)
+            data = kvbytes.get_partial(self.ctx, op.seq_id) if op.slot.n_past else None
+            if data is not None:
+                op.slot.checkpoints = (op.slot.checkpoints + [(op.slot.n_past, data)])[
+                    -self.checkpoints:]
             return
         self._donors.pop(op.seq_id, None)
         mem, seq = self.mem, op.seq_id
@@ -49,6 +56,10 @@ class KVOps:
             cut = op.draft or self.can_cut or \
                 op.n_prefix > L.llama_memory_seq_pos_max(mem, seq)
             if not (cut and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
+                self._fail(seq)
+        elif isinstance(op, Rewind):  # the state first: the cut then leaves it alone
+            if not (kvbytes.put_partial(self.ctx, op.data, seq)
+                    and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
                 self._fail(seq)
         elif isinstance(op, Move):
             L.llama_memory_seq_rm(mem, seq, op.dst, op.src)
@@ -110,7 +121,7 @@ class KVOps:
 def drop(mem: Any, slot: Slot) -> None:
     """Free every cell of the slot's sequence; it caches nothing after."""
     L.llama_memory_seq_rm(mem, slot.seq_id, -1, -1)
-    slot.cached = []
+    slot.cached, slot.checkpoints = [], []
 
 
 def _rewind(slot: Slot) -> None:
@@ -123,6 +134,7 @@ def _rewind(slot: Slot) -> None:
     if keep < slot.n_past:
         slot.pending[:0] = slot.cached[keep:]
         del slot.cached[keep:]
+        slot.keep_checkpoints(keep)
 
 
 def recover(mem: Any, rc: int, failed: list[Slot], slots: list[Slot]) -> bool:

@@ -9,8 +9,8 @@ from typing import Callable, Iterable, Sequence
 
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine.placer import Placement, Source
-from corral.runner.engine.plan import (Branch, Drop, KVOp, Move, Park, Restore, Save, Shift,
-                                       Trim)
+from corral.runner.engine.plan import (Branch, Drop, KVOp, Move, Park, Restore, Rewind, Save,
+                                       Shift, Trim)
 from corral.runner.jobs import position
 from corral.runner.prefix import common_prefix
 from corral.runner.slots.slot import Slot
@@ -71,7 +71,10 @@ def placement_ops(p: Placement, caches: PrefixCaches, held: Iterable[Sequence[in
                                           job.reuse_chunk, scratch)
         ops += moves
         at = position(job.images, n_prefix)
-        ops.append(Trim(slot.seq_id, at) if n_prefix else Drop(slot.seq_id))
+        if p.checkpoint is not None:  # a recurrent memory goes back to where it was
+            ops.append(Rewind(slot.seq_id, n_prefix, p.checkpoint))
+        else:
+            ops.append(Trim(slot.seq_id, at) if n_prefix else Drop(slot.seq_id))
         return ops, n_prefix, bool(moves)
     at = position(job.images, p.n_prefix)
     at = -1 if at == p.n_prefix else at  # past an M-RoPE image, positions run behind

@@ -72,6 +72,9 @@ class Placement:
     entry: Entry | None = None
     disk: "DiskEntry | None" = None
     data: bytes | None = None  # the disk entry's state, read and verified (runner.cache.diskread)
+    # REUSE on a recurrent memory that keeps fewer of the slot's tokens than it holds:
+    # the slot's checkpoint at n_prefix, gone back to (runner.engine.plan Rewind)
+    checkpoint: bytes | bytearray | None = None
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,12 @@ class Refusal:
 
 class Placer:
     def __init__(self, num_ctx: int, caches: PrefixCaches, pool: "KVPool | None" = None,
-                 reads: DiskReads | None = None) -> None:
-        """`reads` reads the disk tier for it; without them it looks only in RAM."""
+                 reads: DiskReads | None = None, can_cut: bool = True) -> None:
+        """`reads` reads the disk tier for it; without them it looks only in RAM.
+        `can_cut`: the memory takes a cut at any position (not a recurrent one, whose
+        slots keep fewer of their tokens only back at a checkpoint)."""
         self.num_ctx, self.caches, self.pool, self.reads = num_ctx, caches, pool, reads
+        self.can_cut = can_cut
         self.waiting: deque["Sequence"] = deque()  # new and preempted, oldest first
         self._fetched: dict[int, Fetched] = {}  # id(seq) -> its finished disk read
 
@@ -166,8 +172,12 @@ class Placer:
         shifted = seq.job.reuse_chunk > 0
         reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
                               for s in idle), key=lambda c: (c[0], c[1]))
-        reuse = usable(reuse)
-        best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE)
+        reuse, checkpoint = usable(reuse), None
+        if not self.can_cut and reuse < len(slot.reusable(shifted)):
+            checkpoint = slot.checkpoint(reuse)
+            reuse = checkpoint[0] if checkpoint is not None else 0
+        best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE,
+                         checkpoint=checkpoint[1] if checkpoint is not None else None)
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
         # The slot a copy goes to: the one whose own cache is worth least.
         target = min(idle, key=lambda s: (len(s.reusable()), s.last_used))

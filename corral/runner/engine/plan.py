@@ -137,9 +137,32 @@ class Join:
     n: int
 
 
-KVOp = Union[Save, Drop, Trim, Move, Shift, Restore, Branch, Park, Join]
+@dataclass(frozen=True)
+class Mark:
+    """A checkpoint: the slot's sequence, which holds the slot's cached tokens, has its
+    recurrent state read (kvbytes.get_partial) and kept with the slot at that length
+    (Slot.checkpoints), for a later prompt that keeps fewer of them (a Rewind)."""
+
+    slot: Slot
+
+    @property
+    def seq_id(self) -> int:
+        return self.slot.seq_id
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Back to a checkpoint: the recurrent state read at `n_prefix` tokens goes back in,
+    and the attention cells past it go (a recurrent memory's cut)."""
+
+    seq_id: int
+    n_prefix: int
+    data: KVBytes
+
+
+KVOp = Union[Save, Drop, Trim, Move, Shift, Restore, Branch, Park, Join, Mark, Rewind]
 # The ops that put a placement's prefix in place; when one fails, the placement does.
-PLACING = (Trim, Restore, Branch)
+PLACING = (Trim, Restore, Branch, Rewind)
 
 
 # ---- the rest of a step -----------------------------------------------------------------

@@ -124,7 +124,7 @@ class Postprocess:
         slot, seq = p.slot, p.seq
         if slot.sequence is not seq:
             return  # preempted in the same step: its cells went, it resumes from scratch
-        slot.cached, slot.tainted = [], False
+        slot.cached, slot.tainted, slot.checkpoints = [], False, []
         seq.pending = list(p.tokens)
         if p.new:
             seq.n_prompt_eval = len(p.tokens)

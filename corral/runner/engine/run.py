@@ -119,7 +119,8 @@ class Run:
     def _ops(self) -> KVOps:
         # One KV stream in pool mode; else a stream a slot (runner.kv.growth keeps them equal).
         return KVOps(self.llama.ctx, self.llama.mem, self.caches,
-                     1 if self.pooled else self.llama.streams, self.llama.can_cut)
+                     1 if self.pooled else self.llama.streams, self.llama.can_cut,
+                     self.llama.checkpoints)
 
     def _samplers(self, placed: list[Placed]) -> list[tuple[Placed, BadRequest]]:
         """A new sequence's sampler, made here where every native call of the step is, when

@@ -30,7 +30,8 @@ from corral.runner.engine.batchplan import Batch, plan_step
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.parking import Parking
 from corral.runner.engine.placer import Placement, Placer, Refusal, Source
-from corral.runner.engine.plan import Demand, Drop, End, ImageSlice, Park, Placed, StepPlan
+from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Mark, Park, Placed,
+                                       StepPlan)
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.speculation import Ask, Candidate
@@ -46,18 +47,21 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 spec: "Speculation | None" = None) -> None:
+                 spec: "Speculation | None" = None, checkpoints: bool = False) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (runner.engine.parking).
         `spec`: speculative decoding (runner.speculative.speculation), which made the
-        decoding slots' drafts after the step before; None, it is off."""
+        decoding slots' drafts after the step before; None, it is off. `checkpoints`: the
+        memory is recurrent, so a slot's state is read where a later prompt is likely
+        to go back to (`_marks`)."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
         self.spec = spec
+        self.checkpoints = checkpoints
         self.parking = Parking(scratch)
 
     def plan(self, slots: list[Slot]) -> StepPlan:
@@ -76,6 +80,8 @@ class Schedule:
         for slot in slots:
             if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
                 self._shift(slot, plan)
+        if self.checkpoints:
+            self._marks(slots, plan)
         plan.batch = self._batch(slots, self._drafts(slots))
         if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
             plan.batch = self._fit(slots, plan)
@@ -130,7 +136,35 @@ class Schedule:
             self.parking.park(slot, park, new)
 
     def _batch(self, slots: list[Slot], drafts: dict[int, list[int]] | None = None) -> Batch:
-        return plan_step(slots, self.n_batch, drafts or {}, self.parking.joins())
+        return plan_step(slots, self.n_batch, drafts or {}, self._stops(slots))
+
+    def _stops(self, slots: list[Slot]) -> dict[int, int]:
+        """Where prefills stop this step: where a parked run joins its slot, and, on a
+        recurrent memory, one token before a prompt's end, so that the state there is
+        read (`_marks`) before the last token is decoded for its logits."""
+        stops = self.parking.joins()
+        if self.checkpoints:
+            for slot in slots:
+                if slot.state is SlotState.PREFILL and len(slot.pending) > 1 \
+                        and slot.job is not None and not slot.job.images:
+                    end = slot.n_past + len(slot.pending) - 1
+                    stops[slot.seq_id] = min(stops.get(slot.seq_id, end), end)
+        return stops
+
+    def _marks(self, slots: list[Slot], plan: StepPlan) -> None:
+        """A recurrent memory cannot be cut back, so its state is read (a Mark) where a
+        later prompt is likely to branch, as llama-server's checkpoints are: where a
+        prompt starts past what its slot kept (the end of the turn before: an edited or
+        regenerated last message goes back there), and one token before its end (a
+        regenerate, the same prompt again, reads only that token)."""
+        placed = {p.slot.seq_id for p in plan.placed}
+        for slot in slots:
+            if slot.state is not SlotState.PREFILL or not slot.n_past or slot.job is None \
+                    or slot.job.images:
+                continue
+            if (slot.seq_id in placed or len(slot.pending) == 1) and \
+                    all(n != slot.n_past for n, _ in slot.checkpoints):
+                plan.ops.append(Mark(slot))
 
     def _drafts(self, slots: list[Slot]) -> dict[int, list[int]]:
         """The drafts speculation made for the slots decoding now (after the step before:
@@ -179,6 +213,7 @@ class Schedule:
             return
         plan.ops.append(op)
         del slot.cached[op.keep:op.keep + op.discard]
+        slot.keep_checkpoints(op.keep)
         # Tokens after the cut were computed beside tokens that are gone, and a
         # sliding-window cache keeps more than the positions say: none of this
         # sequence is what a fresh prefill of its tokens would give.
@@ -216,12 +251,12 @@ class Schedule:
         if save is not None:
             plan.ops.append(save)
         plan.ops.append(Drop(slot.seq_id))
-        slot.cached = []
+        slot.cached, slot.checkpoints = [], []
 
     def _preempt(self, slot: Slot, plan: StepPlan) -> None:
         assert self.pool is not None
         plan.ops.append(Drop(slot.seq_id))
-        slot.cached = []
+        slot.cached, slot.checkpoints = [], []
         seq = slot.vacate(self.clock())
         assert seq is not None
         plan.ops += self.parking.settle()  # its parked run goes now: the pool counts it no more

@@ -37,6 +37,27 @@ def get(ctx: Any, seq: int) -> KVBytes | None:
     return state
 
 
+def get_partial(ctx: Any, seq: int) -> KVBytes | None:
+    """The part of the sequence's state that no cut can reach (a recurrent memory's,
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): a checkpoint (runner.engine.plan Mark)."""
+    flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+    size = L.llama_state_seq_get_size_ext(ctx, seq, flags)
+    if size <= 0:
+        return None
+    state = bytearray(size)
+    view = (ctypes.c_uint8 * size).from_buffer(state)
+    n = L.llama_state_seq_get_data_ext(ctx, view, size, seq, flags)
+    del view
+    return state[:n] if 0 < n else None
+
+
+def put_partial(ctx: Any, state: KVBytes, seq: int) -> bool:
+    """A checkpoint back into the sequence it was read from (get_partial)."""
+    buf = (ctypes.c_uint8 * len(state)).from_buffer(bytearray(state))
+    return L.llama_state_seq_set_data_ext(ctx, buf, len(state), seq,
+                                          L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) > 0
+
+
 def put(ctx: Any, state: KVBytes, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""

@@ -25,13 +25,17 @@ from corral.runner.loadconfig import DEFAULT_BATCH
 # of the weights' bytes, and none (speculation off) where one would.
 RS_SEQ = 8
 SNAPSHOT_SHARE = 0.1
+# Checkpoints a slot of such a memory keeps (runner.engine.plan Mark): the latest, where
+# the last turns started and their prompts ended. Each a copy of one sequence's
+# recurrent state, as many as SNAPSHOT_SHARE of the weights allows for every slot.
+CHECKPOINTS = 4
 
 
-def snapshot_planes(state: int, seqs: int, weights: int) -> int:
-    """How many states of its last tokens each of `seqs` sequences keeps, each `state`
-    bytes, beside `weights` bytes of weights: RS_SEQ, fewer where they would take more
-    than SNAPSHOT_SHARE of the weights."""
-    return min(RS_SEQ, int(SNAPSHOT_SHARE * weights) // max(state * seqs, 1))
+def snapshot_planes(state: int, seqs: int, weights: int, most: int = RS_SEQ) -> int:
+    """How many copies of its recurrent state each of `seqs` sequences keeps, each
+    `state` bytes, beside `weights` bytes of weights: `most`, fewer where they would
+    take more than SNAPSHOT_SHARE of the weights."""
+    return min(most, int(SNAPSHOT_SHARE * weights) // max(state * seqs, 1))
 
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}
@@ -102,11 +106,14 @@ class LlamaContext:
         self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
         # A recurrent memory's states kept for taking back drafts (n_rs_seq), as many as
-        # RS_SEQ and SNAPSHOT_SHARE allow for every sequence (the slots and a scratch one).
-        spec = self.recurrent and cfg.speculative
-        self.state_bytes = self._state_bytes() if spec else 0
-        self.planes = snapshot_planes(self.state_bytes, cfg.n_slots + 1,
-                                      int(L.llama_model_size(self.model))) if spec else 0
+        # RS_SEQ and SNAPSHOT_SHARE allow for every sequence (the slots and a scratch
+        # one), and its slots' checkpoints, as many as CHECKPOINTS and SNAPSHOT_SHARE allow.
+        self.state_bytes = self._state_bytes() if self.recurrent else 0
+        weights = int(L.llama_model_size(self.model))
+        self.planes = snapshot_planes(self.state_bytes, cfg.n_slots + 1, weights) \
+            if self.recurrent and cfg.speculative else 0
+        self.checkpoints = snapshot_planes(self.state_bytes, cfg.n_slots, weights,
+                                           CHECKPOINTS) if self.recurrent else 0
         self.ctx = self.new_context(self.streams)
         self._apply_adapters(cfg.adapters)
         self.mem = L.llama_get_memory(self.ctx)
@@ -200,9 +207,11 @@ class LlamaContext:
         return None if pages is None else resident(pages)
 
     def snapshot_bytes(self) -> int:
-        """The recurrent states kept for taking back drafts (`planes` copies of each
-        sequence's), where llama.cpp keeps them for this model (`undo`)."""
-        return self.state_bytes * (self.undo or 0) * (self.cfg.n_slots + 1)
+        """The recurrent states kept for taking back drafts (`undo` copies of each
+        sequence's, where llama.cpp keeps them for this model), and the most the slots'
+        checkpoints hold."""
+        return self.state_bytes * ((self.undo or 0) * (self.cfg.n_slots + 1)
+                                   + self.checkpoints * self.cfg.n_slots)
 
     def _state_bytes(self) -> int:
         """One sequence's recurrent state, measured: in a context of one sequence that

@@ -42,6 +42,9 @@ class Slot:
     sequence: Sequence | None = None
     last_used: float = 0.0
     tainted: bool = False  # a context shift changed the KV under the cached tokens
+    # A recurrent memory's states at some of the cached tokens' lengths (runner.engine.plan
+    # Mark), oldest first: where a later prompt that keeps fewer of them goes back to.
+    checkpoints: list[tuple[int, bytes | bytearray]] = field(default_factory=list)
 
     def reusable(self, approximate: bool = False) -> list[int]:
         """The cached tokens a new request may keep: none once a context shift ran,
@@ -88,6 +91,16 @@ class Slot:
         self.sequence = sequence
         self.cached = list(prefix)
         self.tainted = shifted
+        self.keep_checkpoints(len(prefix))
+
+    def keep_checkpoints(self, n: int) -> None:
+        """Only the checkpoints within the first `n` cached tokens still hold."""
+        self.checkpoints = [c for c in self.checkpoints if c[0] <= n]
+
+    def checkpoint(self, n: int) -> "tuple[int, bytes | bytearray] | None":
+        """The latest checkpoint at `n` tokens or fewer, if any."""
+        return max((c for c in self.checkpoints if c[0] <= n), key=lambda c: c[0],
+                   default=None)
 
     def vacate(self, now: float) -> Sequence | None:
         """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""

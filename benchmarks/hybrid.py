@@ -1,0 +1,165 @@
+"""A hybrid model's prompt reuse: Corral against llama-server with its defaults.
+
+A hybrid memory (recurrent layers beside attention: LFM2, Qwen3.5, Nemotron-H) cannot be
+cut back to an earlier position, so a prompt that keeps less of a slot than it holds is
+read again unless the server kept a checkpoint of the recurrent state (issue 67). On a
+random LFM2 of the `bench` shape (tests/hybrid_model.py: ten layers, 512 wide, Q8_0, the
+chat starter's vocabulary and ChatML template), one slot each, greedy, through
+`/v1/chat/completions` with `max_tokens` 1 (the time is the time to the first token):
+
+- a chat of five turns of about 300 tokens each, each turn extending the last;
+- regenerate: the same messages again;
+- edit the last message;
+- two chats alternating on the one slot (each return extends its chat by a turn).
+
+Times are wall-clock medians of ROUNDS, and the tokens each server read
+(`usage.prompt_tokens` less what it says it reused). Prints the table and appends it to
+benchmarks/RESULTS.md.
+
+    .venv/bin/python benchmarks/hybrid.py [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from compare import free_port, start_llama_server, wait_healthy  # noqa: E402
+
+from corral.config import load_settings  # noqa: E402
+from corral.process import physical_cores  # noqa: E402
+from corral.registry.starter import CHAT_NAME, starter_model_path  # noqa: E402
+from corral.registry.store import Store  # noqa: E402
+from tests.hybrid_model import SHAPES, write_hybrid  # noqa: E402
+
+MODEL = "bench-hybrid"
+NUM_CTX = 8192
+ROUNDS = 3
+WORDS = ("river stone lamp orchard winter copper ladder signal harbor violet engine "
+         "meadow canvas thunder pocket silver garden candle market feather").split()
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat(seed: int, turns: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": text(rng, 200)}]
+    for _ in range(turns):
+        messages += [{"role": "user", "content": text(rng, 150)},
+                     {"role": "assistant", "content": text(rng, 150)}]
+    return messages[:-1]  # ends with a user message
+
+
+def ask(url: str, messages: list[dict[str, str]]) -> tuple[float, int, int]:
+    """Seconds to the first token, prompt tokens, and of them reused."""
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", timeout=600, json={
+        "model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0})
+    seconds = time.perf_counter() - t0
+    r.raise_for_status()
+    usage = r.json()["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return seconds, usage["prompt_tokens"], cached
+
+
+def workloads(url: str) -> dict[str, tuple[float, int, int]]:
+    """Each workload's median time, its prompt tokens and those reused (the last round's)."""
+    out: dict[str, list[tuple[float, int, int]]] = {}
+    for r in range(ROUNDS):
+        a, b = chat(100 + r, 5), chat(200 + r, 5)
+        ask(url, a)  # the slot holds the chat
+        out.setdefault("regenerate", []).append(ask(url, a))
+        edited = a[:-1] + [{"role": "user", "content": a[-1]["content"] + " and one more"}]
+        out.setdefault("edit the last message", []).append(ask(url, edited))
+        extended = a + [{"role": "assistant", "content": "ok"},
+                        {"role": "user", "content": text(random.Random(r), 150)}]
+        out.setdefault("the next turn", []).append(ask(url, extended))
+        ask(url, b)  # another chat takes the slot
+        back = extended + [{"role": "assistant", "content": "ok"},
+                           {"role": "user", "content": "and then?"}]
+        out.setdefault("back to the first chat", []).append(ask(url, back))
+    return {k: (statistics.median(x[0] for x in v), v[-1][1], v[-1][2])
+            for k, v in out.items()}
+
+
+def corral(gguf: Path, tmp: Path, threads: int) -> dict[str, tuple[float, int, int]]:
+    port = free_port()
+    env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(tmp / "models"),
+               CORRAL_CONTEXT_LENGTH=str(NUM_CTX), CORRAL_KEEP_ALIVE="-1",
+               CORRAL_NUM_PARALLEL="1")
+    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=ROOT, env=env,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        import ollama
+
+        client = ollama.Client(host=url)
+        client.create(model=MODEL, files={gguf.name: client.create_blob(gguf)})
+        httpx.post(url + "/api/generate", timeout=300, json={
+            "model": MODEL, "options": {"num_thread": threads, "num_ctx": NUM_CTX}})
+        return workloads(url)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[float, int, int]]:
+    url, proc = start_llama_server(binaries, gguf, 1, NUM_CTX, threads, "--jinja")
+    try:
+        return workloads(url)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    threads = args.threads or physical_cores()
+    chat_gguf = starter_model_path(Store(load_settings().models), CHAT_NAME)
+    if chat_gguf is None:
+        raise SystemExit("Error: the chat starter is not installed; run ./install.sh")
+    build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
+                           capture_output=True, text=True, check=True)
+    binaries = Path(build.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = write_hybrid(chat_gguf, Path(tmp) / "bench-hybrid.gguf", shape=SHAPES["bench"])
+        theirs = llama_server(binaries, gguf, threads)
+        ours = corral(gguf, Path(tmp), threads)
+    lines = [f"{'workload':26} {'llama-server':>22} {'corral':>22} {'ratio':>6}"]
+    for name, (t, n, cached) in theirs.items():
+        o, on, ocached = ours[name]
+        lines.append(f"{name:26} {t:7.3f} s {cached:5d}/{n:<5d} {o:7.3f} s {ocached:5d}/{on:<5d}"
+                     f" {o / t:5.2f}x")
+    report(threads, lines)
+
+
+def report(threads: int, lines: list[str]) -> None:
+    text_ = "\n".join(lines)
+    print(text_)
+    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as out:
+        out.write(f"\n## hybrid.py ({dt.date.today()}, {threads} threads, random LFM2 "
+                  f"`bench` shape, one slot; time to the first token, tokens reused/prompt, "
+                  f"ratio corral/llama-server)\n\n```\n{text_}\n```\n")
+
+
+if __name__ == "__main__":
+    main()
