@@ -145,3 +145,56 @@ def test_a_prompt_that_keeps_part_of_the_slot_goes_back_to_a_checkpoint(
         out = run(engine, again, num_predict=24)
         assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
         same(out, fresh(engine, again, num_predict=24))
+
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 8)
+
+
+@pytest.fixture(scope="module")
+def cached(hybrid_gguf: Path) -> Iterator[Engine]:
+    made = Engine(str(hybrid_gguf), EngineConfig(n_slots=1, num_ctx=1024, deterministic=True,
+                                                 cache_ram=64 << 20))
+    made.start()
+    yield made
+    made.stop()
+
+
+def test_a_chat_back_from_the_ram_cache_goes_back_to_its_checkpoint(
+        cached: Engine, engines: dict[bool, Engine]) -> None:
+    """Two chats alternate on one slot: the first goes to the RAM cache with its slot's
+    checkpoints when the second takes the slot, and a prompt that keeps all but the end
+    of what it held comes back to the checkpoint one token before its prompt's end."""
+    prompt = cached.tokenize(LONG, add_special=True)
+    tokens = list(run(cached, prompt, num_predict=16)[1].stats.context)
+    run(cached, cached.tokenize("Zebras graze on the open plain.", add_special=False),
+        num_predict=4)  # the other chat takes the slot: the first goes to RAM
+    again = tokens[:-3] + [tokens[-1]]
+    out = run(cached, again, num_predict=12)
+    assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
+    same(out, fresh(engines[True], again, num_predict=12))  # no RAM cache there
+
+
+def test_a_chat_resumed_after_an_unload_goes_back_to_its_checkpoint_on_disk(
+        hybrid_gguf: Path, tmp_path: Path, engines: dict[bool, Engine]) -> None:
+    """The slot's state and its checkpoints go to the disk tier at the stop; the next
+    load reads them back and goes back to the checkpoint one token before the first
+    prompt's end."""
+    config = EngineConfig(n_slots=1, num_ctx=1024, deterministic=True, cache_ram=64 << 20,
+                          cache_disk=256 << 20, cache_dir=str(tmp_path))
+    first = Engine(str(hybrid_gguf), config)
+    first.start()
+    try:
+        prompt = first.tokenize(LONG, add_special=True)
+        tokens = list(run(first, prompt, num_predict=16)[1].stats.context)
+    finally:
+        first.stop()
+    second = Engine(str(hybrid_gguf), config)
+    second.start()
+    try:
+        assert [e.marks for e in second.caches.disk.entries] == [(len(prompt) - 1,)]
+        again = tokens[:-3] + [tokens[-1]]
+        out = run(second, again, num_predict=12)
+    finally:
+        second.stop()
+    assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
+    same(out, fresh(engines[True], again, num_predict=12))

@@ -120,6 +120,23 @@ def test_the_disk_tier_survives_a_restart_and_refuses_corrupt_entries(tmp_path: 
     assert list((tmp_path / "space").iterdir()) == []
 
 
+def test_a_recurrent_memorys_checkpoints_go_to_disk_after_its_state(tmp_path: Path) -> None:
+    """Each checkpoint follows the state, its length in the header, the hash over all;
+    a file whose checkpoints do not add up is removed, never loaded."""
+    disk = DiskTier(tmp_path, 1 << 20, "space")
+    checkpoints = ((40, b"c" * 30), (60, b"d" * 20))
+    assert disk.save(A, b"state-a" * 100, checkpoints)
+    assert disk.entries[0].marks == (40, 60)
+    again = DiskTier(tmp_path, 1 << 20, "space")
+    found, _ = again.lookup(A)
+    assert found is not None and found.marks == (40, 60)
+    read = again.read(found)
+    assert read.data == b"state-a" * 100 and read.checkpoints == checkpoints
+    raw = found.path.read_bytes()
+    found.path.write_bytes(raw.replace(b"[60, 20]", b"[60, 900]"))  # longer than the data
+    assert again.load(found) is None and not found.path.exists()
+
+
 def test_an_entry_of_another_namespace_is_never_loaded(tmp_path: Path) -> None:
     DiskTier(tmp_path, 1 << 20, "one").save(A, b"a" * 50)
     (tmp_path / "one" / next((tmp_path / "one").iterdir()).name).rename(

@@ -12,6 +12,14 @@ from typing import Sequence as Seq, Union
 # A sequence's KV as bytes: what llama.cpp wrote (runner.kv.kvbytes: a bytearray, written in
 # place and never changed after) or what was read back from disk (bytes).
 KVBytes = Union[bytes, bytearray]
+# A recurrent memory's checkpoints of a sequence: (tokens, the recurrent state read after
+# them), oldest first (runner.engine.plan Mark)
+Checkpoints = tuple[tuple[int, KVBytes], ...]
+
+
+def latest(checkpoints: Seq[tuple[int, KVBytes]], n: int) -> tuple[int, KVBytes] | None:
+    """The latest checkpoint at `n` tokens or fewer, if any."""
+    return max((c for c in checkpoints if c[0] <= n), key=lambda c: c[0], default=None)
 
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from corral.runner.cache.diskcache import DiskEntry, DiskTier, namespace
 from corral.runner.cache.promptcache import Entry, PromptCache
-from corral.runner.prefix import KVBytes
+from corral.runner.prefix import Checkpoints, KVBytes
 
 if TYPE_CHECKING:
     from corral.runner.llama.context import EngineConfig
@@ -38,7 +38,7 @@ class PrefixCaches:
         self.ram, self.disk = ram, disk
         self.tokens_shared = 0  # prompt tokens branched from another running slot
         if disk is not None:
-            ram.spill = lambda e: disk.save(e.tokens, e.data)
+            ram.spill = lambda e: disk.save(e.tokens, e.data, e.checkpoints)
 
     def lookup(self, tokens: Sequence[int], disk: bool = True) -> Hit:
         """The longest cached prefix of `tokens`; in RAM only when `disk` is false (the
@@ -58,10 +58,13 @@ class PrefixCaches:
         return self.ram.worth_saving(tokens) or (
             self.disk is not None and self.ram.budget == 0)
 
-    def save(self, tokens: Sequence[int], data: KVBytes) -> None:
-        if not self.ram.add(tokens, data) and self.disk is not None \
+    def save(self, tokens: Sequence[int], data: KVBytes,
+             checkpoints: tuple[tuple[int, KVBytes], ...] = ()) -> None:
+        """A state into RAM, with its checkpoints (a recurrent memory's; the disk tier
+        keeps the whole state only)."""
+        if not self.ram.add(tokens, data, checkpoints) and self.disk is not None \
                 and len(data) > self.ram.budget:
-            self.disk.save(tokens, data)  # too big for RAM (or RAM off): straight to disk
+            self.disk.save(tokens, data, checkpoints)  # too big for RAM (or RAM off): to disk
 
     @staticmethod
     def fetch(entry: Entry | None) -> KVBytes | None:
@@ -70,26 +73,26 @@ class PrefixCaches:
         return entry.data if entry is not None else None
 
     def restored(self, entry: Entry | None, disk: DiskEntry | None, n: int,
-                 data: KVBytes | None) -> None:
-        if entry is None and disk is not None and data is not None:
-            entry = self.ram.add(disk.tokens, data)  # read once from disk, then from RAM
+                 data: KVBytes | None, checkpoints: Checkpoints = ()) -> None:
+        if entry is None and disk is not None and data is not None:  # read once from
+            entry = self.ram.add(disk.tokens, data, checkpoints)  # disk, then from RAM
         self.ram.restored(entry, n)
 
     def refused(self, entry: Entry | None) -> None:
         if entry is not None:
             self.ram.remove(entry)
 
-    def flush(self, states: list[tuple[list[int], KVBytes]]) -> int:
+    def flush(self, states: list[tuple[list[int], KVBytes, Checkpoints]]) -> int:
         """At unload: the given slot states and every RAM entry, newest first, go to the
         disk tier (when there is one), and the writer is waited for (FLUSH_WAIT at most);
         returns how many were kept."""
         if self.disk is None:
             return 0
         written = 0
-        for tokens, data in states:
-            written += self.disk.save(tokens, data)
+        for tokens, data, checkpoints in states:
+            written += self.disk.save(tokens, data, checkpoints)
         for entry in sorted(self.ram.entries, key=lambda e: -e.used):
-            written += self.disk.save(entry.tokens, entry.data)
+            written += self.disk.save(entry.tokens, entry.data, entry.checkpoints)
         if not self.disk.drain(FLUSH_WAIT):
             log.warning("prompt cache: the disk writer did not finish within %.0f s",
                         FLUSH_WAIT)

@@ -39,10 +39,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from corral.private import open_private, private_dir, tighten
-from corral.runner.prefix import common_prefix
+from corral.runner.prefix import Checkpoints, common_prefix
 
 log = logging.getLogger("corral.diskcache")
 MAGIC = b"CORRAL-KV 1\n"
+# An entry with checkpoints (a recurrent memory's) after its state: a Corral that knows
+# only MAGIC removes it rather than hand llama.cpp the state with them
+MAGIC_CHECKPOINTS = b"CORRAL-KV 2\n"
 MAX_HEADER = 4 << 20  # a header lists tokens as JSON; far more than any num_ctx needs
 MAX_QUEUED = 1 << 30  # bytes of states waiting for the writer thread
 GATE_WAIT = 300.0  # seconds a test's gate may hold a write
@@ -60,6 +63,7 @@ class Read:
 
     data: bytes | None
     problem: str = ""
+    checkpoints: Checkpoints = ()
 
 
 @dataclass(eq=False)  # an entry is itself: compared by identity, as `entries` holds it
@@ -68,6 +72,7 @@ class DiskEntry:
     path: Path
     size: int  # bytes on disk
     used: float  # last use (the file's mtime)
+    marks: tuple[int, ...] = ()  # where its checkpoints are (tokens)
 
 
 Key = tuple[int, ...]
@@ -82,8 +87,8 @@ class DiskTier:
         self.dir = root / space
         self.budget, self.space, self.gate, self.background = budget, space, gate, background
         self._queued: dict[Key, int] = {}  # tokens -> bytes handed to the writer, not taken in
-        self._todo: queue.Queue[tuple[Key, bytes | bytearray]] = queue.Queue()
-        self._written: queue.Queue[tuple[Key, Path | None]] = queue.Queue()
+        self._todo: queue.Queue[tuple[Key, bytes | bytearray, Checkpoints]] = queue.Queue()
+        self._written: queue.Queue[tuple[Key, Path | None, tuple[int, ...]]] = queue.Queue()
         private_dir(root)
         private_dir(self.dir)
         self.entries: list[DiskEntry] = []
@@ -134,7 +139,15 @@ class DiskTier:
         if header.get("size") != len(data) or hashlib.sha256(data).hexdigest() != header.get(
                 "sha256"):
             return Read(None, "its data does not match its header")
-        return Read(data)
+        marks = _marks(header)
+        state = len(data) - sum(size for _, size in marks) if marks is not None else 0
+        if marks is None or state <= 0:
+            return Read(None, "its checkpoints do not match its data")
+        checkpoints, at = [], state
+        for n, size in marks:
+            checkpoints.append((n, data[at:at + size]))
+            at += size
+        return Read(data[:state] if marks else data, checkpoints=tuple(checkpoints))
 
     def settle(self, entry: DiskEntry, read: "Read") -> bytes | None:
         """On the tier's own thread, after `read`: the data, and the entry is the most
@@ -156,20 +169,23 @@ class DiskTier:
         """The entry's state, verified; None (and the file removed) when it is not whole."""
         return self.settle(entry, self.read(entry))
 
-    def save(self, tokens: Sequence[int], data: bytes | bytearray) -> bool:
-        """Keep a state (handed to the writer, in the background); False when it is not."""
+    def save(self, tokens: Sequence[int], data: bytes | bytearray,
+             checkpoints: Checkpoints = ()) -> bool:
+        """Keep a state, and its checkpoints (handed to the writer, in the background);
+        False when it is not."""
         self._collect()
         key = tuple(tokens)
         if not data or len(data) > self.budget or any(
                 e.tokens[:len(key)] == key for e in self.entries) or any(
                 q[:len(key)] == key for q in self._queued):
             return False
+        marks = tuple(n for n, _ in checkpoints)
         if not self.background:
-            return self._kept(key, self._write(key, data))
+            return self._kept(key, self._write(key, data, checkpoints), marks)
         if self._queued and sum(self._queued.values()) + len(data) > MAX_QUEUED:
             return False
         self._queued[key] = len(data)
-        self._todo.put((key, data))
+        self._todo.put((key, data, checkpoints))
         return True
 
     def drain(self, timeout: float) -> bool:
@@ -191,7 +207,7 @@ class DiskTier:
             except queue.Empty:
                 return
 
-    def _kept(self, key: Key, path: Path | None) -> bool:
+    def _kept(self, key: Key, path: Path | None, marks: tuple[int, ...] = ()) -> bool:
         self._queued.pop(key, None)
         try:
             st = path.stat() if path is not None else None
@@ -202,32 +218,44 @@ class DiskTier:
         # Shorter entries this one extends hold nothing it does not.
         for old in [e for e in self.entries if e.tokens == key[:len(e.tokens)]]:
             self._drop(old)
-        self.entries.append(DiskEntry(key, path, st.st_size, st.st_mtime))
+        self.entries.append(DiskEntry(key, path, st.st_size, st.st_mtime, marks))
         self._evict()
         return True
 
     def _writer(self) -> None:
         while True:
-            key, data = self._todo.get()
+            key, data, checkpoints = self._todo.get()
             try:
-                path = self._write(key, data)
+                path = self._write(key, data, checkpoints)
             except Exception:  # a bug here costs the entry, never the writer
                 log.exception("prompt cache writer")
                 path = None
-            self._written.put((key, path))
+            self._written.put((key, path, tuple(n for n, _ in checkpoints)))
 
-    def _write(self, key: Key, data: bytes | bytearray) -> Path | None:
-        """The entry's file (any thread: it touches the file alone); None when not written."""
+    def _write(self, key: Key, data: bytes | bytearray,
+               checkpoints: Checkpoints = ()) -> Path | None:
+        """The entry's file (any thread: it touches the file alone); None when not written.
+        Its checkpoints follow the state, each as long as the header says."""
         if self.gate is not None:
             self.gate.wait(GATE_WAIT)
         name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
         path, tmp = self.dir / f"{name}.kv", self.dir / f"{name}.tmp"
-        header = json.dumps({"space": self.space, "tokens": list(key), "size": len(data),
-                             "sha256": hashlib.sha256(data).hexdigest()}).encode()
+        digest = hashlib.sha256(data)
+        for _, state in checkpoints:
+            digest.update(state)
+        fields: dict[str, Any] = {"space": self.space, "tokens": list(key),
+                                  "size": len(data) + sum(len(c) for _, c in checkpoints),
+                                  "sha256": digest.hexdigest()}
+        if checkpoints:
+            fields["checkpoints"] = [[n, len(c)] for n, c in checkpoints]
+        header = json.dumps(fields).encode()
         try:
             with open_private(tmp) as f:
-                f.write(MAGIC + len(header).to_bytes(4, "little") + header)
+                f.write((MAGIC_CHECKPOINTS if checkpoints else MAGIC)
+                        + len(header).to_bytes(4, "little") + header)
                 f.write(data)
+                for _, state in checkpoints:
+                    f.write(state)
             os.replace(tmp, path)
         except OSError as exc:  # a full disk costs the entry, never the request
             log.warning("could not write a prompt cache entry: %s", exc)
@@ -248,7 +276,12 @@ class DiskTier:
                 or not all(isinstance(t, int) for t in tokens):
             self._reject(path, "not an entry of this model and configuration")
             return None
-        return DiskEntry(tuple(tokens), path, st.st_size, st.st_mtime)
+        marks = _marks(header)
+        if marks is None:
+            self._reject(path, "its checkpoints do not parse")
+            return None
+        return DiskEntry(tuple(tokens), path, st.st_size, st.st_mtime,
+                         tuple(n for n, _ in marks))
 
     def _reject(self, path: Path, why: str) -> None:
         log.warning("removing prompt cache file %s: %s", path.name, why)
@@ -291,8 +324,18 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+def _marks(header: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """The header's checkpoints, as (tokens, bytes); None where they do not parse."""
+    marks = header.get("checkpoints", [])
+    if not isinstance(marks, list) or not all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(x, int) and x > 0 for x in m)
+            for m in marks):
+        return None
+    return [(n, size) for n, size in marks]
+
+
 def _read_header(f: Any) -> dict[str, Any]:
-    if f.read(len(MAGIC)) != MAGIC:
+    if f.read(len(MAGIC)) not in (MAGIC, MAGIC_CHECKPOINTS):
         raise ValueError("not a prompt cache file")
     n = int.from_bytes(f.read(4), "little")
     if n <= 0 or n > MAX_HEADER:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from corral.runner.cache.diskcache import DiskEntry, DiskTier, Read
+from corral.runner.prefix import Checkpoints
 
 if TYPE_CHECKING:
     from corral.runner.slots.sequence import Sequence
@@ -81,6 +82,7 @@ class Fetched:
     seq: "Sequence"
     entry: DiskEntry
     data: bytes | None
+    checkpoints: Checkpoints = ()  # a recurrent memory's, read with the state
 
 
 class DiskReads:
@@ -123,7 +125,10 @@ class DiskReads:
         now, out = self._clock(), []
         for key, (seq, flight) in list(self._waiting.items()):
             if flight.done.is_set():
-                out.append(Fetched(seq, flight.entry, self._settle(flight)))
+                data = self._settle(flight)
+                assert flight.result is not None
+                out.append(Fetched(seq, flight.entry, data,
+                                   flight.result.checkpoints if data is not None else ()))
             elif seq.job.cancelled.is_set():
                 out.append(Fetched(seq, flight.entry, None))
             elif now >= flight.deadline:
@@ -157,7 +162,7 @@ class DiskReads:
             flight.settled = True
             self._flights.pop(id(flight.entry), None)
             flight.result = Read(self.tier.settle(flight.entry, flight.result),
-                                 flight.result.problem)
+                                 flight.result.problem, flight.result.checkpoints)
         return flight.result.data
 
     def _work(self, flight: Flight) -> None:

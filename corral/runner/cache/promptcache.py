@@ -38,10 +38,13 @@ class Entry:
     tokens: tuple[int, ...]
     data: KVBytes  # llama_state_seq_get_data's output for those tokens
     used: int = 0  # the cache's clock at its last save or restore
+    # A recurrent memory's checkpoints of its slot (Slot.checkpoints): where a prompt that
+    # keeps fewer of the tokens goes back to, its state cut there
+    checkpoints: tuple[tuple[int, KVBytes], ...] = ()
 
     @property
     def size(self) -> int:
-        return len(self.data)
+        return len(self.data) + sum(len(c) for _, c in self.checkpoints)
 
 
 @dataclass
@@ -87,8 +90,9 @@ class PromptCache:
     def worth_saving(self, tokens: Sequence[int]) -> bool:
         return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
-    def add(self, tokens: Sequence[int], data: KVBytes) -> Entry | None:
-        """Keep a state; None when it cannot fit or is held already."""
+    def add(self, tokens: Sequence[int], data: KVBytes,
+            checkpoints: tuple[tuple[int, KVBytes], ...] = ()) -> Entry | None:
+        """Keep a state (and its checkpoints); None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):
             return None
@@ -99,7 +103,7 @@ class PromptCache:
         self.entries = [e for e in self.entries
                         if len(e.tokens) - common_prefix(e.tokens, key) >= least]
         self._clock += 1
-        entry = Entry(key, data, self._clock)
+        entry = Entry(key, data, self._clock, checkpoints)
         self.entries.append(entry)
         self.stats.saved += 1
         self._evict(self.budget)

@@ -384,9 +384,10 @@ class Engine:
         if self._thread is not None and self._thread.is_alive():
             return  # still inside native code; the process exit will reclaim it
         if self.caches.disk is not None:  # what the idle slots and RAM hold outlives us
-            states = [(s.reusable(), kvbytes.get(self.llama.ctx, s.seq_id)) for s in self.slots
+            states = [(s.reusable(), kvbytes.get(self.llama.ctx, s.seq_id), s.checkpoints)
+                      for s in self.slots
                       if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
-            self.caches.flush([(t, d) for t, d in states if d is not None])
+            self.caches.flush([(t, d, tuple(c)) for t, d, c in states if d is not None])
         self.embed_ctx.free()
         self.run.feed.free()
         if self.spec is not None:

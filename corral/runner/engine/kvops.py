@@ -84,7 +84,7 @@ class KVOps:
         if self.caches.wanted(op.tokens):
             data = kvbytes.get(self.ctx, op.seq_id)
             if data is not None:
-                self.caches.save(op.tokens, data)
+                self.caches.save(op.tokens, data, op.checkpoints)
 
     def _fill(self, op: Restore | Branch) -> None:
         """A prefix copied in: from the prompt cache, or from a donor sequence (which must
@@ -96,14 +96,26 @@ class KVOps:
             data = op.data
         L.llama_memory_seq_rm(mem, seq, -1, -1)
         if data is not None and kvbytes.put(self.ctx, data, seq, self.streams) \
-                and L.llama_memory_seq_rm(mem, seq, op.cut, -1):
+                and self._cut_to(op) and L.llama_memory_seq_rm(mem, seq, op.cut, -1):
             if isinstance(op, Branch):
                 self.caches.tokens_shared += op.n_prefix
             else:
-                self.caches.restored(op.entry, op.disk, op.n_prefix, data)
+                self.caches.restored(op.entry, op.disk, op.n_prefix, data, op.checkpoints)
             return
         self._fail(seq)
         self.caches.refused(op.entry if isinstance(op, Restore) else None)
+
+    def _cut_to(self, op: Restore | Branch) -> bool:
+        """Whether a filled sequence may be cut where the op says: anywhere where the
+        memory cuts; on a recurrent one, back at a checkpoint of the entry (put back
+        first), or where nothing is cut (llama.cpp's snapshots of the last ubatch would
+        take a few positions back from states no draft of this sequence wrote)."""
+        if self.can_cut:
+            return True
+        checkpoint = op.checkpoint if isinstance(op, Restore) else None
+        if checkpoint is not None:
+            return kvbytes.put_partial(self.ctx, checkpoint, op.seq_id)
+        return op.cut > L.llama_memory_seq_pos_max(self.mem, op.seq_id)
 
     def _fail(self, seq: int) -> None:
         L.llama_memory_seq_rm(self.mem, seq, -1, -1)

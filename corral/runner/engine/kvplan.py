@@ -29,7 +29,7 @@ def save_op(slot: Slot, caches: PrefixCaches, n_prefix: int = 0,
     kept = max((common_prefix(other, tokens) for other in held), default=0)
     if len(tokens) - kept < least or not caches.wanted(tokens):
         return None
-    return Save(slot.seq_id, list(tokens))
+    return Save(slot.seq_id, list(tokens), tuple(slot.checkpoints))
 
 
 def shift_op(slot: Slot, can_shift: bool) -> Shift | None:
@@ -82,7 +82,8 @@ def placement_ops(p: Placement, caches: PrefixCaches, held: Iterable[Sequence[in
         ops.append(Branch(slot.seq_id, p.donor.seq_id, p.n_prefix, at))
     else:  # a disk entry's bytes were read and verified off this thread (runner.cache.diskread)
         data = p.data if p.data is not None else caches.fetch(p.entry)
-        ops.append(Restore(slot.seq_id, p.n_prefix, data, p.entry, p.disk, at))
+        ops.append(Restore(slot.seq_id, p.n_prefix, data, p.entry, p.disk, at, p.checkpoint,
+                           p.checkpoints))
     return ops, p.n_prefix, False
 
 

@@ -31,14 +31,14 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence as Seq
 
 from corral.errors import CorralError
 from corral.runner.engine.admission import align_prefix, fit_prompt
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.cache.diskread import DiskReads, Fetched
 from corral.runner.cache.promptcache import Entry
-from corral.runner.prefix import common_prefix
+from corral.runner.prefix import Checkpoints, common_prefix
 from corral.runner.slots.sequence import SeqState
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -75,6 +75,7 @@ class Placement:
     # REUSE on a recurrent memory that keeps fewer of the slot's tokens than it holds:
     # the slot's checkpoint at n_prefix, gone back to (runner.engine.plan Rewind)
     checkpoint: bytes | bytearray | None = None
+    checkpoints: Checkpoints = ()  # the disk entry's, read with its state (RAM keeps them)
 
 
 @dataclass(frozen=True)
@@ -185,20 +186,48 @@ class Placer:
             n = usable(common_prefix(donor.cached, tokens))
             if n >= best.n_prefix + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.BRANCH, donor=donor)
-        # The disk tier once per sequence: its read is done (bytes or not), or starts now.
-        read = self._fetched.get(id(seq))
-        hit = self.caches.lookup(tokens, disk=read is None and self.reads is not None
-                                 and self.reads.open)
-        if (hit.entry or hit.disk) and usable(hit.n) >= best.n_prefix + MIN_GAIN:
-            best = Placement(seq, target, tokens, usable(hit.n), Source.RESTORE,
-                             entry=hit.entry, disk=hit.disk)
-        if read is not None and read.data is not None and usable(
-                n := common_prefix(read.entry.tokens, tokens)) >= best.n_prefix + MIN_GAIN:
-            best = Placement(seq, target, tokens, usable(n), Source.RESTORE, disk=read.entry,
-                             data=read.data)
+        best = self._from_cache(seq, tokens, target, best, usable)
         if seq.state is SeqState.WAITING and self._worth_holding(tokens, busy, best.n_prefix):
             return None
         return best
+
+    def _from_cache(self, seq: "Sequence", tokens: list[int], target: Slot, best: Placement,
+                    usable: Callable[[int], int]) -> Placement:
+        """`best`, or a restore into `target` from the prompt cache where that keeps at
+        least MIN_GAIN tokens more: from RAM, or from disk, read once per sequence (its
+        read is done, bytes or not, or starts now)."""
+        read = self._fetched.get(id(seq))
+        hit = self.caches.lookup(tokens, disk=read is None and self.reads is not None
+                                 and self.reads.open)
+        found: tuple[Seq[int], Checkpoints, Seq[int]] | None = \
+            (hit.entry.tokens, hit.entry.checkpoints, [c[0] for c in hit.entry.checkpoints]) \
+            if hit.entry is not None else \
+            (hit.disk.tokens, (), hit.disk.marks) if hit.disk is not None else None
+        if found is not None:  # a disk entry's checkpoints come with its read
+            held, checkpoints, marks = found
+            n = self._restorable(held, marks, usable(hit.n))
+            if n >= best.n_prefix + MIN_GAIN:
+                best = Placement(seq, target, tokens, n, Source.RESTORE, entry=hit.entry,
+                                 disk=hit.disk, checkpoint=dict(checkpoints).get(n)
+                                 if n < len(held) else None)
+        if read is not None and read.data is not None:
+            held = read.entry.tokens
+            n = self._restorable(held, [c[0] for c in read.checkpoints],
+                                 usable(common_prefix(held, tokens)))
+            if n >= best.n_prefix + MIN_GAIN:
+                best = Placement(seq, target, tokens, n, Source.RESTORE, disk=read.entry,
+                                 data=read.data, checkpoints=read.checkpoints,
+                                 checkpoint=dict(read.checkpoints).get(n)
+                                 if n < len(held) else None)
+        return best
+
+    def _restorable(self, held: Seq[int], marks: Seq[int], n: int) -> int:
+        """How much of a cache entry holding `held` a placement keeps: all `n` of it
+        where the memory cuts anywhere; on a recurrent one the whole entry, or its latest
+        checkpoint (`marks`) within `n`, else nothing."""
+        if self.can_cut or n >= len(held):
+            return n
+        return max((m for m in marks if m <= n), default=0)
 
     @staticmethod
     def _worth_holding(tokens: list[int], busy: list[Slot], have: int) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Union
 
 from corral.errors import CorralError
 from corral.runner.engine.batchplan import Batch
-from corral.runner.prefix import KVBytes
+from corral.runner.prefix import Checkpoints, KVBytes
 from corral.runner.slots.sequence import DoneReason, Sequence
 from corral.runner.slots.slot import Slot
 
@@ -34,10 +34,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Save:
-    """Copy the sequence's state into the prompt cache as `tokens`' (before it is overwritten)."""
+    """Copy the sequence's state into the prompt cache as `tokens`' (before it is
+    overwritten), with its slot's checkpoints (a recurrent memory's)."""
 
     seq_id: int
     tokens: list[int]
+    checkpoints: tuple[tuple[int, KVBytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Shift:
 @dataclass(frozen=True)
 class Restore:
     """Fill the sequence with a prompt cache entry's state, cut to `n_prefix` tokens, at
-    position `at` where that is not `n_prefix` (past an M-RoPE image; runner.jobs)."""
+    position `at` where that is not `n_prefix` (past an M-RoPE image; runner.jobs). On a
+    recurrent memory a cut goes back to the entry's `checkpoint` at `n_prefix` first."""
 
     seq_id: int
     n_prefix: int
@@ -91,6 +94,8 @@ class Restore:
     entry: "Entry | None" = None
     disk: "DiskEntry | None" = None
     at: int = -1
+    checkpoint: KVBytes | None = None
+    checkpoints: Checkpoints = ()  # a disk entry's, which RAM keeps with its state
 
     @property
     def cut(self) -> int:

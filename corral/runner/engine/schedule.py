@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
     from corral.runner.speculative.speculation import Speculation
 
+# Tokens between the checkpoints read through a long prompt on a recurrent memory
+CHECKPOINT_EVERY = 4096
+
 log = logging.getLogger("corral.engine")
 
 
@@ -140,30 +143,38 @@ class Schedule:
 
     def _stops(self, slots: list[Slot]) -> dict[int, int]:
         """Where prefills stop this step: where a parked run joins its slot, and, on a
-        recurrent memory, one token before a prompt's end, so that the state there is
-        read (`_marks`) before the last token is decoded for its logits."""
+        recurrent memory, at the next point its state is read (`_marks`)."""
         stops = self.parking.joins()
         if self.checkpoints:
             for slot in slots:
-                if slot.state is SlotState.PREFILL and len(slot.pending) > 1 \
-                        and slot.job is not None and not slot.job.images:
-                    end = slot.n_past + len(slot.pending) - 1
-                    stops[slot.seq_id] = min(stops.get(slot.seq_id, end), end)
+                ahead = [n for n in self._points(slot) if n > slot.n_past]
+                if ahead:
+                    stops[slot.seq_id] = min(stops.get(slot.seq_id, ahead[0]), ahead[0])
         return stops
+
+    def _points(self, slot: Slot) -> list[int]:
+        """Where a prefilling slot's recurrent state is read, as llama-server reads its
+        context checkpoints: one token before the prompt's end (a regenerate, the same
+        prompt again, reads only that token; the last is decoded a step later for its
+        logits), a batch before that (an edit near the end: the last message), and
+        every CHECKPOINT_EVERY tokens through a long prompt. None inside images."""
+        if slot.state is not SlotState.PREFILL or slot.job is None or slot.job.images:
+            return []
+        last = slot.n_past + len(slot.pending) - 1
+        every = range(CHECKPOINT_EVERY, last - self.n_batch, CHECKPOINT_EVERY)
+        return sorted(n for n in {*every, last - self.n_batch, last} if n > 0)
 
     def _marks(self, slots: list[Slot], plan: StepPlan) -> None:
         """A recurrent memory cannot be cut back, so its state is read (a Mark) where a
-        later prompt is likely to branch, as llama-server's checkpoints are: where a
-        prompt starts past what its slot kept (the end of the turn before: an edited or
-        regenerated last message goes back there), and one token before its end (a
-        regenerate, the same prompt again, reads only that token)."""
+        later prompt is likely to branch (`_points`), and where a prompt starts past what
+        its slot kept (the end of the turn before: an edited last message goes back
+        there)."""
         placed = {p.slot.seq_id for p in plan.placed}
         for slot in slots:
-            if slot.state is not SlotState.PREFILL or not slot.n_past or slot.job is None \
-                    or slot.job.images:
+            if not slot.n_past or any(n == slot.n_past for n, _ in slot.checkpoints):
                 continue
-            if (slot.seq_id in placed or len(slot.pending) == 1) and \
-                    all(n != slot.n_past for n, _ in slot.checkpoints):
+            if slot.n_past in self._points(slot) or (
+                    slot.seq_id in placed and slot.job is not None and not slot.job.images):
                 plan.ops.append(Mark(slot))
 
     def _drafts(self, slots: list[Slot]) -> dict[int, list[int]]:

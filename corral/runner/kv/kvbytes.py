@@ -62,9 +62,10 @@ def put(ctx: Any, state: KVBytes, seq: int, streams: int) -> bool:
     """Load a state (from a context of any stream count) into `seq` of a context of
     `streams` KV streams; False when it does not parse or llama.cpp refuses it."""
     ext = native.mrope(L.llama_get_model(ctx))  # its cells carry 2-D positions
-    data = restream(state, streams, seq, ext)
-    if data is None:
-        return False
+    # A layout restream does not know (a recurrent memory's state after the KV's) goes
+    # in as it is: llama.cpp reads it where the stream counts agree, and refuses it where
+    # they do not.
+    data = restream(state, streams, seq, ext) or state
     # llama.cpp only reads the buffer: point it at the state itself, not at a copy.
     if isinstance(data, bytearray):
         buf: Any = (ctypes.c_uint8 * len(data)).from_buffer(data)

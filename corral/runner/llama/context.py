@@ -26,9 +26,9 @@ from corral.runner.loadconfig import DEFAULT_BATCH
 RS_SEQ = 8
 SNAPSHOT_SHARE = 0.1
 # Checkpoints a slot of such a memory keeps (runner.engine.plan Mark): the latest, where
-# the last turns started and their prompts ended. Each a copy of one sequence's
+# the last turns started, near their prompts' ends and through long prompts. Each a copy of one sequence's
 # recurrent state, as many as SNAPSHOT_SHARE of the weights allows for every slot.
-CHECKPOINTS = 4
+CHECKPOINTS = 8
 
 
 def snapshot_planes(state: int, seqs: int, weights: int, most: int = RS_SEQ) -> int:

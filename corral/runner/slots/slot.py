@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from corral.runner.jobs import Job, position
+from corral.runner.prefix import KVBytes, latest
 from corral.runner.slots.sequence import Sequence
 
 
@@ -44,7 +45,7 @@ class Slot:
     tainted: bool = False  # a context shift changed the KV under the cached tokens
     # A recurrent memory's states at some of the cached tokens' lengths (runner.engine.plan
     # Mark), oldest first: where a later prompt that keeps fewer of them goes back to.
-    checkpoints: list[tuple[int, bytes | bytearray]] = field(default_factory=list)
+    checkpoints: list[tuple[int, KVBytes]] = field(default_factory=list)
 
     def reusable(self, approximate: bool = False) -> list[int]:
         """The cached tokens a new request may keep: none once a context shift ran,
@@ -97,10 +98,9 @@ class Slot:
         """Only the checkpoints within the first `n` cached tokens still hold."""
         self.checkpoints = [c for c in self.checkpoints if c[0] <= n]
 
-    def checkpoint(self, n: int) -> "tuple[int, bytes | bytearray] | None":
+    def checkpoint(self, n: int) -> "tuple[int, KVBytes] | None":
         """The latest checkpoint at `n` tokens or fewer, if any."""
-        return max((c for c in self.checkpoints if c[0] <= n), key=lambda c: c[0],
-                   default=None)
+        return latest(self.checkpoints, n)
 
     def vacate(self, now: float) -> Sequence | None:
         """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""
