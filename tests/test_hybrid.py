@@ -198,3 +198,56 @@ def test_a_chat_resumed_after_an_unload_goes_back_to_its_checkpoint_on_disk(
         second.stop()
     assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
     same(out, fresh(engines[True], again, num_predict=12))
+
+
+def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
+    """The greedy answer as llama.cpp's own loop gives it: one context, one sequence, the
+    prompt in one batch, then a token at a time (what llama-server's slot does)."""
+    import llama_cpp as L
+
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    params = L.llama_context_default_params()
+    params.n_ctx, params.n_batch = 1024, 512
+    ctx = L.llama_init_from_model(model, params)
+    sampler = L.llama_sampler_init_greedy()
+    out: list[int] = []
+    try:
+        batch = prompt
+        for _ in range(n):
+            arr = (L.llama_token * len(batch))(*batch)
+            assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(batch))) == 0
+            out.append(L.llama_sampler_sample(sampler, ctx, -1))
+            batch = [out[-1]]
+    finally:
+        L.llama_sampler_free(sampler)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return out
+
+
+def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(
+        hybrid_gguf: Path, engines: dict[bool, Engine]) -> None:
+    engine = engines[True]
+    prompts = [engine.tokenize(text, add_special=True) for text in
+               (LONG, "Once upon a time there was a fox", "Mountains rise above the valley.")]
+    want = [llama_cpp_greedy(hybrid_gguf, p, 20) for p in prompts]
+    for spec in (True, False):
+        assert [list(fresh(engines[spec], p, num_predict=20)[1].stats.context[len(p):])
+                for p in prompts] == want
+        again = run(engines[spec], prompts[-1], num_predict=20)  # from its checkpoint
+        assert again[1].stats.prompt_eval_count == 1
+        assert list(again[1].stats.context[len(prompts[-1]):]) == want[-1]
+    two = Engine(str(hybrid_gguf), EngineConfig(n_slots=3, num_ctx=1024))
+    two.start()
+    try:
+        jobs = [two.submit(Job(prompt=p, params=SamplingParams(temperature=0),
+                               num_predict=20, ignore_eos=True)) for p in prompts]
+        done = []
+        for job in jobs:  # all three decode in one batch
+            while isinstance(event := job.events.get(timeout=300), Token):
+                pass
+            assert isinstance(event, Done), event
+            done.append(list(event.stats.context))
+    finally:
+        two.stop()
+    assert [d[len(p):] for d, p in zip(done, prompts)] == want
