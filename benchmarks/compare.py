@@ -131,6 +131,29 @@ def start_corral(slots: int, num_ctx: int, threads: int, **extra: str
     return url, proc
 
 
+def serve_gguf(gguf: Path, model: str, tmp: Path, **env: str
+               ) -> tuple[str, subprocess.Popen[bytes]]:
+    """A daemon over an empty store under `tmp`, with `gguf` created in it as `model`
+    (as a user's `create` from a file does); CORRAL_ settings from `env`."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=ROOT, env=dict(
+        os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(tmp / "models"),
+        CORRAL_KEEP_ALIVE="-1", **{f"CORRAL_{k}": v for k, v in env.items()}),
+        stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        import ollama
+
+        client = ollama.Client(host=url)
+        client.create(model=model, files={gguf.name: client.create_blob(gguf)})
+    except BaseException:
+        proc.terminate()
+        proc.wait(60)
+        raise
+    return url, proc
+
+
 def start_llama_server(binaries: Path, model: Path, slots: int, num_ctx: int, threads: int,
                        *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import random
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import free_port, start_llama_server, wait_healthy  # noqa: E402
+from compare import serve_gguf, start_llama_server  # noqa: E402
 
 from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
@@ -107,19 +106,8 @@ def _rounds(url: httpx.Client) -> dict[str, tuple[float, int, int]]:
 
 
 def corral(gguf: Path, tmp: Path, threads: int) -> dict[str, tuple[float, int, int]]:
-    port = free_port()
-    env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(tmp / "models"),
-               CORRAL_CONTEXT_LENGTH=str(NUM_CTX), CORRAL_KEEP_ALIVE="-1",
-               CORRAL_NUM_PARALLEL="1")
-    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=ROOT, env=env,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url, proc = serve_gguf(gguf, MODEL, tmp, CONTEXT_LENGTH=str(NUM_CTX), NUM_PARALLEL="1")
     try:
-        wait_healthy(url, proc)
-        import ollama
-
-        client = ollama.Client(host=url)
-        client.create(model=MODEL, files={gguf.name: client.create_blob(gguf)})
         httpx.post(url + "/api/generate", timeout=300, json={
             "model": MODEL, "options": {"num_thread": threads, "num_ctx": NUM_CTX}})
         return workloads(url)

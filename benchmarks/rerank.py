@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import free_port, wait_healthy  # noqa: E402
+from benchmarks.compare import free_port, serve_gguf, wait_healthy  # noqa: E402
 from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
 from corral.registry.starter import CHAT_NAME, starter_model_path  # noqa: E402
@@ -63,19 +63,9 @@ def timed(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
 
 
 def corral(gguf: Path, tmp: Path) -> tuple[float, list[float]]:
-    port = free_port()
-    env = dict(os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(tmp / "models"),
-               CORRAL_CONTEXT_LENGTH=str(NUM_CTX), CORRAL_KEEP_ALIVE="-1")
-    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=ROOT, env=env,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    # The runner takes the daemon's share of the cores (the physical ones, alone).
+    url, proc = serve_gguf(gguf, MODEL, tmp, CONTEXT_LENGTH=str(NUM_CTX))
     try:
-        wait_healthy(url, proc)
-        import ollama
-
-        client = ollama.Client(host=url)
-        # The runner takes the daemon's share of the cores (the physical ones, alone).
-        client.create(model=MODEL, files={gguf.name: client.create_blob(gguf)})
         return timed(url + "/v1/rerank", {"model": MODEL, "query": QUERY,
                                           "documents": documents()})
     finally:

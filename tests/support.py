@@ -148,3 +148,52 @@ def stand_in_runner(tmp_path: Path, action: str) -> tuple[Path, Path]:
                                       action=action))
     script.chmod(0o755)
     return script, marker
+
+
+def llama_greedy(model: Any, prompt: list[int], n: int, stop: Callable[[int], bool] | None = None
+                 ) -> list[int]:
+    """The greedy answer as llama.cpp's own loop gives it (what llama-server's slot does):
+    one context of one sequence, the prompt in one batch, then a token at a time, up to
+    `n`, or before the first token `stop` names."""
+    import llama_cpp as L
+
+    params = L.llama_context_default_params()
+    params.n_ctx, params.n_batch = 1024, 512
+    ctx = L.llama_init_from_model(model, params)
+    sampler = L.llama_sampler_init_greedy()
+    out: list[int] = []
+    try:
+        batch = prompt
+        for _ in range(n):
+            arr = (L.llama_token * len(batch))(*batch)
+            assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(batch))) == 0
+            token = L.llama_sampler_sample(sampler, ctx, -1)
+            if stop is not None and stop(token):
+                break
+            out.append(token)
+            batch = [token]
+    finally:
+        L.llama_sampler_free(sampler)
+        L.llama_free(ctx)
+    return out
+
+
+def same_output(a: tuple[list[Any], Any], b: tuple[list[Any], Any]) -> None:
+    """Two runs' (tokens, Done) are one output: text, logprobs (a step's kept drafts come
+    as one event: the same tokens' logprobs, grouped by step), end and counts."""
+    assert "".join(t.text for t in a[0]) == "".join(t.text for t in b[0])
+    assert [lp for t in a[0] for lp in t.logprobs] == [lp for t in b[0] for lp in t.logprobs]
+    assert a[1].stats.done_reason == b[1].stats.done_reason
+    assert a[1].stats.eval_count == b[1].stats.eval_count
+    assert a[1].stats.context == b[1].stats.context
+
+
+def collect(job: Any, timeout: float = 300) -> tuple[list[Any], Any]:
+    """A submitted job's Token events and its Done (each waited for at most `timeout`)."""
+    from corral.runner.jobs import Done, Token
+
+    tokens = []
+    while isinstance(event := job.events.get(timeout=timeout), Token):
+        tokens.append(event)
+    assert isinstance(event, Done), event
+    return tokens, event

@@ -18,6 +18,7 @@ import pytest
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, RS_SEQ, EngineConfig, snapshot_planes
+from tests.support import collect, llama_greedy, same_output
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
 # rollback that left the state wrong, the choices and their logprobs would change.
@@ -46,19 +47,11 @@ def engines(hybrid_gguf: Path) -> Iterator[dict[bool, Engine]]:
 
 
 def run(engine: Engine, prompt: list[int], **job: Any) -> tuple[list[Token], Done]:
-    done = engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
-                             logprobs=2, ignore_eos=True, **job))
-    tokens = []
-    while isinstance(event := done.events.get(timeout=300), Token):
-        tokens.append(event)
-    assert isinstance(event, Done), event
-    return tokens, event
+    return collect(engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
+                                     logprobs=2, ignore_eos=True, **job)))
 
 
-def same(a: tuple[list[Token], Done], b: tuple[list[Token], Done]) -> None:
-    assert "".join(t.text for t in a[0]) == "".join(t.text for t in b[0])
-    assert [lp for t in a[0] for lp in t.logprobs] == [lp for t in b[0] for lp in t.logprobs]
-    assert a[1].stats.context == b[1].stats.context
+same = same_output
 
 
 def test_a_hybrid_memory_keeps_states_for_drafts_only_with_speculation_on(
@@ -201,28 +194,13 @@ def test_a_chat_resumed_after_an_unload_goes_back_to_its_checkpoint_on_disk(
 
 
 def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
-    """The greedy answer as llama.cpp's own loop gives it: one context, one sequence, the
-    prompt in one batch, then a token at a time (what llama-server's slot does)."""
     import llama_cpp as L
 
     model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
-    params = L.llama_context_default_params()
-    params.n_ctx, params.n_batch = 1024, 512
-    ctx = L.llama_init_from_model(model, params)
-    sampler = L.llama_sampler_init_greedy()
-    out: list[int] = []
     try:
-        batch = prompt
-        for _ in range(n):
-            arr = (L.llama_token * len(batch))(*batch)
-            assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(batch))) == 0
-            out.append(L.llama_sampler_sample(sampler, ctx, -1))
-            batch = [out[-1]]
+        return llama_greedy(model, prompt, n)
     finally:
-        L.llama_sampler_free(sampler)
-        L.llama_free(ctx)
         L.llama_model_free(model)
-    return out
 
 
 def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(

@@ -23,6 +23,7 @@ from corral.runner.llama import native
 from corral.runner.fim import FimTokens, Infill, infill_tokens
 from corral.server.daemon import Daemon
 from tests.fim_model import write_fim_gguf
+from tests.support import llama_greedy
 
 pytestmark = pytest.mark.model
 
@@ -81,25 +82,8 @@ class Vocab:
         return native.tokenize(self.vocab, text, False, False)
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        params = L.llama_context_default_params()
-        params.n_ctx, params.n_batch = 1024, 512
-        ctx = L.llama_init_from_model(self.model, params)
-        sampler = L.llama_sampler_init_greedy()
-        out: list[int] = []
-        try:
-            batch = prompt
-            for _ in range(n):
-                arr = (L.llama_token * len(batch))(*batch)
-                assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(batch))) == 0
-                token = L.llama_sampler_sample(sampler, ctx, -1)
-                if L.llama_vocab_is_eog(self.vocab, token):
-                    break
-                out.append(token)
-                batch = [token]
-        finally:
-            L.llama_sampler_free(sampler)
-            L.llama_free(ctx)
-        return out
+        return llama_greedy(self.model, prompt, n,
+                            lambda token: bool(L.llama_vocab_is_eog(self.vocab, token)))
 
     def text(self, tokens: list[int]) -> str:
         return b"".join(native.token_bytes(self.vocab, t) for t in tokens).decode()

@@ -16,6 +16,7 @@ from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import EngineConfig
 from corral.runner.slots.slot import SlotState
 from corral.runner.speculative.ngram import History, NgramIndex
+from tests.support import collect, same_output
 
 CODE = '''class Account:
     def __init__(self, balance, rate):
@@ -49,22 +50,12 @@ def engines(starter_gguf: Path) -> Iterator[dict[bool, Engine]]:
 
 def run(engine: Engine, prompt: str, **job: Any) -> tuple[list[Token], Done]:
     params = job.pop("params", SamplingParams(temperature=0, seed=1))
-    done = engine.submit(Job(prompt=engine.tokenize(prompt, add_special=True), params=params,
-                             num_predict=job.pop("num_predict", N), **job))
-    tokens = []
-    while isinstance(event := done.events.get(timeout=300), Token):
-        tokens.append(event)
-    assert isinstance(event, Done), event
-    return tokens, event
+    return collect(engine.submit(Job(prompt=engine.tokenize(prompt, add_special=True),
+                                     params=params, num_predict=job.pop("num_predict", N),
+                                     **job)))
 
 
-def same(a: tuple[list[Token], Done], b: tuple[list[Token], Done]) -> None:
-    assert "".join(t.text for t in a[0]) == "".join(t.text for t in b[0])
-    # a step's kept drafts come as one event: the same tokens' logprobs, grouped by step
-    assert [lp for t in a[0] for lp in t.logprobs] == [lp for t in b[0] for lp in t.logprobs]
-    assert a[1].stats.done_reason == b[1].stats.done_reason
-    assert a[1].stats.eval_count == b[1].stats.eval_count
-    assert a[1].stats.context == b[1].stats.context
+same = same_output
 
 
 @pytest.mark.parametrize("prompt", [REPETITIVE, FREE], ids=["repetitive", "free"])
