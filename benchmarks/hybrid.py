@@ -11,7 +11,9 @@ chat starter's vocabulary and ChatML template), one slot each, greedy, through
 - regenerate: the same messages again;
 - edit the last message;
 - the next turn of the chat;
-- back to it after another chat took the one slot, a turn further.
+- back to it after another chat took the one slot, a turn further;
+- that chat a turn further again after an unload (Corral with its disk tier on; a new
+  llama-server, which keeps no prompt cache on disk by itself).
 
 Times are wall-clock medians of ROUNDS, and the tokens each server read
 (`usage.prompt_tokens` less what it says it reused). Prints the table and appends it to
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -80,14 +83,23 @@ def ask(client: httpx.Client, messages: list[dict[str, str]]) -> tuple[float, in
     return seconds, usage["prompt_tokens"], cached
 
 
-def workloads(url: str) -> dict[str, tuple[float, int, int]]:
-    """Each workload's median time, its prompt tokens and those reused (the last round's)."""
+def workloads(url: str, restart: Callable[[], str]) -> dict[str, tuple[float, int, int]]:
+    """Each workload's median time, its prompt tokens and those reused (the last round's);
+    then the last chat a turn further once more, after `restart` (an unload and a load,
+    or a new server) gave the URL to ask."""
     with httpx.Client(base_url=url) as client:
-        return _rounds(client)
+        out, last = _rounds(client)
+    resumed = last + [{"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "and after that?"}]
+    with httpx.Client(base_url=restart()) as client:
+        out["resumed after an unload"] = ask(client, resumed)
+    return out
 
 
-def _rounds(url: httpx.Client) -> dict[str, tuple[float, int, int]]:
+def _rounds(url: httpx.Client) -> tuple[dict[str, tuple[float, int, int]],
+                                        list[dict[str, str]]]:
     out: dict[str, list[tuple[float, int, int]]] = {}
+    back: list[dict[str, str]] = []
     for r in range(ROUNDS):
         a, b = chat(100 + r, 5), chat(200 + r, 5)
         out.setdefault("a new chat", []).append(ask(url, a))  # the slot holds it after
@@ -102,27 +114,53 @@ def _rounds(url: httpx.Client) -> dict[str, tuple[float, int, int]]:
                            {"role": "user", "content": "and then?"}]
         out.setdefault("back to the first chat", []).append(ask(url, back))
     return {k: (statistics.median(x[0] for x in v), v[-1][1], v[-1][2])
-            for k, v in out.items()}
+            for k, v in out.items()}, back
 
 
 def corral(gguf: Path, tmp: Path, threads: int) -> dict[str, tuple[float, int, int]]:
-    url, proc = serve_gguf(gguf, MODEL, tmp, CONTEXT_LENGTH=str(NUM_CTX), NUM_PARALLEL="1")
+    """One slot, and the disk tier on: an unload writes the slot and RAM cache there."""
+    url, proc = serve_gguf(gguf, MODEL, tmp, CONTEXT_LENGTH=str(NUM_CTX), NUM_PARALLEL="1",
+                           CACHE_DISK="2GiB")
+    load = {"model": MODEL, "options": {"num_thread": threads, "num_ctx": NUM_CTX}}
+
+    def unload_and_load() -> str:
+        httpx.post(url + "/api/generate", timeout=300, json={"model": MODEL, "keep_alive": 0})
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/api/ps", timeout=30).json()["models"]:
+            if time.monotonic() > deadline:
+                raise SystemExit("Error: the model did not unload within 120 s")
+            time.sleep(0.1)
+        httpx.post(url + "/api/generate", timeout=300, json=load)
+        return url
+
     try:
-        httpx.post(url + "/api/generate", timeout=300, json={
-            "model": MODEL, "options": {"num_thread": threads, "num_ctx": NUM_CTX}})
-        return workloads(url)
+        httpx.post(url + "/api/generate", timeout=300, json=load)
+        return workloads(url, unload_and_load)
     finally:
         proc.terminate()
         proc.wait(60)
 
 
 def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[float, int, int]]:
-    url, proc = start_llama_server(binaries, gguf, 1, NUM_CTX, threads, "--jinja")
+    """With its defaults; "resumed" is a new server (it keeps no prompt cache on disk
+    unless a client saves and restores slots by hand)."""
+    procs = []
+
+    def start() -> str:
+        url, proc = start_llama_server(binaries, gguf, 1, NUM_CTX, threads, "--jinja")
+        procs.append(proc)
+        return url
+
+    def restart() -> str:
+        procs[-1].terminate()
+        procs[-1].wait(60)
+        return start()
+
     try:
-        return workloads(url)
+        return workloads(start(), restart)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        procs[-1].terminate()
+        procs[-1].wait(60)
 
 
 def main() -> None:
