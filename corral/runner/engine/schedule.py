@@ -3,14 +3,16 @@ execute and postprocess to finish (schedule -> run -> postprocess; runner.engine
 the loop).
 
 In order: cancelled requests end; a parked infill run joins its slot, or goes
-(runner.engine.parking); the
-placer (runner.engine.placer) admits waiting sequences onto idle slots, each with the
-ops that put its prefix there (kept, branched from another slot or restored from the
-prompt cache: runner.engine.kvplan); slots at num_ctx shift their context or end;
+(runner.engine.parking); the placer (runner.engine.placer) admits waiting sequences onto
+idle slots, each with the ops that put its prefix there (kept, branched from another
+slot or restored from the prompt cache: runner.engine.kvplan); slots at num_ctx shift
+their context or end; on a recurrent memory, prefilling slots have their state read
+where a later prompt is likely to go back to (checkpoints: `_marks`, `_stops`);
 runner.engine.batchplan chooses the batch, with the drafts speculation made for the
-decoding slots after the step before (runner.speculative.speculation); a KV pool that would overflow
-goes without the drafts, then drops idle caches, then preempts (runner.engine.kvpool);
-and one slice of a waiting image is chosen if the pool holds it too.
+decoding slots after the step before (runner.speculative.speculation); a KV pool that
+would overflow goes without the drafts, then drops idle caches, then preempts
+(runner.engine.kvpool); and one slice of a waiting image is chosen if the pool holds it
+too.
 
 Pure: it updates Python bookkeeping as each decision is made (slots' and sequences'
 state machines, what each slot caches, the placer's queue, the pool's counters), so
