@@ -229,3 +229,23 @@ def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(
     finally:
         two.stop()
     assert [d[len(p):] for d, p in zip(done, prompts)] == want
+
+
+def test_a_restored_slot_keeps_the_entrys_checkpoints_not_its_own(
+        cached: Engine, engines: dict[bool, Engine]) -> None:
+    """A slot that held a short chat gets a long one back from the RAM cache: the short
+    chat's checkpoints are not the long one's, so a prompt sharing less of the long chat
+    than its own checkpoint reads everything again, rather than going back to a state of
+    the other chat."""
+    long = cached.tokenize(LONG, add_special=True)
+    short = cached.tokenize("Mountains rise above the valley, and rivers run below.",
+                            add_special=True)
+    assert len(short) < 40 < len(long) - 1
+    tokens = list(run(cached, long, num_predict=16)[1].stats.context)
+    run(cached, short, num_predict=16)  # a checkpoint one token before its prompt's end
+    back = run(cached, tokens[:-3] + [tokens[-1]], num_predict=4)  # from RAM
+    assert back[1].stats.prompt_eval_count < len(tokens) - len(long)
+    shorter = tokens[:40] + cached.tokenize(" and then", add_special=False)
+    out = run(cached, shorter, num_predict=12)
+    assert out[1].stats.prompt_eval_count == len(shorter)
+    same(out, fresh(engines[True], shorter, num_predict=12))

@@ -130,6 +130,11 @@ class Schedule:
         kept = n_prefix > 0 or park is not None
         shifted = (slot.tainted or moved) and kept and p.source in (Source.NONE, Source.REUSE)
         slot.assign(seq, tokens[:n_prefix], shifted=shifted)
+        if p.source not in (Source.NONE, Source.REUSE):  # another sequence's state now:
+            # the checkpoints are the entry's, where they hold (the slot's own went)
+            held = p.entry.checkpoints if p.entry is not None else p.checkpoints
+            slot.checkpoints = [c for c in held if c[0] <= n_prefix] \
+                if p.source is Source.RESTORE else []
         if new:  # its sampler is run's to make (runner.engine.run)
             seq.start(generation_limit(job, len(tokens), self.num_ctx), tokens, n_prefix, now)
             if self.spec is not None:
