@@ -105,13 +105,16 @@ def test_errors_in_anthropics_shape(daemon: Daemon) -> None:  # noqa: F811
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
     # Thinking asked of a model that cannot think: this route drops it (Claude Code asks
-    # every model to think), where Ollama's own route refuses it.
+    # every model to think), where Ollama's own route refuses it. It loads the model:
+    # httpx's 5 s default is too short on a busy machine (a clean clone's CI with a
+    # second suite beside it timed out here).
     r = httpx.post(daemon.url + "/v1/messages", json={
         "model": "smollm2:135m", "messages": ASK, "max_tokens": 5,
-        "thinking": {"type": "enabled", "budget_tokens": 100}})
+        "thinking": {"type": "enabled", "budget_tokens": 100}}, timeout=300)
     assert r.status_code == 200 and "thinking" not in [b["type"] for b in r.json()["content"]]
     r = httpx.post(daemon.url + "/api/chat", json={
-        "model": "smollm2:135m", "messages": ASK, "think": True, "stream": False})
+        "model": "smollm2:135m", "messages": ASK, "think": True, "stream": False},
+        timeout=300)
     assert r.status_code == 400 and "does not support thinking" in r.json()["error"]
 
 

@@ -168,7 +168,7 @@ def test_openai_completions_embeddings_models(oai: openai.OpenAI) -> None:
 def test_openai_base64_is_little_endian_float32(daemon: Daemon) -> None:
     import httpx
 
-    resp = httpx.post(daemon.url + "/v1/embeddings",
+    resp = httpx.post(daemon.url + "/v1/embeddings", timeout=300,  # it may load the model
                       json={"model": MODEL, "input": "a", "encoding_format": "base64"})
     raw = base64.b64decode(resp.json()["data"][0]["embedding"])
     values = struct.unpack(f"<{len(raw) // 4}f", raw)
