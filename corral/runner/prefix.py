@@ -16,11 +16,6 @@ KVBytes = Union[bytes, bytearray]
 # them), oldest first (runner.engine.plan Mark)
 Checkpoints = tuple[tuple[int, KVBytes], ...]
 
-
-def latest(checkpoints: Seq[tuple[int, KVBytes]], n: int) -> tuple[int, KVBytes] | None:
-    """The latest checkpoint at `n` tokens or fewer, if any."""
-    return max((c for c in checkpoints if c[0] <= n), key=lambda c: c[0], default=None)
-
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix
 
 

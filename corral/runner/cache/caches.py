@@ -59,7 +59,7 @@ class PrefixCaches:
             self.disk is not None and self.ram.budget == 0)
 
     def save(self, tokens: Sequence[int], data: KVBytes,
-             checkpoints: tuple[tuple[int, KVBytes], ...] = ()) -> None:
+             checkpoints: Checkpoints = ()) -> None:
         """A state into RAM, with its checkpoints (a recurrent memory's; the disk tier
         keeps the whole state only)."""
         if not self.ram.add(tokens, data, checkpoints) and self.disk is not None \

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from corral.runner.prefix import KVBytes, common_prefix
+from corral.runner.prefix import Checkpoints, KVBytes, common_prefix
 
 # Shorter prefixes are cheaper to prefill than to copy in and out of llama.cpp.
 MIN_TOKENS = 32
@@ -40,7 +40,7 @@ class Entry:
     used: int = 0  # the cache's clock at its last save or restore
     # A recurrent memory's checkpoints of its slot (Slot.checkpoints): where a prompt that
     # keeps fewer of the tokens goes back to, its state cut there
-    checkpoints: tuple[tuple[int, KVBytes], ...] = ()
+    checkpoints: Checkpoints = ()
 
     @property
     def size(self) -> int:
@@ -91,7 +91,7 @@ class PromptCache:
         return self.budget > 0 and len(tokens) >= self.min_tokens and not self.covers(tokens)
 
     def add(self, tokens: Sequence[int], data: KVBytes,
-            checkpoints: tuple[tuple[int, KVBytes], ...] = ()) -> Entry | None:
+            checkpoints: Checkpoints = ()) -> Entry | None:
         """Keep a state (and its checkpoints); None when it cannot fit or is held already."""
         key = tuple(tokens)
         if not data or len(data) > self.budget or not self.worth_saving(key):

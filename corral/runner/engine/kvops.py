@@ -53,9 +53,8 @@ class KVOps:
             # With snapshots for drafts (n_rs_seq) llama.cpp would take back any of the
             # last few positions, from states only a draft's ubatch wrote: only a
             # draft's trim is asked of it.
-            cut = op.draft or self.can_cut or \
-                op.n_prefix > L.llama_memory_seq_pos_max(mem, seq)
-            if not (cut and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
+            if not ((op.draft or self._cuts(seq, op.n_prefix))
+                    and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
                 self._fail(seq)
         elif isinstance(op, Rewind):  # the state first: the cut then leaves it alone
             if not (kvbytes.put_partial(self.ctx, op.data, seq)
@@ -110,12 +109,15 @@ class KVOps:
         memory cuts; on a recurrent one, back at a checkpoint of the entry (put back
         first), or where nothing is cut (llama.cpp's snapshots of the last ubatch would
         take a few positions back from states no draft of this sequence wrote)."""
-        if self.can_cut:
-            return True
         checkpoint = op.checkpoint if isinstance(op, Restore) else None
-        if checkpoint is not None:
+        if checkpoint is not None and not self.can_cut:
             return kvbytes.put_partial(self.ctx, checkpoint, op.seq_id)
-        return op.cut > L.llama_memory_seq_pos_max(self.mem, op.seq_id)
+        return self._cuts(op.seq_id, op.cut)
+
+    def _cuts(self, seq: int, at: int) -> bool:
+        """Whether the sequence may be cut at `at`: anywhere where the memory cuts; on a
+        recurrent one only where nothing goes."""
+        return self.can_cut or at > L.llama_memory_seq_pos_max(self.mem, seq)
 
     def _fail(self, seq: int) -> None:
         L.llama_memory_seq_rm(self.mem, seq, -1, -1)

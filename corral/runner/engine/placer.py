@@ -38,7 +38,7 @@ from corral.runner.engine.admission import align_prefix, fit_prompt
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.cache.diskread import DiskReads, Fetched
 from corral.runner.cache.promptcache import Entry
-from corral.runner.prefix import Checkpoints, common_prefix
+from corral.runner.prefix import Checkpoints, KVBytes, common_prefix
 from corral.runner.slots.sequence import SeqState
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -173,12 +173,9 @@ class Placer:
         shifted = seq.job.reuse_chunk > 0
         reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
                               for s in idle), key=lambda c: (c[0], c[1]))
-        reuse, checkpoint = usable(reuse), None
-        if not self.can_cut and reuse < len(slot.reusable(shifted)):
-            checkpoint = slot.checkpoint(reuse)
-            reuse = checkpoint[0] if checkpoint is not None else 0
+        reuse, back = self._back(slot.reusable(shifted), slot.checkpoints, usable(reuse))
         best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE,
-                         checkpoint=checkpoint[1] if checkpoint is not None else None)
+                         checkpoint=back)
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
         # The slot a copy goes to: the one whose own cache is worth least.
         target = min(idle, key=lambda s: (len(s.reusable()), s.last_used))
@@ -199,35 +196,38 @@ class Placer:
         read = self._fetched.get(id(seq))
         hit = self.caches.lookup(tokens, disk=read is None and self.reads is not None
                                  and self.reads.open)
-        found: tuple[Seq[int], Checkpoints, Seq[int]] | None = \
-            (hit.entry.tokens, hit.entry.checkpoints, [c[0] for c in hit.entry.checkpoints]) \
-            if hit.entry is not None else \
-            (hit.disk.tokens, (), hit.disk.marks) if hit.disk is not None else None
-        if found is not None:  # a disk entry's checkpoints come with its read
-            held, checkpoints, marks = found
-            n = self._restorable(held, marks, usable(hit.n))
+        if hit.entry is not None or hit.disk is not None:
+            if hit.entry is not None:
+                n, back = self._back(hit.entry.tokens, hit.entry.checkpoints, usable(hit.n))
+            else:  # a disk entry's checkpoints come with its read: where they are, now
+                assert hit.disk is not None
+                n, back = self._restorable(hit.disk.tokens, hit.disk.marks, usable(hit.n)), None
             if n >= best.n_prefix + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.RESTORE, entry=hit.entry,
-                                 disk=hit.disk, checkpoint=dict(checkpoints).get(n)
-                                 if n < len(held) else None)
+                                 disk=hit.disk, checkpoint=back)
         if read is not None and read.data is not None:
             held = read.entry.tokens
-            n = self._restorable(held, [c[0] for c in read.checkpoints],
-                                 usable(common_prefix(held, tokens)))
+            n, back = self._back(held, read.checkpoints, usable(common_prefix(held, tokens)))
             if n >= best.n_prefix + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.RESTORE, disk=read.entry,
                                  data=read.data, checkpoints=read.checkpoints,
-                                 checkpoint=dict(read.checkpoints).get(n)
-                                 if n < len(held) else None)
+                                 checkpoint=back)
         return best
 
     def _restorable(self, held: Seq[int], marks: Seq[int], n: int) -> int:
-        """How much of a cache entry holding `held` a placement keeps: all `n` of it
-        where the memory cuts anywhere; on a recurrent one the whole entry, or its latest
-        checkpoint (`marks`) within `n`, else nothing."""
+        """How much of a state holding `held` (a slot's, a cache entry's) a placement
+        keeps: all `n` of it where the memory cuts anywhere; on a recurrent one the whole
+        state, or its latest checkpoint (`marks`) within `n`, else nothing."""
         if self.can_cut or n >= len(held):
             return n
         return max((m for m in marks if m <= n), default=0)
+
+    def _back(self, held: Seq[int], checkpoints: Seq[tuple[int, KVBytes]], n: int
+              ) -> tuple[int, KVBytes | None]:
+        """`_restorable` of a state with its `checkpoints`, and the one it goes back to
+        for that (None: nothing is cut)."""
+        n = self._restorable(held, [m for m, _ in checkpoints], n)
+        return n, dict(checkpoints).get(n) if n < len(held) else None
 
     @staticmethod
     def _worth_holding(tokens: list[int], busy: list[Slot], have: int) -> bool:

@@ -39,7 +39,7 @@ class Save:
 
     seq_id: int
     tokens: list[int]
-    checkpoints: tuple[tuple[int, KVBytes], ...] = ()
+    checkpoints: Checkpoints = ()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from corral.runner.jobs import Job, position
-from corral.runner.prefix import KVBytes, latest
+from corral.runner.prefix import KVBytes
 from corral.runner.slots.sequence import Sequence
 
 
@@ -97,10 +97,6 @@ class Slot:
     def keep_checkpoints(self, n: int) -> None:
         """Only the checkpoints within the first `n` cached tokens still hold."""
         self.checkpoints = [c for c in self.checkpoints if c[0] <= n]
-
-    def checkpoint(self, n: int) -> "tuple[int, KVBytes] | None":
-        """The latest checkpoint at `n` tokens or fewer, if any."""
-        return latest(self.checkpoints, n)
 
     def vacate(self, now: float) -> Sequence | None:
         """Back to IDLE, keeping the cached KV for prefix reuse; returns the sequence."""

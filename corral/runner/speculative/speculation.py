@@ -72,7 +72,7 @@ class Speculation:
         self._made.clear()
         self._unverified.clear()
         even = self._split = ask.even or self.undo is not None
-        decided = self._decide(ask)
+        decided = self._decide(ask, even)
         if self.model is not None:
             self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
         made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
@@ -84,13 +84,13 @@ class Speculation:
             elif tokens:  # made, not verified: its first token is scored by the next one
                 self._unverified[id(history)] = (len(history.tokens), tokens[0], c.policy)
 
-    def _decide(self, ask: Ask) -> dict[int, tuple[Candidate, int]]:
+    def _decide(self, ask: Ask, even: bool) -> dict[int, tuple[Candidate, int]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
         each. The n-gram index's drafts cost a lookup, so they are made whole and cut
         after (`_cut`, `_even`). A draft model's cost a row of its batch each, so a
         candidate whose draft would not pay for its rows gets one token (and where
-        per-slot streams must all pay and some do not, every one gets one): a draft made
+        `even` sequences must all pay and some do not, every one gets one): a draft made
         and not verified still tells its odds by the next token, so a sequence whose
         first drafts missed, or that a busy moment priced out, is seen to be copying
         once it is, and drafts again."""
@@ -104,7 +104,7 @@ class Speculation:
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
                 out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
-        if (ask.even or self.undo is not None) and not look and any(
+        if even and not look and any(
                 not self._pays(c.policy, len(cands), n) for c, n in out.values()):
             return {seq: (c, 1) for seq, (c, _) in out.items()}
         return out
