@@ -18,6 +18,7 @@ import pytest
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, RS_SEQ, EngineConfig, snapshot_planes
+from corral.runner.prefix import Cuts
 from tests.support import collect, llama_greedy, same_output
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
@@ -57,13 +58,14 @@ same = same_output
 def test_a_hybrid_memory_keeps_states_for_drafts_only_with_speculation_on(
         engines: dict[bool, Engine]) -> None:
     on, off = engines[True].llama, engines[False].llama
-    assert on.recurrent and not on.can_cut and on.state_bytes > 0
+    assert on.recurrent and on.cuts == Cuts(0) and on.state_bytes > 0
     assert on.undo == RS_SEQ and on.can_rollback and engines[True].spec is not None
     # the slot and a scratch sequence keep RS_SEQ states each; the slot its checkpoints
     assert on.checkpoints == off.checkpoints == CHECKPOINTS
-    assert on.snapshot_bytes() == on.state_bytes * (RS_SEQ * 2 + CHECKPOINTS)
+    assert on.snapshot_bytes() == on.state_bytes * RS_SEQ * 2
+    assert on.checkpoint_bytes() == off.checkpoint_bytes() == on.state_bytes * CHECKPOINTS
     assert off.undo == 0 and not off.can_rollback and engines[False].spec is None
-    assert off.snapshot_bytes() == off.state_bytes * CHECKPOINTS
+    assert off.snapshot_bytes() == 0
 
 
 def test_snapshots_take_at_most_a_tenth_of_the_weights() -> None:

@@ -7,14 +7,33 @@ the KV moves (runner.kv.kvbytes) name the bytes they make without importing it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence as Seq, Union
 
 # A sequence's KV as bytes: what llama.cpp wrote (runner.kv.kvbytes: a bytearray, written in
 # place and never changed after) or what was read back from disk (bytes).
 KVBytes = Union[bytes, bytearray]
-# A recurrent memory's checkpoints of a sequence: (tokens, the recurrent state read after
-# them), oldest first (runner.engine.plan Mark)
+# A sequence's checkpoints, where its memory cannot be cut back (Cuts): (tokens, the part
+# of its state no cut reaches, read after them: a recurrent state, a sliding window's KV),
+# oldest first (runner.engine.plan Mark)
 Checkpoints = tuple[tuple[int, KVBytes], ...]
+
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a sequence's memory can be cut back, for a prompt that keeps fewer of its
+    tokens: at any position while it holds fewer than `below` tokens, else only back at
+    a checkpoint (runner.engine.plan Rewind) or where nothing goes. `below` None: always
+    (attention, every position's KV kept); 0: never (a recurrent state has no positions);
+    a sliding window's size, for a window cache of that size (runner.llama.context),
+    which overwrites the KV of positions that left every query's window."""
+
+    below: int | None = None
+
+    def anywhere(self, held: int) -> bool:
+        return self.below is None or held < self.below
+
 
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix
 

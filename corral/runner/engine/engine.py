@@ -109,7 +109,7 @@ class Engine:
         self.caches = caches or caches_for(model_path, config)  # or a test's
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader),
-            llama.can_cut)
+            llama.cuts)
         # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
         # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
         # is freed. With the snapshots, drafts are at most `undo` tokens.
@@ -118,7 +118,8 @@ class Engine:
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, self.spec, checkpoints=llama.checkpoints > 0)
+                                 llama.scratch, self.spec, checkpoints=llama.checkpoints > 0,
+                                 cuts=llama.cuts)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
@@ -212,14 +213,18 @@ class Engine:
     def kv_held(self, kv_cap: int) -> int:
         """Bytes of KV committed now, `kv_cap` being the load's estimate of it at the cap:
         the serving context's KV pages in memory (the cells written), or where ggml's
-        clear committed them all, its share of the estimate by cells; and the reserve's
-        (runner.kv.growth)."""
+        clear committed them all, its share of the estimate by cells; the reserve's
+        (runner.kv.growth); and the slots' checkpoints (host memory, read as prompts ran)."""
         ctx = self.llama.ctx  # read once: the engine thread may move to another meanwhile
         current = self.llama.kv_committed(ctx)
         if current is None:
             cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
             current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
-        return self.resizer.kv_held(current, ctx) if self.resizer is not None else current
+        if self.resizer is not None:
+            current = self.resizer.kv_held(current, ctx)
+        # each slot's list is replaced, never changed in place, so reading it here is safe
+        return current + sum(len(data) for slot in list(self.slots)
+                             for _, data in slot.checkpoints)
 
     def clear_cache(self) -> None:
         """Drop the prompt cache's RAM (memory is wanted for another model)."""

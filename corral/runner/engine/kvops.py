@@ -13,7 +13,7 @@ from corral.runner.engine.admission import align_prefix
 from corral.runner.engine.plan import (Branch, Drop, Join, KVOp, Mark, Move, Park, Restore,
                                        Rewind, Save, Shift, Trim)
 from corral.runner.kv import kvbytes
-from corral.runner.prefix import KVBytes
+from corral.runner.prefix import Cuts, KVBytes
 from corral.runner.slots.slot import Slot, SlotState
 
 
@@ -25,11 +25,11 @@ class KVOps:
     slot read it once."""
 
     def __init__(self, ctx: Any, mem: Any, caches: PrefixCaches, streams: int,
-                 can_cut: bool = True, checkpoints: int = 0) -> None:
-        """`can_cut`: the memory takes a partial removal at any position (not a
-        recurrent one, runner.llama.context); `checkpoints`: how many a slot keeps."""
+                 cuts: Cuts = Cuts(), checkpoints: int = 0) -> None:
+        """`cuts`: where the memory takes a partial removal (runner.llama.context);
+        `checkpoints`: how many a slot keeps."""
         self.ctx, self.mem, self.caches, self.streams = ctx, mem, caches, streams
-        self.can_cut, self.checkpoints = can_cut, checkpoints
+        self.cuts, self.checkpoints = cuts, checkpoints
         self.failed: set[int] = set()
         self._donors: dict[int, KVBytes] = {}
 
@@ -51,8 +51,9 @@ class KVOps:
         elif isinstance(op, Trim):
             # A partial removal fails on memories that cannot roll back (recurrent models).
             # With snapshots for drafts (n_rs_seq) llama.cpp would take back any of the
-            # last few positions, from states only a draft's ubatch wrote: only a
-            # draft's trim is asked of it.
+            # last few positions, from states only a draft's ubatch wrote, and a window
+            # cache would keep cells that miss KV it overwrote: past a draft, only a cut
+            # such a memory can make is asked of it.
             if not ((op.draft or self._cuts(seq, op.n_prefix))
                     and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
                 self._fail(seq)
@@ -105,19 +106,21 @@ class KVOps:
         self.caches.refused(op.entry if isinstance(op, Restore) else None)
 
     def _cut_to(self, op: Restore | Branch) -> bool:
-        """Whether a filled sequence may be cut where the op says: anywhere where the
-        memory cuts; on a recurrent one, back at a checkpoint of the entry (put back
-        first), or where nothing is cut (llama.cpp's snapshots of the last ubatch would
-        take a few positions back from states no draft of this sequence wrote)."""
+        """Whether a filled sequence may be cut where the op says: back at a checkpoint
+        of the entry (put back first, where the placer chose one: the memory cannot be
+        cut there otherwise), else as `_cuts` says."""
         checkpoint = op.checkpoint if isinstance(op, Restore) else None
-        if checkpoint is not None and not self.can_cut:
+        if checkpoint is not None:
             return kvbytes.put_partial(self.ctx, checkpoint, op.seq_id)
         return self._cuts(op.seq_id, op.cut)
 
     def _cuts(self, seq: int, at: int) -> bool:
-        """Whether the sequence may be cut at `at`: anywhere where the memory cuts; on a
-        recurrent one only where nothing goes."""
-        return self.can_cut or at > L.llama_memory_seq_pos_max(self.mem, seq)
+        """Whether the sequence may be cut at `at`: anywhere while its memory can be cut
+        anywhere (Cuts, by the tokens it holds), else only where nothing goes (llama.cpp's
+        snapshots of the last ubatch would take a few positions back from states no
+        draft of this sequence wrote)."""
+        last = L.llama_memory_seq_pos_max(self.mem, seq)
+        return self.cuts.anywhere(last + 1) or at > last
 
     def _fail(self, seq: int) -> None:
         L.llama_memory_seq_rm(self.mem, seq, -1, -1)

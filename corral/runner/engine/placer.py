@@ -38,7 +38,7 @@ from corral.runner.engine.admission import align_prefix, fit_prompt
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.cache.diskread import DiskReads, Fetched
 from corral.runner.cache.promptcache import Entry
-from corral.runner.prefix import Checkpoints, KVBytes, common_prefix
+from corral.runner.prefix import Checkpoints, Cuts, KVBytes, common_prefix
 from corral.runner.slots.sequence import SeqState
 from corral.runner.slots.slot import Slot, SlotState
 
@@ -72,8 +72,9 @@ class Placement:
     entry: Entry | None = None
     disk: "DiskEntry | None" = None
     data: bytes | None = None  # the disk entry's state, read and verified (runner.cache.diskread)
-    # REUSE on a recurrent memory that keeps fewer of the slot's tokens than it holds:
-    # the slot's checkpoint at n_prefix, gone back to (runner.engine.plan Rewind)
+    # REUSE of fewer of the slot's tokens than it holds, on a memory that cannot be cut
+    # there (Cuts): the slot's checkpoint at n_prefix, gone back to (runner.engine.plan
+    # Rewind); RESTORE the same way, with the entry's
     checkpoint: bytes | bytearray | None = None
     checkpoints: Checkpoints = ()  # the disk entry's, read with its state (RAM keeps them)
 
@@ -88,12 +89,15 @@ class Refusal:
 
 class Placer:
     def __init__(self, num_ctx: int, caches: PrefixCaches, pool: "KVPool | None" = None,
-                 reads: DiskReads | None = None, can_cut: bool = True) -> None:
+                 reads: DiskReads | None = None, cuts: Cuts = Cuts()) -> None:
         """`reads` reads the disk tier for it; without them it looks only in RAM.
-        `can_cut`: the memory takes a cut at any position (not a recurrent one, whose
-        slots keep fewer of their tokens only back at a checkpoint)."""
+        `cuts`: where the memory can be cut back (a recurrent one, or a window cache
+        past its window, keeps fewer of a state's tokens only back at a checkpoint)."""
         self.num_ctx, self.caches, self.pool, self.reads = num_ctx, caches, pool, reads
-        self.can_cut = can_cut
+        self.cuts = cuts
+        # Where a prefilling slot's prefill stops for sequences held for its prefix, on
+        # a memory that could not be cut there after (Schedule._stops): seq id -> tokens
+        self.holds: dict[int, int] = {}
         self.waiting: deque["Sequence"] = deque()  # new and preempted, oldest first
         self._fetched: dict[int, Fetched] = {}  # id(seq) -> its finished disk read
 
@@ -119,6 +123,7 @@ class Placer:
         """The next sequence to admit, in order, skipping those held for a prefix being
         computed or read from disk; None when nothing can start now."""
         self._collect()
+        self.holds = {}
         idle = [s for s in slots if s.state is SlotState.IDLE]
         for seq in list(self.waiting):
             if not idle:
@@ -179,8 +184,8 @@ class Placer:
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
         # The slot a copy goes to: the one whose own cache is worth least.
         target = min(idle, key=lambda s: (len(s.reusable()), s.last_used))
-        for donor in busy:
-            n = usable(common_prefix(donor.cached, tokens))
+        for donor in busy:  # its state whole, as it is: no checkpoint of it goes across
+            n = self._restorable(donor.cached, (), usable(common_prefix(donor.cached, tokens)))
             if n >= best.n_prefix + MIN_GAIN:
                 best = Placement(seq, target, tokens, n, Source.BRANCH, donor=donor)
         best = self._from_cache(seq, tokens, target, best, usable)
@@ -216,9 +221,9 @@ class Placer:
 
     def _restorable(self, held: Seq[int], marks: Seq[int], n: int) -> int:
         """How much of a state holding `held` (a slot's, a cache entry's) a placement
-        keeps: all `n` of it where the memory cuts anywhere; on a recurrent one the whole
+        keeps: all `n` of it where the memory can be cut anywhere (Cuts); else the whole
         state, or its latest checkpoint (`marks`) within `n`, else nothing."""
-        if self.can_cut or n >= len(held):
+        if self.cuts.anywhere(len(held)) or n >= len(held):
             return n
         return max((m for m in marks if m <= n), default=0)
 
@@ -229,14 +234,19 @@ class Placer:
         n = self._restorable(held, [m for m, _ in checkpoints], n)
         return n, dict(checkpoints).get(n) if n < len(held) else None
 
-    @staticmethod
-    def _worth_holding(tokens: list[int], busy: list[Slot], have: int) -> bool:
+    def _worth_holding(self, tokens: list[int], busy: list[Slot], have: int) -> bool:
         """Whether a prefilling slot is about to compute at least HOLD_MIN more of this
-        prompt's prefix than is at hand now."""
+        prompt's prefix than is at hand now. Where the slot's memory could not be cut
+        back there once it has gone past, its prefill stops there (`holds`), so that the
+        held sequence branches from it whole."""
         for slot in busy:
             if slot.state is not SlotState.PREFILL:
                 continue
-            ahead = common_prefix(slot.cached + slot.pending, tokens)
+            # a branch leaves at least one token to decode
+            ahead = min(common_prefix(slot.cached + slot.pending, tokens), len(tokens) - 1)
             if ahead > len(slot.cached) and ahead >= have + HOLD_MIN:
+                if not self.cuts.anywhere(ahead) and slot.job is not None \
+                        and not slot.job.images:
+                    self.holds[slot.seq_id] = min(self.holds.get(slot.seq_id, ahead), ahead)
                 return True
         return False

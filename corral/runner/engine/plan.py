@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Save:
     """Copy the sequence's state into the prompt cache as `tokens`' (before it is
-    overwritten), with its slot's checkpoints (a recurrent memory's)."""
+    overwritten), with its slot's checkpoints (where its memory cannot be cut: Cuts)."""
 
     seq_id: int
     tokens: list[int]
@@ -52,9 +52,9 @@ class Drop:
 @dataclass(frozen=True)
 class Trim:
     """Keep the first `n_prefix` positions (all cells go when it is 0). A partial removal
-    fails on memories that cannot cut (recurrent models): the placement fails. `draft`:
-    a rejected draft's tokens, which such a memory takes back from its snapshots of the
-    last ubatch (runner.llama.context RS_SEQ)."""
+    fails on memories that cannot cut there (runner.prefix Cuts): the placement fails.
+    `draft`: a rejected draft's tokens, which such a memory takes back (a recurrent one
+    from its snapshots of the last ubatch, runner.llama.context RS_SEQ)."""
 
     seq_id: int
     n_prefix: int
@@ -85,8 +85,8 @@ class Shift:
 @dataclass(frozen=True)
 class Restore:
     """Fill the sequence with a prompt cache entry's state, cut to `n_prefix` tokens, at
-    position `at` where that is not `n_prefix` (past an M-RoPE image; runner.jobs). On a
-    recurrent memory a cut goes back to the entry's `checkpoint` at `n_prefix` first."""
+    position `at` where that is not `n_prefix` (past an M-RoPE image; runner.jobs). Where
+    the memory cannot be cut there, it goes back to the entry's `checkpoint` first."""
 
     seq_id: int
     n_prefix: int
@@ -145,7 +145,8 @@ class Join:
 @dataclass(frozen=True)
 class Mark:
     """A checkpoint: the slot's sequence, which holds the slot's cached tokens, has its
-    recurrent state read (kvbytes.get_partial) and kept with the slot at that length
+    state that no cut reaches (a recurrent state, a window cache's KV: kvbytes.get_partial)
+    read and kept with the slot at that length
     (Slot.checkpoints), for a later prompt that keeps fewer of them (a Rewind)."""
 
     slot: Slot
@@ -157,8 +158,8 @@ class Mark:
 
 @dataclass(frozen=True)
 class Rewind:
-    """Back to a checkpoint: the recurrent state read at `n_prefix` tokens goes back in,
-    and the attention cells past it go (a recurrent memory's cut)."""
+    """Back to a checkpoint: the state read at `n_prefix` tokens goes back in, and the
+    attention cells past it go (the cut of a memory that cannot be cut anywhere)."""
 
     seq_id: int
     n_prefix: int

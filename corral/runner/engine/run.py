@@ -119,7 +119,7 @@ class Run:
     def _ops(self) -> KVOps:
         # One KV stream in pool mode; else a stream a slot (runner.kv.growth keeps them equal).
         return KVOps(self.llama.ctx, self.llama.mem, self.caches,
-                     1 if self.pooled else self.llama.streams, self.llama.can_cut,
+                     1 if self.pooled else self.llama.streams, self.llama.cuts,
                      self.llama.checkpoints)
 
     def _samplers(self, placed: list[Placed]) -> list[tuple[Placed, BadRequest]]:

@@ -6,8 +6,9 @@ In order: cancelled requests end; a parked infill run joins its slot, or goes
 (runner.engine.parking); the placer (runner.engine.placer) admits waiting sequences onto
 idle slots, each with the ops that put its prefix there (kept, branched from another
 slot or restored from the prompt cache: runner.engine.kvplan); slots at num_ctx shift
-their context or end; on a recurrent memory, prefilling slots have their state read
-where a later prompt is likely to go back to (checkpoints: `_marks`, `_stops`);
+their context or end; on a memory that cannot be cut anywhere (recurrent, a window
+cache: runner.prefix Cuts), prefilling slots have their state read where a later prompt
+is likely to go back to (checkpoints: `_marks`, `_stops`);
 runner.engine.batchplan chooses the batch, with the drafts speculation made for the
 decoding slots after the step before (runner.speculative.speculation); a KV pool that
 would overflow goes without the drafts, then drops idle caches, then preempts
@@ -34,6 +35,7 @@ from corral.runner.engine.parking import Parking
 from corral.runner.engine.placer import Placement, Placer, Refusal, Source
 from corral.runner.engine.plan import (Demand, Drop, End, ImageSlice, Mark, Park, Placed,
                                        StepPlan)
+from corral.runner.prefix import Cuts
 from corral.runner.slots.sequence import DoneReason, SeqState
 from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.speculative.speculation import Ask, Candidate
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from corral.runner.kv.growth import Capacity
     from corral.runner.speculative.speculation import Speculation
 
-# Tokens between the checkpoints read through a long prompt on a recurrent memory
+# Tokens between the checkpoints read through a long prompt (where they are read)
 CHECKPOINT_EVERY = 4096
 
 log = logging.getLogger("corral.engine")
@@ -52,21 +54,22 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 spec: "Speculation | None" = None, checkpoints: bool = False) -> None:
+                 spec: "Speculation | None" = None, checkpoints: bool = False,
+                 cuts: Cuts = Cuts()) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (runner.engine.parking).
         `spec`: speculative decoding (runner.speculative.speculation), which made the
         decoding slots' drafts after the step before; None, it is off. `checkpoints`: the
-        memory is recurrent, so a slot's state is read where a later prompt is likely
-        to go back to (`_marks`)."""
+        memory cannot be cut anywhere (`cuts`), so a slot's state is read where a later
+        prompt is likely to go back to (`_marks`)."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
         self.spec = spec
-        self.checkpoints = checkpoints
+        self.checkpoints, self.cuts = checkpoints, cuts
         self.parking = Parking(scratch)
 
     def plan(self, slots: list[Slot]) -> StepPlan:
@@ -121,9 +124,11 @@ class Schedule:
         if self.capacity is not None and self.capacity.warm(len(slot.cached) - reused,
                                                             slot.last_used, now):
             self.overwritten += 1  # another conversation's prefix goes: want a stream more
+        # Reuse chunks move cells within the slot's KV: not where a cut there would miss
+        # KV the memory did not keep.
         ops, n_prefix, moved = kvplan.placement_ops(
-            p, self.caches, [s.reusable() for s in slots if s is not slot], self.can_shift,
-            self.parking.free())
+            p, self.caches, [s.reusable() for s in slots if s is not slot],
+            self.can_shift and self.cuts.anywhere(len(slot.cached)), self.parking.free())
         plan.ops += ops
         park = next((op for op in ops if isinstance(op, Park)), None)
         # Moved or parked KV is approximate: only requests that take it may reuse the slot.
@@ -149,9 +154,13 @@ class Schedule:
         return plan_step(slots, self.n_batch, drafts or {}, self._stops(slots))
 
     def _stops(self, slots: list[Slot]) -> dict[int, int]:
-        """Where prefills stop this step: where a parked run joins its slot, and, on a
-        recurrent memory, at the next point its state is read (`_marks`)."""
+        """Where prefills stop this step: where a parked run joins its slot, where
+        sequences held for a slot's prefix branch from it (the placer's `holds`: only
+        where its memory could not be cut back there after), and, where checkpoints are
+        read, at the next point its state is read (`_marks`)."""
         stops = self.parking.joins()
+        for seq_id, at in self.placer.holds.items():
+            stops[seq_id] = min(stops.get(seq_id, at), at)
         if self.checkpoints:
             for slot in slots:
                 ahead = [n for n in self._points(slot) if n > slot.n_past]
@@ -160,7 +169,7 @@ class Schedule:
         return stops
 
     def _points(self, slot: Slot) -> list[int]:
-        """Where a prefilling slot's recurrent state is read, as llama-server reads its
+        """Where a prefilling slot's state is read, as llama-server reads its
         context checkpoints: one token before the prompt's end (a regenerate, the same
         prompt again, reads only that token; the last is decoded a step later for its
         logits), a batch before that (an edit near the end: the last message), and
@@ -172,7 +181,7 @@ class Schedule:
         return sorted(n for n in {*every, last - self.n_batch, last} if n > 0)
 
     def _marks(self, slots: list[Slot], plan: StepPlan) -> None:
-        """A recurrent memory cannot be cut back, so its state is read (a Mark) where a
+        """A memory that cannot be cut back has its state read (a Mark) where a
         later prompt is likely to branch (`_points`), and where a prompt starts past what
         its slot kept (the end of the turn before: an edited last message goes back
         there)."""

@@ -38,8 +38,9 @@ def get(ctx: Any, seq: int) -> KVBytes | None:
 
 
 def get_partial(ctx: Any, seq: int) -> KVBytes | None:
-    """The part of the sequence's state that no cut can reach (a recurrent memory's,
-    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): a checkpoint (runner.engine.plan Mark)."""
+    """The part of the sequence's state that no cut can reach (a recurrent memory's, a
+    window cache's: LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): a checkpoint (runner.engine.plan
+    Mark)."""
     flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
     size = L.llama_state_seq_get_size_ext(ctx, seq, flags)
     if size <= 0:

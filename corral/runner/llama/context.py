@@ -1,7 +1,9 @@
 """One model and its generation context, created before the engine thread starts.
 
-The parameters here are what keep greedy output independent of the batch:
-one KV stream per slot, no extra CPU buffer types, a full-size SWA cache.
+Under CORRAL_DETERMINISTIC the parameters here are what keep greedy output independent
+of the batch: one KV stream per slot, no extra CPU buffer types, a full-size SWA cache.
+What a sequence's memory can take back (a cut, a rejected draft) is decided here too
+(`cuts`, `undo`), and how many checkpoints a slot keeps where it cannot be cut.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from corral.process import physical_cores, resident
 from corral.runner.llama import native
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.loadconfig import DEFAULT_BATCH
+from corral.runner.prefix import Cuts
 
 # The recurrent states a sequence keeps for taking back a rejected draft: a draft is at
 # most this long on such a model. Each is a copy of every sequence's recurrent state
@@ -29,6 +32,13 @@ SNAPSHOT_SHARE = 0.1
 # the last turns started, near their prompts' ends and through long prompts. Each a copy of one sequence's
 # recurrent state, as many as SNAPSHOT_SHARE of the weights allows for every slot.
 CHECKPOINTS = 8
+# A sliding-window model's cache holds only the window (llama-server's default, --swa-full
+# off) where the context is at least this many windows: the KV it saves then pays for
+# the checkpoints that give back its reuse (each the window's KV of one sequence).
+WINDOWS_FOR_WINDOW_CACHE = 4
+# Architectures whose window is not a sliding one (chunked attention): a cut inside a
+# chunk needs KV the window cache has overwritten, so they keep a full-size cache.
+CHUNKED = {"llama4"}
 
 
 def snapshot_planes(state: int, seqs: int, weights: int, most: int = RS_SEQ) -> int:
@@ -71,6 +81,10 @@ class EngineConfig:
     cache_disk: int = 0
     cache_dir: str = ""
     projector: str = ""  # the model's multimodal projector: an image's KV depends on it
+    # A sliding-window model's cache: full size (True), the window's (False), or None:
+    # the window's, except under `deterministic` and where the context is short
+    # (WINDOWS_FOR_WINDOW_CACHE). Tests set it.
+    swa_full: bool | None = None
 
 
 class LlamaContext:
@@ -105,29 +119,37 @@ class LlamaContext:
         # entry where they could not be told (stock ggml's clear commits them all).
         self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
-        # A recurrent memory's states kept for taking back drafts (n_rs_seq), as many as
-        # RS_SEQ and SNAPSHOT_SHARE allow for every sequence (the slots and a scratch
-        # one), and its slots' checkpoints, as many as CHECKPOINTS and SNAPSHOT_SHARE allow.
-        self.state_bytes = self._state_bytes() if self.recurrent else 0
+        # The sliding window whose KV alone the cache holds (0: none, or a full-size one)
+        self.window = self._window()
+        # What one checkpoint holds: a recurrent state, or a window's KV. A recurrent
+        # memory's states kept for taking back drafts (n_rs_seq), as many as RS_SEQ and
+        # SNAPSHOT_SHARE allow for every sequence (the slots and a scratch one), and its
+        # slots' checkpoints, as many as CHECKPOINTS and SNAPSHOT_SHARE allow; a window
+        # cache's, as many as CHECKPOINTS and the KV it saves a slot allow.
+        self.state_bytes = self._state_bytes()
         weights = int(L.llama_model_size(self.model))
         self.planes = snapshot_planes(self.state_bytes, cfg.n_slots + 1, weights) \
             if self.recurrent and cfg.speculative else 0
         self.checkpoints = snapshot_planes(self.state_bytes, cfg.n_slots, weights,
-                                           CHECKPOINTS) if self.recurrent else 0
+                                           CHECKPOINTS) if self.recurrent else \
+            min(CHECKPOINTS, self.num_ctx // self.window - 1) if self.window else 0
         self.ctx = self.new_context(self.streams)
         self._apply_adapters(cfg.adapters)
         self.mem = L.llama_get_memory(self.ctx)
         self.n_batch = int(L.llama_n_batch(self.ctx))
         self.n_ctx = int(L.llama_n_ctx(self.ctx))
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        # A partial removal from a sequence's memory works at any position: not with
-        # recurrent state, which has no positions to cut at.
-        self.can_cut = not self.recurrent
+        # Where a sequence's memory can be cut back: anywhere with attention alone; never
+        # with recurrent state, which has no positions to cut at; in a window cache, only
+        # while no position has left the window (the older KV is overwritten).
+        self.cuts = Cuts(0) if self.recurrent else Cuts(self.window or None)
         # How many of a sequence's last tokens its memory can take back (a rejected
-        # draft's): any number where it can cut; where it is recurrent, the snapshots
+        # draft's): any number, but where it is recurrent, as many as the snapshots
         # llama.cpp keeps of the last ubatch's states (n_rs_seq; 0 where the model's
-        # architecture has none, llm_arch_supports_rs_rollback).
-        self.undo = None if self.can_cut else int(L.llama_n_rs_seq(self.ctx))
+        # architecture has none, llm_arch_supports_rs_rollback). A window cache
+        # overwrites only KV that left the window before the draft's ubatch, so taking
+        # the draft back leaves every position the next token sees.
+        self.undo = int(L.llama_n_rs_seq(self.ctx)) if self.recurrent else None
         self.can_rollback = self.undo is None or self.undo > 0
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
@@ -174,9 +196,9 @@ class LlamaContext:
         # so its floating-point sums: outputs then depend on the neighbours. (One slot
         # alone has no neighbours: its stream is shared only with the scratch sequence.)
         cparams.kv_unified = bool(cfg.kv_pool) or scratch is not None
-        # Gemma 3's sliding-window cache must be full size, or prefix reuse and
-        # context shift would need KV that has already been evicted.
-        cparams.swa_full = True
+        # A sliding-window cache of the window's size overwrites the KV of positions that
+        # left the window: a prefix is then reused whole, or from a checkpoint (`cuts`).
+        cparams.swa_full = not self.window
         # A recurrent memory keeps the states of a sequence's last RS_SEQ tokens so that a
         # rejected draft can be taken back (speculation's drafts are at most that long).
         cparams.n_rs_seq = self.planes
@@ -208,15 +230,38 @@ class LlamaContext:
 
     def snapshot_bytes(self) -> int:
         """The recurrent states kept for taking back drafts (`undo` copies of each
-        sequence's, where llama.cpp keeps them for this model), and the most the slots'
-        checkpoints hold."""
-        return self.state_bytes * ((self.undo or 0) * (self.cfg.n_slots + 1)
-                                   + self.checkpoints * self.cfg.n_slots)
+        sequence's, where llama.cpp keeps them for this model): made with the context."""
+        return self.state_bytes * (self.undo or 0) * (self.cfg.n_slots + 1)
+
+    def checkpoint_bytes(self) -> int:
+        """The most the slots' checkpoints hold (they are host memory, read as prompts
+        run: runner.engine.plan Mark)."""
+        return self.state_bytes * self.checkpoints * self.cfg.n_slots
+
+    def _window(self) -> int:
+        """The model's sliding window, where its cache holds only that (`swa_full`)."""
+        n_swa = int(L.llama_model_n_swa(self.model))
+        full = self.cfg.swa_full
+        if full is None:
+            full = self.cfg.deterministic or self.num_ctx < WINDOWS_FOR_WINDOW_CACHE * n_swa
+        if not n_swa or full or self.recurrent or native.meta(
+                self.model, "general.architecture") in CHUNKED:
+            return 0
+        return n_swa
 
     def _state_bytes(self) -> int:
-        """One sequence's recurrent state, measured: in a context of one sequence that
-        has read one token, what its partial state (the part no cut can reach,
-        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) holds."""
+        """What one checkpoint of a sequence holds, measured: in a context of one
+        sequence, its partial state (the part no cut can reach,
+        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). A recurrent state after one token; a window
+        cache's KV at the full window, from its size after one token and after two."""
+        if self.recurrent:
+            return self._partial_after(1)
+        if not self.window:
+            return 0
+        one, two = self._partial_after(1), self._partial_after(2)
+        return one + (two - one) * (self.window - 1)
+
+    def _partial_after(self, n: int) -> int:
         cparams = L.llama_context_default_params()
         cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
         cparams.n_seq_max = 1
@@ -226,8 +271,8 @@ class LlamaContext:
         if not ctx:
             return 0
         try:
-            token = (L.llama_token * 1)(max(int(L.llama_vocab_bos(self.vocab)), 0))
-            if L.llama_decode(ctx, L.llama_batch_get_one(token, 1)) != 0:
+            token = (L.llama_token * n)(*[max(int(L.llama_vocab_bos(self.vocab)), 0)] * n)
+            if L.llama_decode(ctx, L.llama_batch_get_one(token, n)) != 0:
                 return 0
             return int(L.llama_state_seq_get_size_ext(
                 ctx, 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
@@ -237,10 +282,13 @@ class LlamaContext:
     def cells_bytes(self) -> int:
         """llama.cpp's bookkeeping of the context's KV cells, committed when it is made
         (llama_kv_cells: each cell's position, shift and sequence set), per cache (a
-        sliding-window model has two): about CELL_BYTES a cell, which a shared buffer
-        sized for sixteen slots makes worth counting (7 MB for 131,072 cells)."""
-        caches = 2 if L.llama_model_n_swa(self.model) > 0 else 1
-        return self.n_ctx * CELL_BYTES * caches
+        sliding-window model has two, the window's as llama.cpp sizes it): about
+        CELL_BYTES a cell, which a shared buffer sized for sixteen slots makes worth
+        counting (7 MB for 131,072 cells)."""
+        window = self.n_ctx if L.llama_model_n_swa(self.model) > 0 else 0
+        if self.window:
+            window = min(window, self.window * (self.streams + 1) + self.n_batch)
+        return (self.n_ctx + window) * CELL_BYTES
 
     def kv_size(self) -> int | None:
         """Bytes of the KV pages of the context in use, written or not; None where they

@@ -116,6 +116,13 @@ def mrope(model: Any) -> bool:
     return int(L.llama_model_rope_type(model)) in _MROPE
 
 
+def meta(model: Any, key: str) -> str:
+    """A GGUF metadata value of the model as text; "" where it has none."""
+    buf = ctypes.create_string_buffer(256)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+
 def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
     """llama_tokenize; add_special adds nothing where a token it would add is missing."""
     add_special = add_special and specials_present(vocab)

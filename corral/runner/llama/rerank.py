@@ -11,7 +11,6 @@ score is the first of the pooled classifier outputs (llama-server's send_rerank)
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import llama_cpp as L
@@ -22,14 +21,8 @@ from corral.runner.llama import native
 def is_reranker(model: Any) -> bool:
     """The GGUF asks for rank pooling (`<arch>.pooling_type` 4), as llama-server's
     `--reranking` does of the model it serves."""
-    arch = _meta(model, "general.architecture")
-    return _meta(model, f"{arch}.pooling_type") == str(int(L.LLAMA_POOLING_TYPE_RANK))
-
-
-def _meta(model: Any, key: str) -> str:
-    buf = ctypes.create_string_buffer(256)
-    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+    arch = native.meta(model, "general.architecture")
+    return native.meta(model, f"{arch}.pooling_type") == str(int(L.LLAMA_POOLING_TYPE_RANK))
 
 
 def rerank_template(model: Any) -> str | None:

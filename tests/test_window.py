@@ -1,0 +1,257 @@
+"""A sliding-window model on the engine with a cache of the window's size (llama-server's
+default, --swa-full off), a tiny random Gemma 3 the tests write (tests/window_model.py,
+a window of 16 tokens). Such a cache overwrites the KV of positions that left the
+window, so a state longer than the window is cut back only at a checkpoint (the
+window's KV read where a later prompt is likely to branch), and reused whole otherwise;
+a shorter one is cut anywhere. The answers are a full-size cache's and llama.cpp's own
+loop's, with batch-invariant kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from corral.runner.engine.engine import Engine
+from corral.runner.jobs import Done, Job, SamplingParams, Token
+from corral.runner.llama.context import CHECKPOINTS, EngineConfig
+from corral.runner.prefix import Cuts
+from tests.support import collect, llama_greedy
+from tests.window_model import WINDOW
+
+PROMPT = ("Once upon a time there was a fox who lived in the forest near the river, "
+          "and every morning it went down to the water to drink, while the birds sang in "
+          "the tall trees above and the fish swam past in the cold clear stream")
+GRAMMAR = ('root ::= ("The " ("red" | "blue" | "green" | "old" | "big") " " '
+           '("fox" | "cat" | "dog") " jumps over the lazy dog. ")+')
+
+
+@pytest.fixture(scope="module")
+def window_gguf(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.window_model import write_window
+
+    return write_window(chat_gguf, tmp_path_factory.mktemp("window") / "gemma3.gguf", seed=1)
+
+
+def config(**kw: Any) -> EngineConfig:
+    return EngineConfig(**{"n_slots": 1, "num_ctx": 2048, "n_batch": 64, "deterministic": True,
+                           "swa_full": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def engines(window_gguf: Path) -> Iterator[dict[str, Engine]]:
+    """The window cache with speculation on and off, and a full-size cache to compare."""
+    made = {"window": Engine(str(window_gguf), config()),
+            "plain": Engine(str(window_gguf), config(speculative=False)),
+            "full": Engine(str(window_gguf), config(swa_full=True))}
+    for e in made.values():
+        e.start()
+    yield made
+    for e in made.values():
+        e.stop()
+
+
+def run(engine: Engine, prompt: list[int], **job: Any) -> tuple[list[Token], Done]:
+    return collect(engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
+                                     logprobs=2, ignore_eos=True, **job)))
+
+
+def same_output(a: tuple[list[Token], Done], b: tuple[list[Token], Done]) -> None:
+    """One output: the same tokens, counts and end, and the same logprobs to a part in a
+    thousand. Not to the bit: a window cache's ring puts a sequence's cells in another
+    order than a full-size cache does, and attention sums them in cell order (a few
+    units in the fifth digit of a logprob of -141, seen here)."""
+    assert a[1].stats.context == b[1].stats.context
+    assert (a[1].stats.done_reason, a[1].stats.eval_count) == (b[1].stats.done_reason,
+                                                               b[1].stats.eval_count)
+    want = [(lp.token, top.token, top.logprob) for t in b[0] for lp in t.logprobs
+            for top in lp.top]
+    got = [(lp.token, top.token, pytest.approx(top.logprob, rel=1e-3, abs=1e-3))
+           for t in a[0] for lp in t.logprobs for top in lp.top]
+    assert got == want
+
+
+def fresh(engine: Engine, tokens: list[int], **job: Any) -> tuple[list[Token], Done]:
+    """`tokens` read whole: another prompt takes the slot first (nothing in common)."""
+    other = engine.tokenize("Zebras", add_special=False)
+    assert other[0] != tokens[0]
+    run(engine, other, num_predict=1)
+    out = run(engine, tokens, **job)
+    assert out[1].stats.prompt_eval_count == len(tokens)
+    return out
+
+
+def test_the_cache_holds_the_window_and_its_slots_keep_checkpoints(
+        engines: dict[str, Engine], window_gguf: Path) -> None:
+    window, full = engines["window"].llama, engines["full"].llama
+    assert window.window == WINDOW and window.cuts == Cuts(WINDOW) and window.undo is None
+    assert window.checkpoints == CHECKPOINTS and window.state_bytes > 0
+    assert engines["window"].spec is not None  # speculation stays on
+    assert full.window == 0 and full.cuts == Cuts() and full.checkpoints == 0
+    # llama.cpp's cells of the window cache: the window's for each sequence and a batch
+    assert window.cells_bytes() < full.cells_bytes()
+    # By default the window's cache, but not where exactness is promised, nor where the
+    # context is a few windows long (a full-size cache costs little and cuts anywhere).
+    auto = {(det, ctx): Engine(str(window_gguf), EngineConfig(
+        n_slots=1, num_ctx=ctx, deterministic=det)).llama.window
+        for det, ctx in ((False, 2048), (True, 2048), (False, 32))}
+    assert auto == {(False, 2048): WINDOW, (True, 2048): 0, (False, 32): 0}
+
+
+@pytest.mark.parametrize("spec", ["window", "plain"], ids=["drafting", "plain"])
+def test_a_regenerate_reads_only_the_last_prompt_token(engines: dict[str, Engine],
+                                                       spec: str) -> None:
+    engine = engines[spec]
+    prompt = engine.tokenize(PROMPT, add_special=True)
+    assert len(prompt) > 2 * WINDOW
+    first = fresh(engine, prompt, num_predict=24)
+    same_output(first, fresh(engines["full"], prompt, num_predict=24))
+    again = run(engine, prompt, num_predict=24)  # back to the checkpoint one token short
+    assert again[1].stats.prompt_eval_count == 1
+    same_output(again, first)
+
+
+def test_an_edited_last_message_goes_back_to_the_turn_before(
+        engines: dict[str, Engine]) -> None:
+    engine = engines["window"]
+    tokenize = engine.tokenize
+    turn1 = tokenize(PROMPT, add_special=True)
+    reply = list(run(engine, turn1, num_predict=12)[1].stats.context)[len(turn1):]
+    history = turn1 + reply
+    asked = run(engine, history + tokenize(" Tell me more about the fox.", add_special=False),
+                num_predict=12)
+    assert asked[1].stats.prompt_eval_count < asked[1].stats.prompt_tokens  # the turn kept
+    edited = history + tokenize(" Tell me about the dog instead.", add_special=False)
+    out = run(engine, edited, num_predict=12)
+    assert out[1].stats.prompt_eval_count <= len(edited) - len(history) + 1
+    same_output(out, fresh(engines["full"], edited, num_predict=12))
+
+
+def test_a_state_past_the_window_is_cut_only_at_a_checkpoint_and_a_shorter_one_anywhere(
+        engines: dict[str, Engine]) -> None:
+    """The slot holds a prompt and 16 generated tokens; the next prompt keeps all but the
+    last three. The window's KV of the positions it keeps is gone, so the slot goes back
+    to the checkpoint one token before the first prompt's end. A state shorter than the
+    window holds every position's KV and is cut where the prompts part."""
+    engine = engines["window"]
+    # longer than llama.cpp's window cache (a window a sequence and a batch, in 256s):
+    # its ring has come round, and the KV of the positions out of the window is gone
+    prompt = engine.tokenize(" ".join([PROMPT] * 8), add_special=True)
+    assert len(prompt) > 256 + 2 * WINDOW + engine.llama.n_batch
+    tokens = list(run(engine, prompt, num_predict=16)[1].stats.context)
+    again = tokens[:-3] + engine.tokenize(" and the", add_special=False)
+    out = run(engine, again, num_predict=16)
+    assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
+    same_output(out, fresh(engines["full"], again, num_predict=16))
+    short = engine.tokenize("Mountains rise above", add_special=True)
+    held = list(run(engine, short, num_predict=4)[1].stats.context)
+    assert len(held) < WINDOW
+    part = held[:-2] + engine.tokenize(" the valley", add_special=False)
+    out = run(engine, part, num_predict=8)
+    assert out[1].stats.prompt_eval_count == len(part) - (len(held) - 2)
+    same_output(out, fresh(engines["full"], part, num_predict=8))
+
+
+def test_drafts_on_a_window_cache_change_nothing(engines: dict[str, Engine]) -> None:
+    # sentences the grammar allows, which the n-gram index drafts from and the model
+    # follows only in part
+    prompt = engines["window"].tokenize(PROMPT + ". The red fox jumps over the lazy dog. "
+                                        "The old cat jumps over the lazy dog. The big dog "
+                                        "jumps over the lazy dog.", add_special=True)
+    on = fresh(engines["window"], prompt, num_predict=96, grammar=GRAMMAR)
+    off = fresh(engines["plain"], prompt, num_predict=96, grammar=GRAMMAR)
+    same_output(on, off)
+    assert on[1].stats.draft_accepted_count > 0
+    assert on[1].stats.draft_count > on[1].stats.draft_accepted_count  # some taken back
+
+
+def test_a_chat_back_from_ram_and_from_disk_goes_back_to_its_checkpoint(
+        window_gguf: Path, tmp_path: Path, engines: dict[str, Engine]) -> None:
+    """A chat goes to the RAM cache with its slot's checkpoints when another takes the
+    slot: a prompt that keeps all but the end of what it held comes back to the
+    checkpoint one token before the first prompt's end. That chat goes to the disk tier
+    at the stop, and the same prompt after a new load reads only its last token."""
+    cfg = config(cache_ram=64 << 20, cache_disk=64 << 20, cache_dir=str(tmp_path))
+    first = Engine(str(window_gguf), cfg)
+    first.start()
+    try:
+        prompt = first.tokenize(PROMPT, add_special=True)
+        tokens = list(run(first, prompt, num_predict=16)[1].stats.context)
+        again = tokens[:-3] + [tokens[-1]]
+        run(first, first.tokenize("Zebras graze on the plain.", add_special=False),
+            num_predict=4)  # the other chat takes the slot: the first goes to RAM
+        from_ram = run(first, again, num_predict=12)
+    finally:
+        first.stop()
+    second = Engine(str(window_gguf), cfg)
+    second.start()
+    try:
+        from_disk = run(second, again, num_predict=12)
+    finally:
+        second.stop()
+    want = fresh(engines["full"], again, num_predict=12)
+    assert from_ram[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
+    # what went to disk at the stop was that prompt's slot, with its own checkpoint
+    # one token before its end
+    assert from_disk[1].stats.prompt_eval_count == 1
+    for out in (from_ram, from_disk):
+        same_output(out, want)
+
+
+def test_a_burst_branches_from_the_prefix_its_first_request_computes(
+        window_gguf: Path, engines: dict[str, Engine]) -> None:
+    """Two requests share a prefix far past the window. The first's prefill stops where
+    the prefix ends, so that the second branches from its state whole (it could not be
+    cut back there once the first had read on)."""
+    engine = Engine(str(window_gguf), config(n_slots=2, n_batch=512))
+    shared = engine.tokenize(PROMPT + " " + PROMPT, add_special=True)
+    prompts = [shared + engine.tokenize(tail, add_special=False)
+               for tail in (" to drink.", " and then it swam across to the other side.")]
+    jobs = [Job(prompt=p, params=SamplingParams(temperature=0), num_predict=8,
+                ignore_eos=True) for p in prompts]
+    for job in jobs:  # both queued before the first step
+        engine.submit(job)
+    engine.start()
+    try:
+        done = [collect(job) for job in jobs]
+    finally:
+        engine.stop()
+    n = len(shared)
+    assert done[0][1].stats.prompt_eval_count == len(prompts[0])
+    assert done[1][1].stats.prompt_eval_count == len(prompts[1]) - n
+    for (_, d), p in zip(done, prompts):
+        assert list(d.stats.context) == list(fresh(engines["full"], p, num_predict=8)[1]
+                                             .stats.context)
+
+
+def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
+    import llama_cpp as L
+
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    try:
+        return llama_greedy(model, prompt, n)
+    finally:
+        L.llama_model_free(model)
+
+
+def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(
+        window_gguf: Path, engines: dict[str, Engine]) -> None:
+    texts = (PROMPT, "Mountains rise above the valley, and rivers run below them to the "
+             "sea, where the ships wait for the wind", "Once upon a time")
+    prompts = [engines["window"].tokenize(t, add_special=True) for t in texts]
+    want = [llama_cpp_greedy(window_gguf, p, 40) for p in prompts]
+    for name in ("window", "plain"):
+        assert [list(fresh(engines[name], p, num_predict=40)[1].stats.context[len(p):])
+                for p in prompts] == want
+        again = run(engines[name], prompts[-1], num_predict=40)
+        assert list(again[1].stats.context[len(prompts[-1]):]) == want[-1]
+    three = Engine(str(window_gguf), config(n_slots=3))
+    three.start()
+    try:
+        done = [collect(three.submit(Job(prompt=p, params=SamplingParams(temperature=0),
+                                         num_predict=40, ignore_eos=True)))
+                for p in prompts]
+    finally:
+        three.stop()
+    assert [list(d.stats.context[len(p):]) for (_, d), p in zip(done, prompts)] == want
