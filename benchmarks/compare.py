@@ -131,12 +131,13 @@ def start_corral(slots: int, num_ctx: int, threads: int, **extra: str
     return url, proc
 
 
-def serve_gguf(gguf: Path, model: str, tmp: Path, **env: str
+def serve_gguf(gguf: Path, model: str, tmp: Path, root: Path = ROOT, **env: str
                ) -> tuple[str, subprocess.Popen[bytes]]:
     """A daemon over an empty store under `tmp`, with `gguf` created in it as `model`
-    (as a user's `create` from a file does); CORRAL_ settings from `env`."""
+    (as a user's `create` from a file does); CORRAL_ settings from `env`; the package
+    of the checkout at `root`."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=ROOT, env=dict(
+    proc = subprocess.Popen([sys.executable, "-m", "corral.server"], cwd=root, env=dict(
         os.environ, CORRAL_HOST=f"127.0.0.1:{port}", CORRAL_MODELS=str(tmp / "models"),
         CORRAL_KEEP_ALIVE="-1", **{f"CORRAL_{k}": v for k, v in env.items()}),
         stderr=subprocess.DEVNULL)

@@ -1,11 +1,16 @@
-"""A hybrid model's prompt reuse: Corral against llama-server with its defaults.
+"""Prompt reuse on memories that cannot be cut back: Corral against llama-server with
+its defaults.
 
 A hybrid memory (recurrent layers beside attention: LFM2, Qwen3.5, Nemotron-H) cannot be
-cut back to an earlier position, so a prompt that keeps less of a slot than it holds is
-read again unless the server kept a checkpoint of the recurrent state (issue 67). On a
+cut back to an earlier position, and neither can a sliding-window cache of the window's
+size once a prompt has left the window, so a prompt that keeps less of a slot than it
+holds is read again unless the server kept a checkpoint (issue 67). `--model hybrid`: a
 random LFM2 of the `bench` shape (tests/hybrid_model.py: ten layers, 512 wide, Q8_0, the
-chat starter's vocabulary and ChatML template), one slot each, greedy, through
-`/v1/chat/completions` with `max_tokens` 1 (the time is the time to the first token):
+chat starter's vocabulary and ChatML template) through `/v1/chat/completions`, a
+context of 8,192; `--model swa`: the base starter (Gemma 3 270M, a window of 512) through
+`/v1/completions` with the messages joined (it has no chat template), a context of
+32,768 and chats four times as long. One slot each, greedy, `max_tokens` 1 (the time is
+the time to the first token):
 
 - a new chat of five turns of about 300 tokens each, read whole (the prefill's speed);
 - regenerate: the same messages again;
@@ -16,10 +21,12 @@ chat starter's vocabulary and ChatML template), one slot each, greedy, through
   llama-server, which keeps no prompt cache on disk by itself).
 
 Times are wall-clock medians of ROUNDS, and the tokens each server read
-(`usage.prompt_tokens` less what it says it reused). Prints the table and appends it to
-benchmarks/RESULTS.md.
+(`usage.prompt_tokens` less what it says it reused); then each server's resident memory
+after the rounds (Corral's daemon and runner together). Prints the table and appends it
+to benchmarks/RESULTS.md. `--corral-root` serves Corral from another checkout (a
+before-and-after run).
 
-    .venv/bin/python benchmarks/hybrid.py [--threads N]
+    .venv/bin/python benchmarks/hybrid.py [--model hybrid|swa] [--threads N]
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -42,18 +50,32 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compare import serve_gguf, start_llama_server  # noqa: E402
+from latency import rss, runner_pids  # noqa: E402
 
 from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
-from corral.registry.starter import CHAT_NAME, starter_model_path  # noqa: E402
+from corral.registry.starter import CHAT_NAME, STARTER_NAME, starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
 from tests.hybrid_model import SHAPES, write_hybrid  # noqa: E402
 
 MODEL = "bench-hybrid"
-NUM_CTX = 8192
 ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Bench:
+    num_ctx: int
+    turns: int  # of a chat, each about 300 words
+    chat: bool  # /v1/chat/completions (else /v1/completions, the messages joined)
+
+
+BENCHES = {"hybrid": Bench(8192, 5, True), "swa": Bench(32768, 20, False)}
 WORDS = ("river stone lamp orchard winter copper ladder signal harbor violet engine "
          "meadow canvas thunder pocket silver garden candle market feather").split()
+
+
+BENCH = BENCHES["hybrid"]
+MEMORY = "resident memory after"
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -73,9 +95,13 @@ def ask(client: httpx.Client, messages: list[dict[str, str]]) -> tuple[float, in
     """Seconds to the first token, prompt tokens, and of them reused. One client and
     its kept-alive connection for every request: a new httpx client costs ~30 ms (its
     TLS context), which would hide a server's own overhead."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "temperature": 0}
+    if BENCH.chat:
+        route, body["messages"] = "/v1/chat/completions", messages
+    else:
+        route, body["prompt"] = "/v1/completions", "\n\n".join(m["content"] for m in messages)
     t0 = time.perf_counter()
-    r = client.post("/v1/chat/completions", timeout=600, json={
-        "model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0})
+    r = client.post(route, timeout=600, json=body)
     seconds = time.perf_counter() - t0
     r.raise_for_status()
     usage = r.json()["usage"]
@@ -83,12 +109,15 @@ def ask(client: httpx.Client, messages: list[dict[str, str]]) -> tuple[float, in
     return seconds, usage["prompt_tokens"], cached
 
 
-def workloads(url: str, restart: Callable[[], str]) -> dict[str, tuple[float, int, int]]:
+def workloads(url: str, restart: Callable[[], str], memory: Callable[[], int]
+              ) -> dict[str, tuple[float, int, int]]:
     """Each workload's median time, its prompt tokens and those reused (the last round's);
-    then the last chat a turn further once more, after `restart` (an unload and a load,
-    or a new server) gave the URL to ask."""
+    the server's `memory` after them (as a time: bytes, no tokens); then the last chat a
+    turn further once more, after `restart` (an unload and a load, or a new server)
+    gave the URL to ask."""
     with httpx.Client(base_url=url) as client:
         out, last = _rounds(client)
+    out[MEMORY] = (float(memory()), 0, 0)
     resumed = last + [{"role": "assistant", "content": "ok"},
                       {"role": "user", "content": "and after that?"}]
     with httpx.Client(base_url=restart()) as client:
@@ -101,7 +130,7 @@ def _rounds(url: httpx.Client) -> tuple[dict[str, tuple[float, int, int]],
     out: dict[str, list[tuple[float, int, int]]] = {}
     back: list[dict[str, str]] = []
     for r in range(ROUNDS):
-        a, b = chat(100 + r, 5), chat(200 + r, 5)
+        a, b = chat(100 + r, BENCH.turns), chat(200 + r, BENCH.turns)
         out.setdefault("a new chat", []).append(ask(url, a))  # the slot holds it after
         out.setdefault("regenerate", []).append(ask(url, a))
         edited = a[:-1] + [{"role": "user", "content": a[-1]["content"] + " and one more"}]
@@ -117,11 +146,12 @@ def _rounds(url: httpx.Client) -> tuple[dict[str, tuple[float, int, int]],
             for k, v in out.items()}, back
 
 
-def corral(gguf: Path, tmp: Path, threads: int) -> dict[str, tuple[float, int, int]]:
+def corral(gguf: Path, tmp: Path, threads: int, root: Path
+           ) -> dict[str, tuple[float, int, int]]:
     """One slot, and the disk tier on: an unload writes the slot and RAM cache there."""
-    url, proc = serve_gguf(gguf, MODEL, tmp, CONTEXT_LENGTH=str(NUM_CTX), NUM_PARALLEL="1",
-                           CACHE_DISK="2GiB")
-    load = {"model": MODEL, "options": {"num_thread": threads, "num_ctx": NUM_CTX}}
+    url, proc = serve_gguf(gguf, MODEL, tmp, root, CONTEXT_LENGTH=str(BENCH.num_ctx),
+                           NUM_PARALLEL="1", CACHE_DISK="2GiB")
+    load = {"model": MODEL, "options": {"num_thread": threads, "num_ctx": BENCH.num_ctx}}
 
     def unload_and_load() -> str:
         httpx.post(url + "/api/generate", timeout=300, json={"model": MODEL, "keep_alive": 0})
@@ -135,7 +165,8 @@ def corral(gguf: Path, tmp: Path, threads: int) -> dict[str, tuple[float, int, i
 
     try:
         httpx.post(url + "/api/generate", timeout=300, json=load)
-        return workloads(url, unload_and_load)
+        return workloads(url, unload_and_load,
+                         lambda: rss(proc.pid) + sum(map(rss, runner_pids(proc.pid))))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -147,7 +178,7 @@ def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[fl
     procs = []
 
     def start() -> str:
-        url, proc = start_llama_server(binaries, gguf, 1, NUM_CTX, threads, "--jinja")
+        url, proc = start_llama_server(binaries, gguf, 1, BENCH.num_ctx, threads, "--jinja")
         procs.append(proc)
         return url
 
@@ -157,7 +188,7 @@ def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[fl
         return start()
 
     try:
-        return workloads(start(), restart)
+        return workloads(start(), restart, lambda: rss(procs[-1].pid))
     finally:
         procs[-1].terminate()
         procs[-1].wait(60)
@@ -165,34 +196,48 @@ def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(BENCHES), default="hybrid")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--corral-root", type=Path, default=ROOT)
     args = parser.parse_args()
+    global BENCH
+    BENCH = BENCHES[args.model]
     threads = args.threads or physical_cores()
-    chat_gguf = starter_model_path(Store(load_settings().models), CHAT_NAME)
-    if chat_gguf is None:
-        raise SystemExit("Error: the chat starter is not installed; run ./install.sh")
+    store = Store(load_settings().models)
+    chat_gguf = starter_model_path(store, CHAT_NAME)
+    base_gguf = starter_model_path(store, STARTER_NAME)
+    if chat_gguf is None or base_gguf is None:
+        raise SystemExit("Error: the starters are not installed; run ./install.sh")
     build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
                            capture_output=True, text=True, check=True)
     binaries = Path(build.stdout.strip().splitlines()[-1])
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = write_hybrid(chat_gguf, Path(tmp) / "bench-hybrid.gguf", shape=SHAPES["bench"])
+        gguf = base_gguf if args.model == "swa" else write_hybrid(
+            chat_gguf, Path(tmp) / "bench-hybrid.gguf", shape=SHAPES["bench"])
         theirs = llama_server(binaries, gguf, threads)
-        ours = corral(gguf, Path(tmp), threads)
+        ours = corral(gguf, Path(tmp), threads, args.corral_root)
     lines = [f"{'workload':26} {'llama-server':>22} {'corral':>22} {'ratio':>6}"]
     for name, (t, n, cached) in theirs.items():
         o, on, ocached = ours[name]
+        if name == MEMORY:
+            lines.append(f"{name:26} {t / 2**20:10.0f} MiB{'':8} {o / 2**20:10.0f} MiB"
+                         f"{'':8} {o / t:5.2f}x")
+            continue
         lines.append(f"{name:26} {t:7.3f} s {cached:5d}/{n:<5d} {o:7.3f} s {ocached:5d}/{on:<5d}"
                      f" {o / t:5.2f}x")
-    report(threads, lines)
+    report(args.model, threads, args.corral_root, lines)
 
 
-def report(threads: int, lines: list[str]) -> None:
+def report(model: str, threads: int, root: Path, lines: list[str]) -> None:
     text_ = "\n".join(lines)
     print(text_)
+    what = ("the base starter (Gemma 3 270M, a window of 512), a context of 32,768"
+            if model == "swa" else "random LFM2 `bench` shape")
+    served = "" if root == ROOT else f", Corral from {root}"
     with open(ROOT / "benchmarks" / "RESULTS.md", "a") as out:
-        out.write(f"\n## hybrid.py ({dt.date.today()}, {threads} threads, random LFM2 "
-                  f"`bench` shape, one slot; time to the first token, tokens reused/prompt, "
-                  f"ratio corral/llama-server)\n\n```\n{text_}\n```\n")
+        out.write(f"\n## hybrid.py --model {model} ({dt.date.today()}, {threads} threads, "
+                  f"{what}, one slot{served}; time to the first token, tokens "
+                  f"reused/prompt, ratio corral/llama-server)\n\n```\n{text_}\n```\n")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """A sliding-window model on the engine with a cache of the window's size (llama-server's
 default, --swa-full off), a tiny random Gemma 3 the tests write (tests/window_model.py,
 a window of 16 tokens). Such a cache overwrites the KV of positions that left the
-window, so a state longer than the window is cut back only at a checkpoint (the
-window's KV read where a later prompt is likely to branch), and reused whole otherwise;
-a shorter one is cut anywhere. The answers are a full-size cache's and llama.cpp's own
-loop's, with batch-invariant kernels."""
+window once its ring comes round, so a state longer than the window is cut back within
+a window of its end (checked), or at a checkpoint (the window's KV read where a later
+prompt is likely to branch), or reused whole; a shorter one is cut anywhere. The
+answers are a full-size cache's and llama.cpp's own loop's, with batch-invariant
+kernels."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def fresh(engine: Engine, tokens: list[int], **job: Any) -> tuple[list[Token], D
 def test_the_cache_holds_the_window_and_its_slots_keep_checkpoints(
         engines: dict[str, Engine], window_gguf: Path) -> None:
     window, full = engines["window"].llama, engines["full"].llama
-    assert window.window == WINDOW and window.cuts == Cuts(WINDOW) and window.undo is None
+    assert window.window == WINDOW and window.cuts == Cuts(WINDOW, CHECKPOINTS)
+    assert window.undo is None
     assert window.checkpoints == CHECKPOINTS and window.state_bytes > 0
     assert engines["window"].spec is not None  # speculation stays on
     assert full.window == 0 and full.cuts == Cuts() and full.checkpoints == 0
@@ -128,22 +130,31 @@ def test_an_edited_last_message_goes_back_to_the_turn_before(
     same_output(out, fresh(engines["full"], edited, num_predict=12))
 
 
-def test_a_state_past_the_window_is_cut_only_at_a_checkpoint_and_a_shorter_one_anywhere(
+def test_a_state_past_the_window_is_cut_near_its_end_or_back_at_a_checkpoint(
         engines: dict[str, Engine]) -> None:
-    """The slot holds a prompt and 16 generated tokens; the next prompt keeps all but the
-    last three. The window's KV of the positions it keeps is gone, so the slot goes back
-    to the checkpoint one token before the first prompt's end. A state shorter than the
-    window holds every position's KV and is cut where the prompts part."""
+    """The slot holds a prompt longer than llama.cpp's window cache (a window a sequence
+    and a batch, in 256s: its ring has come round) and what it generated. A prompt that
+    keeps all but its last three tokens is cut there: the KV of the window before the
+    cut is still in the ring, which is checked. One that keeps less than a window from
+    the end goes back to the checkpoint one token before the first prompt's end."""
     engine = engines["window"]
-    # longer than llama.cpp's window cache (a window a sequence and a batch, in 256s):
-    # its ring has come round, and the KV of the positions out of the window is gone
     prompt = engine.tokenize(" ".join([PROMPT] * 8), add_special=True)
     assert len(prompt) > 256 + 2 * WINDOW + engine.llama.n_batch
-    tokens = list(run(engine, prompt, num_predict=16)[1].stats.context)
-    again = tokens[:-3] + engine.tokenize(" and the", add_special=False)
-    out = run(engine, again, num_predict=16)
-    assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
-    same_output(out, fresh(engines["full"], again, num_predict=16))
+    tokens = list(run(engine, prompt, num_predict=40)[1].stats.context)
+    near = tokens[:-3] + engine.tokenize(" and the", add_special=False)
+    out = run(engine, near, num_predict=16)
+    assert out[1].stats.prompt_eval_count == len(near) - (len(tokens) - 3)
+    same_output(out, fresh(engines["full"], near, num_predict=16))
+    tokens = list(run(engine, prompt, num_predict=40)[1].stats.context)
+    far = tokens[:len(prompt) + 5] + engine.tokenize(" and the", add_special=False)
+    assert len(tokens) - 1 - (len(prompt) + 5) >= WINDOW
+    out = run(engine, far, num_predict=16)
+    assert out[1].stats.prompt_eval_count == len(far) - (len(prompt) - 1)
+    same_output(out, fresh(engines["full"], far, num_predict=16))
+
+
+def test_a_state_shorter_than_the_window_is_cut_anywhere(engines: dict[str, Engine]) -> None:
+    engine = engines["window"]
     short = engine.tokenize("Mountains rise above", add_special=True)
     held = list(run(engine, short, num_predict=4)[1].stats.context)
     assert len(held) < WINDOW
@@ -151,6 +162,46 @@ def test_a_state_past_the_window_is_cut_only_at_a_checkpoint_and_a_shorter_one_a
     out = run(engine, part, num_predict=8)
     assert out[1].stats.prompt_eval_count == len(part) - (len(held) - 2)
     same_output(out, fresh(engines["full"], part, num_predict=8))
+
+
+def test_the_window_check_sees_kv_the_ring_overwrote(window_gguf: Path) -> None:
+    """In a context of one stream, a sequence that read 400 tokens has had its ring of
+    256 cells come round: cut back to 100 it lacks the window before, cut to 390 it
+    holds it; in a context of two streams the same."""
+    import llama_cpp as L
+
+    from corral.runner.llama.partial import Window
+
+    model = L.llama_model_load_from_file(str(window_gguf).encode(),
+                                         L.llama_model_default_params())
+    try:
+        window = Window.measured(model, 2, WINDOW)
+        for streams in (1, 2):
+            params = L.llama_context_default_params()
+            params.n_ctx, params.n_batch, params.n_ubatch = 1024 * streams, 64, 64
+            params.n_seq_max, params.kv_unified, params.swa_full = streams, False, False
+            ctx = L.llama_init_from_model(model, params)
+            try:
+                batch = L.llama_batch_init(64, 0, 1)
+                for start in range(0, 400, 64):
+                    n = min(64, 400 - start)
+                    batch.n_tokens = n
+                    for i in range(n):
+                        batch.token[i], batch.pos[i] = 100 + (start + i) % 50, start + i
+                        batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
+                        batch.logits[i] = i == n - 1
+                    assert L.llama_decode(ctx, batch) == 0
+                L.llama_batch_free(batch)
+                mem = L.llama_get_memory(ctx)
+                assert window.whole(ctx, 0, 400, streams)
+                L.llama_memory_seq_rm(mem, 0, 390, -1)
+                assert window.whole(ctx, 0, 390, streams)
+                L.llama_memory_seq_rm(mem, 0, 100, -1)
+                assert not window.whole(ctx, 0, 100, streams)
+            finally:
+                L.llama_free(ctx)
+    finally:
+        L.llama_model_free(model)
 
 
 def test_drafts_on_a_window_cache_change_nothing(engines: dict[str, Engine]) -> None:

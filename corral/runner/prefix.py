@@ -30,9 +30,16 @@ class Cuts:
     which overwrites the KV of positions that left every query's window."""
 
     below: int | None = None
+    checkpoints: int = 0  # how many a slot keeps where it cannot be cut (runner.engine.plan Mark)
 
     def anywhere(self, held: int) -> bool:
         return self.below is None or held < self.below
+
+    def recent(self, held: int, n: int) -> bool:
+        """A cut to `n` of a live sequence of `held` tokens that a window cache usually
+        still makes: within a window of its end, whose KV stays until the cache's ring
+        comes round to it. Tried, and checked when made (runner.llama.partial)."""
+        return bool(self.below) and held - n < (self.below or 0)
 
 
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix

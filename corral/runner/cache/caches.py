@@ -60,7 +60,7 @@ class PrefixCaches:
 
     def save(self, tokens: Sequence[int], data: KVBytes,
              checkpoints: Checkpoints = ()) -> None:
-        """A state into RAM, with its checkpoints (a recurrent memory's; the disk tier
+        """A state into RAM, with its checkpoints (where the memory cannot be cut; the disk tier
         keeps the whole state only)."""
         if not self.ram.add(tokens, data, checkpoints) and self.disk is not None \
                 and len(data) > self.ram.budget:

@@ -43,7 +43,7 @@ from corral.runner.prefix import Checkpoints, common_prefix
 
 log = logging.getLogger("corral.diskcache")
 MAGIC = b"CORRAL-KV 1\n"
-# An entry with checkpoints (a recurrent memory's) after its state: a Corral that knows
+# An entry with checkpoints (where the memory cannot be cut) after its state: a Corral that knows
 # only MAGIC removes it rather than hand llama.cpp the state with them
 MAGIC_CHECKPOINTS = b"CORRAL-KV 2\n"
 MAX_HEADER = 4 << 20  # a header lists tokens as JSON; far more than any num_ctx needs

@@ -82,7 +82,7 @@ class Fetched:
     seq: "Sequence"
     entry: DiskEntry
     data: bytes | None
-    checkpoints: Checkpoints = ()  # a recurrent memory's, read with the state
+    checkpoints: Checkpoints = ()  # the slot's (runner.prefix Cuts), read with the state
 
 
 class DiskReads:

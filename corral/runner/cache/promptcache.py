@@ -38,7 +38,7 @@ class Entry:
     tokens: tuple[int, ...]
     data: KVBytes  # llama_state_seq_get_data's output for those tokens
     used: int = 0  # the cache's clock at its last save or restore
-    # A recurrent memory's checkpoints of its slot (Slot.checkpoints): where a prompt that
+    # Its slot's checkpoints (Slot.checkpoints, where the memory cannot be cut): where a prompt that
     # keeps fewer of the tokens goes back to, its state cut there
     checkpoints: Checkpoints = ()
 

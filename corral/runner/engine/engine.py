@@ -118,8 +118,7 @@ class Engine:
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, self.spec, checkpoints=llama.checkpoints > 0,
-                                 cuts=llama.cuts)
+                                 llama.scratch, self.spec, llama.cuts)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
@@ -220,11 +219,8 @@ class Engine:
         if current is None:
             cells = self.config.kv_pool or self.llama.num_ctx * self.config.n_slots
             current = min(kv_cap * self.llama.n_ctx // max(cells, 1), kv_cap)
-        if self.resizer is not None:
-            current = self.resizer.kv_held(current, ctx)
-        # each slot's list is replaced, never changed in place, so reading it here is safe
-        return current + sum(len(data) for slot in list(self.slots)
-                             for _, data in slot.checkpoints)
+        held = self.resizer.kv_held(current, ctx) if self.resizer is not None else current
+        return held + sum(slot.checkpoint_bytes() for slot in list(self.slots))
 
     def clear_cache(self) -> None:
         """Drop the prompt cache's RAM (memory is wanted for another model)."""

@@ -4,7 +4,7 @@ context, and recovery after a failed decode. Only run (runner.engine.run) calls 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import llama_cpp as L
 
@@ -25,11 +25,13 @@ class KVOps:
     slot read it once."""
 
     def __init__(self, ctx: Any, mem: Any, caches: PrefixCaches, streams: int,
-                 cuts: Cuts = Cuts(), checkpoints: int = 0) -> None:
-        """`cuts`: where the memory takes a partial removal (runner.llama.context);
-        `checkpoints`: how many a slot keeps."""
+                 cuts: Cuts = Cuts(), whole: Callable[[int, int], bool] | None = None
+                 ) -> None:
+        """`cuts`: where the memory takes a partial removal, and how many checkpoints a
+        slot keeps (runner.llama.context); `whole`: whether a window cache's sequence
+        cut to a length still holds the window before it."""
         self.ctx, self.mem, self.caches, self.streams = ctx, mem, caches, streams
-        self.cuts, self.checkpoints = cuts, checkpoints
+        self.cuts, self.whole = cuts, whole
         self.failed: set[int] = set()
         self._donors: dict[int, KVBytes] = {}
 
@@ -42,7 +44,7 @@ class KVOps:
             data = kvbytes.get_partial(self.ctx, op.seq_id) if op.slot.n_past else None
             if data is not None:
                 op.slot.checkpoints = (op.slot.checkpoints + [(op.slot.n_past, data)])[
-                    -self.checkpoints:]
+                    -self.cuts.checkpoints:]
             return
         self._donors.pop(op.seq_id, None)
         mem, seq = self.mem, op.seq_id
@@ -54,8 +56,8 @@ class KVOps:
             # last few positions, from states only a draft's ubatch wrote, and a window
             # cache would keep cells that miss KV it overwrote: past a draft, only a cut
             # such a memory can make is asked of it.
-            if not ((op.draft or self._cuts(seq, op.n_prefix))
-                    and L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1)):
+            if not (L.llama_memory_seq_rm(mem, seq, op.n_prefix, -1) if op.draft
+                    else self._trim(seq, op.n_prefix)):
                 self._fail(seq)
         elif isinstance(op, Rewind):  # the state first: the cut then leaves it alone
             if not (kvbytes.put_partial(self.ctx, op.data, seq)
@@ -113,6 +115,16 @@ class KVOps:
         if checkpoint is not None:
             return kvbytes.put_partial(self.ctx, checkpoint, op.seq_id)
         return self._cuts(op.seq_id, op.cut)
+
+    def _trim(self, seq: int, n: int) -> bool:
+        """A cut the placer planned: where the memory makes it (`_cuts`), or within a
+        window of the end of a window cache's sequence, checked after: its ring may
+        have come round to the KV the next token needs."""
+        if self._cuts(seq, n):
+            return bool(L.llama_memory_seq_rm(self.mem, seq, n, -1))
+        held = L.llama_memory_seq_pos_max(self.mem, seq) + 1
+        return self.cuts.recent(held, n) and self.whole is not None \
+            and L.llama_memory_seq_rm(self.mem, seq, n, -1) and self.whole(seq, n)
 
     def _cuts(self, seq: int, at: int) -> bool:
         """Whether the sequence may be cut at `at`: anywhere while its memory can be cut

@@ -178,7 +178,8 @@ class Placer:
         shifted = seq.job.reuse_chunk > 0
         reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
                               for s in idle), key=lambda c: (c[0], c[1]))
-        reuse, back = self._back(slot.reusable(shifted), slot.checkpoints, usable(reuse))
+        reuse, back = self._back(slot.reusable(shifted), slot.checkpoints, usable(reuse),
+                                 live=True)
         best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE,
                          checkpoint=back)
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
@@ -219,20 +220,27 @@ class Placer:
                                  checkpoint=back)
         return best
 
-    def _restorable(self, held: Seq[int], marks: Seq[int], n: int) -> int:
+    def _restorable(self, held: Seq[int], marks: Seq[int], n: int, live: bool = False) -> int:
         """How much of a state holding `held` (a slot's, a cache entry's) a placement
-        keeps: all `n` of it where the memory can be cut anywhere (Cuts); else the whole
-        state, or its latest checkpoint (`marks`) within `n`, else nothing."""
-        if self.cuts.anywhere(len(held)) or n >= len(held):
+        keeps: all `n` of it where the memory can be cut anywhere (Cuts), or, in a
+        slot's `live` sequence, where a window cache likely still holds the window
+        before `n` (a failed check reads the whole prompt); else the whole state, or its
+        latest checkpoint (`marks`) within `n`, else nothing. A copied state (the cache,
+        another slot) holds only its own end's window."""
+        if self._as_is(len(held), n, live):
             return n
         return max((m for m in marks if m <= n), default=0)
 
-    def _back(self, held: Seq[int], checkpoints: Seq[tuple[int, KVBytes]], n: int
-              ) -> tuple[int, KVBytes | None]:
+    def _as_is(self, held: int, n: int, live: bool) -> bool:
+        """Whether a state of `held` tokens is cut to `n` without a checkpoint."""
+        return n >= held or self.cuts.anywhere(held) or (live and self.cuts.recent(held, n))
+
+    def _back(self, held: Seq[int], checkpoints: Seq[tuple[int, KVBytes]], n: int,
+              live: bool = False) -> tuple[int, KVBytes | None]:
         """`_restorable` of a state with its `checkpoints`, and the one it goes back to
-        for that (None: nothing is cut)."""
-        n = self._restorable(held, [m for m, _ in checkpoints], n)
-        return n, dict(checkpoints).get(n) if n < len(held) else None
+        for that (None: nothing is cut, or a cut the memory makes there)."""
+        kept = self._restorable(held, [m for m, _ in checkpoints], n, live)
+        return kept, None if self._as_is(len(held), kept, live) else dict(checkpoints).get(kept)
 
     def _worth_holding(self, tokens: list[int], busy: list[Slot], have: int) -> bool:
         """Whether a prefilling slot is about to compute at least HOLD_MIN more of this

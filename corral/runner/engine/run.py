@@ -120,7 +120,7 @@ class Run:
         # One KV stream in pool mode; else a stream a slot (runner.kv.growth keeps them equal).
         return KVOps(self.llama.ctx, self.llama.mem, self.caches,
                      1 if self.pooled else self.llama.streams, self.llama.cuts,
-                     self.llama.checkpoints)
+                     self.llama.window_whole if self.llama.window else None)
 
     def _samplers(self, placed: list[Placed]) -> list[tuple[Placed, BadRequest]]:
         """A new sequence's sampler, made here where every native call of the step is, when

@@ -54,22 +54,21 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 spec: "Speculation | None" = None, checkpoints: bool = False,
-                 cuts: Cuts = Cuts()) -> None:
+                 spec: "Speculation | None" = None, cuts: Cuts = Cuts()) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
         time waits while the text typed before it is decoded (runner.engine.parking).
         `spec`: speculative decoding (runner.speculative.speculation), which made the
-        decoding slots' drafts after the step before; None, it is off. `checkpoints`: the
-        memory cannot be cut anywhere (`cuts`), so a slot's state is read where a later
-        prompt is likely to go back to (`_marks`)."""
+        decoding slots' drafts after the step before; None, it is off. `cuts`: where the
+        memory can be cut back; where it cannot be cut anywhere, slots keep checkpoints,
+        a slot's state read where a later prompt is likely to go back to (`_marks`)."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
         self.spec = spec
-        self.checkpoints, self.cuts = checkpoints, cuts
+        self.cuts, self.checkpoints = cuts, cuts.checkpoints > 0
         self.parking = Parking(scratch)
 
     def plan(self, slots: list[Slot]) -> StepPlan:

@@ -16,7 +16,7 @@ import llama_cpp as L
 
 from corral.errors import RunnerError
 from corral.process import physical_cores, resident
-from corral.runner.llama import native
+from corral.runner.llama import native, partial
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.loadconfig import DEFAULT_BATCH
 from corral.runner.prefix import Cuts
@@ -28,9 +28,10 @@ from corral.runner.prefix import Cuts
 # of the weights' bytes, and none (speculation off) where one would.
 RS_SEQ = 8
 SNAPSHOT_SHARE = 0.1
-# Checkpoints a slot of such a memory keeps (runner.engine.plan Mark): the latest, where
-# the last turns started, near their prompts' ends and through long prompts. Each a copy of one sequence's
-# recurrent state, as many as SNAPSHOT_SHARE of the weights allows for every slot.
+# Checkpoints a slot keeps where its memory cannot be cut back (runner.engine.plan Mark):
+# the latest, where the last turns started, near their prompts' ends and through long
+# prompts. Each a copy of one sequence's recurrent state (as many as SNAPSHOT_SHARE of
+# the weights allows for every slot) or of its window's KV (WINDOWS_FOR_WINDOW_CACHE).
 CHECKPOINTS = 8
 # A sliding-window model's cache holds only the window (llama-server's default, --swa-full
 # off) where the context is at least this many windows: the KV it saves then pays for
@@ -119,20 +120,12 @@ class LlamaContext:
         # entry where they could not be told (stock ggml's clear commits them all).
         self._kv_pages: dict[int, list[tuple[int, int]]] = {}
         self.adapters: tuple[Any, Any, int] | None = None  # set on every later context too
-        # The sliding window whose KV alone the cache holds (0: none, or a full-size one)
+        # The sliding window whose KV alone the cache holds (0: none, or a full-size one),
+        # and what a sequence's window part of the state holds (runner.llama.partial)
         self.window = self._window()
-        # What one checkpoint holds: a recurrent state, or a window's KV. A recurrent
-        # memory's states kept for taking back drafts (n_rs_seq), as many as RS_SEQ and
-        # SNAPSHOT_SHARE allow for every sequence (the slots and a scratch one), and its
-        # slots' checkpoints, as many as CHECKPOINTS and SNAPSHOT_SHARE allow; a window
-        # cache's, as many as CHECKPOINTS and the KV it saves a slot allow.
-        self.state_bytes = self._state_bytes()
-        weights = int(L.llama_model_size(self.model))
-        self.planes = snapshot_planes(self.state_bytes, cfg.n_slots + 1, weights) \
-            if self.recurrent and cfg.speculative else 0
-        self.checkpoints = snapshot_planes(self.state_bytes, cfg.n_slots, weights,
-                                           CHECKPOINTS) if self.recurrent else \
-            min(CHECKPOINTS, self.num_ctx // self.window - 1) if self.window else 0
+        self.layout = partial.Window.measured(self.model, self.n_threads, self.window) \
+            if self.window else None
+        self.state_bytes, self.planes, self.checkpoints = self._snapshots()
         self.ctx = self.new_context(self.streams)
         self._apply_adapters(cfg.adapters)
         self.mem = L.llama_get_memory(self.ctx)
@@ -142,7 +135,7 @@ class LlamaContext:
         # Where a sequence's memory can be cut back: anywhere with attention alone; never
         # with recurrent state, which has no positions to cut at; in a window cache, only
         # while no position has left the window (the older KV is overwritten).
-        self.cuts = Cuts(0) if self.recurrent else Cuts(self.window or None)
+        self.cuts = Cuts(0 if self.recurrent else self.window or None, self.checkpoints)
         # How many of a sequence's last tokens its memory can take back (a rejected
         # draft's): any number, but where it is recurrent, as many as the snapshots
         # llama.cpp keeps of the last ubatch's states (n_rs_seq; 0 where the model's
@@ -175,8 +168,11 @@ class LlamaContext:
         sequence id more than its slots: a scratch sequence, where an infill's cached
         suffix waits, without a copy, while the text typed before it is evaluated
         (runner.engine.kvplan.reuse_moves). Per-slot streams cannot lend cells that way."""
-        unified = bool(self.cfg.kv_pool) or streams == 1
-        return streams if unified and streams < 256 else None
+        return streams if self.unified(streams) and streams < 256 else None
+
+    def unified(self, streams: int) -> bool:
+        """Whether a context of `streams` slots has one KV stream for all its sequences."""
+        return bool(self.cfg.kv_pool) or streams == 1
 
     def new_context(self, streams: int) -> Any:
         """A context of `streams` KV streams of num_ctx each, on this model. Safe from a
@@ -249,35 +245,35 @@ class LlamaContext:
             return 0
         return n_swa
 
-    def _state_bytes(self) -> int:
-        """What one checkpoint of a sequence holds, measured: in a context of one
-        sequence, its partial state (the part no cut can reach,
-        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). A recurrent state after one token; a window
-        cache's KV at the full window, from its size after one token and after two."""
-        if self.recurrent:
-            return self._partial_after(1)
-        if not self.window:
-            return 0
-        one, two = self._partial_after(1), self._partial_after(2)
-        return one + (two - one) * (self.window - 1)
+    def _snapshots(self) -> tuple[int, int, int]:
+        """What one checkpoint holds (a recurrent state, or a window's KV: `_state_bytes`);
+        how many of a recurrent memory's states are kept for taking back drafts (n_rs_seq:
+        as many as RS_SEQ and SNAPSHOT_SHARE allow for every sequence, the slots and a
+        scratch one); and how many checkpoints a slot keeps: a recurrent memory's as
+        many as CHECKPOINTS and SNAPSHOT_SHARE allow, a window cache's as many as
+        CHECKPOINTS and the KV it saves a slot allow."""
+        cfg, state = self.cfg, self._state_bytes()
+        weights = int(L.llama_model_size(self.model))
+        planes = snapshot_planes(state, cfg.n_slots + 1, weights) \
+            if self.recurrent and cfg.speculative else 0
+        checkpoints = snapshot_planes(state, cfg.n_slots, weights, CHECKPOINTS) \
+            if self.recurrent else \
+            min(CHECKPOINTS, self.num_ctx // self.window - 1) if self.window else 0
+        return state, planes, checkpoints
 
-    def _partial_after(self, n: int) -> int:
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
-        cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.no_perf = True
-        ctx = L.llama_init_from_model(self.model, cparams)
-        if not ctx:
-            return 0
-        try:
-            token = (L.llama_token * n)(*[max(int(L.llama_vocab_bos(self.vocab)), 0)] * n)
-            if L.llama_decode(ctx, L.llama_batch_get_one(token, n)) != 0:
-                return 0
-            return int(L.llama_state_seq_get_size_ext(
-                ctx, 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
-        finally:
-            L.llama_free(ctx)
+    def _state_bytes(self) -> int:
+        """What one checkpoint of a sequence holds, measured (runner.llama.partial): a
+        recurrent state after one token; a window cache's KV of the whole window."""
+        if self.recurrent:
+            return partial.measure(self.model, self.n_threads, 1)
+        return self.layout.state_bytes if self.layout is not None else 0
+
+    def window_whole(self, seq: int, n: int) -> bool:
+        """Engine thread: whether the sequence, just cut to `n` positions in a window
+        cache, still holds every position the next token sees (runner.llama.partial)."""
+        assert self.layout is not None
+        streams = 1 if self.unified(self.streams) else self.streams
+        return self.layout.whole(self.ctx, seq, n, streams)
 
     def cells_bytes(self) -> int:
         """llama.cpp's bookkeeping of the context's KV cells, committed when it is made

@@ -43,9 +43,15 @@ class Slot:
     sequence: Sequence | None = None
     last_used: float = 0.0
     tainted: bool = False  # a context shift changed the KV under the cached tokens
-    # A recurrent memory's states at some of the cached tokens' lengths (runner.engine.plan
-    # Mark), oldest first: where a later prompt that keeps fewer of them goes back to.
+    # Where the memory cannot be cut back (runner.prefix Cuts), its states at some of the
+    # cached tokens' lengths (runner.engine.plan Mark), oldest first: where a later prompt
+    # that keeps fewer of them goes back to.
     checkpoints: list[tuple[int, KVBytes]] = field(default_factory=list)
+
+    def checkpoint_bytes(self) -> int:
+        """What the checkpoints hold: host memory (any thread may ask: the list is
+        replaced, never changed in place)."""
+        return sum(len(data) for _, data in self.checkpoints)
 
     def reusable(self, approximate: bool = False) -> list[int]:
         """The cached tokens a new request may keep: none once a context shift ran,
