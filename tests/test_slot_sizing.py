@@ -171,3 +171,44 @@ def test_default_context_is_the_trained_length_as_memory_allows(tmp_path: Path) 
                       free_memory=lambda: 64 << 30, free_vram=lambda: 0,
                       total_memory=lambda: 64 << 30, inspect=lambda r: long)
     assert fixed._load_options(Options(), r).num_ctx == 8192
+
+
+# Gemma 3 270M's shape (18 layers, one KV head of 256, a window of 512, trained to 32k):
+# 15 of its layers attend within the window.
+GEMMA3 = GGUFInfo(**{**INFO.__dict__, "architecture": "gemma3", "block_count": 18,
+                     "head_count": 4, "head_count_kv": 1, "key_length": 256,
+                     "value_length": 256, "context_length": 32768, "sliding_window": 512})
+
+
+def test_a_window_cache_is_fitted_as_the_runner_makes_it(tmp_path: Path) -> None:
+    """A sliding-window model's window layers hold each sequence's window and a batch
+    (llama.cpp's size), its slots up to eight checkpoints of the window; not where the
+    context is under four windows, under CORRAL_DETERMINISTIC or beside a projector."""
+    per_layer = fitestimate.kv_bytes_per_token(GEMMA3) // 18
+    assert per_layer == 1024
+    assert fitestimate.window_layers(GEMMA3, 32768, True) == 15
+    assert fitestimate.window_layers(GEMMA3, 2047, True) == 0  # under four windows
+    assert fitestimate.window_layers(GEMMA3, 32768, False) == 0
+    assert fitestimate.window_layers(INFO, 32768, True) == 0  # no window
+    kv, kept = fitestimate.kv_bytes(GEMMA3, 32768, 4, window_cache=True)
+    assert kv == per_layer * (3 * 32768 * 4 + 15 * (512 * 5 + 512))
+    assert kept == per_layer * 15 * 8 * 4 * 512
+    assert fitestimate.kv_bytes(GEMMA3, 32768, 4) == (per_layer * 18 * 32768 * 4, 0)
+    est = fitestimate.estimate(GEMMA3, 32768, 4, 0, window_cache=True)
+    assert (est.kv, est.checkpoints) == (kv // 18 * 18, kept)  # the KV split by layer
+    assert est.total == est.weights + est.kv + est.compute + kept
+    # the default context: what a full-size cache would cap at 8k, a window cache gives
+    # whole
+    budget = fitestimate.memory_margin(1 << 30) + fitestimate.estimate(GEMMA3, 8192, 1, 0).total
+    budget += budget // 9  # the margin is a tenth of the budget
+    assert fitestimate.context_that_fits(GEMMA3, budget) < 32768
+    assert fitestimate.context_that_fits(GEMMA3, budget, window_cache=True) == 32768
+    # the daemon's fit asks for it as the runner will make it
+    for env, projector, want in (({}, None, True), ({"CORRAL_DETERMINISTIC": "1"}, None, False),
+                                 ({}, tmp_path / "mmproj.gguf", False)):
+        s = Scheduler(load_settings(env), FakeRunner, free_memory=lambda: budget,
+                      free_vram=lambda: 0, total_memory=lambda: 64 << 30,
+                      inspect=lambda r: GEMMA3)
+        r = rec(tmp_path)
+        r.projector = projector
+        assert s.fit._window_cache(r) is want

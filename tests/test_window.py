@@ -16,7 +16,7 @@ import pytest
 
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.llama.context import CHECKPOINTS, EngineConfig
+from corral.runner.llama.context import CHECKPOINTS, EngineConfig, LlamaContext
 from corral.runner.prefix import Cuts
 from tests.support import collect, llama_greedy
 from tests.window_model import WINDOW
@@ -94,11 +94,16 @@ def test_the_cache_holds_the_window_and_its_slots_keep_checkpoints(
     # llama.cpp's cells of the window cache: the window's for each sequence and a batch
     assert window.cells_bytes() < full.cells_bytes()
     # By default the window's cache, but not where exactness is promised, nor where the
-    # context is a few windows long (a full-size cache costs little and cuts anywhere).
-    auto = {(det, ctx): Engine(str(window_gguf), EngineConfig(
-        n_slots=1, num_ctx=ctx, deterministic=det)).llama.window
-        for det, ctx in ((False, 2048), (True, 2048), (False, 32))}
-    assert auto == {(False, 2048): WINDOW, (True, 2048): 0, (False, 32): 0}
+    # context is a few windows long (a full-size cache costs little and cuts anywhere),
+    # nor beside a projector (a prompt with images keeps no checkpoints).
+    auto = {}
+    cases: list[dict[str, Any]] = [{}, {"deterministic": True}, {"num_ctx": 32},
+                                   {"projector": "mmproj.gguf"}]
+    for case in cases:
+        llama = LlamaContext(str(window_gguf), EngineConfig(**{"num_ctx": 2048, **case}))
+        auto[tuple(case)] = llama.window
+        llama.free()
+    assert auto == {(): WINDOW, ("deterministic",): 0, ("num_ctx",): 0, ("projector",): 0}
 
 
 @pytest.mark.parametrize("spec", ["window", "plain"], ids=["drafting", "plain"])

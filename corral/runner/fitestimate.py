@@ -27,10 +27,11 @@ class Estimate:
     compute: int
     gpu_bytes: int
     cpu_bytes: int
+    checkpoints: int = 0  # the most a window cache's slots keep of its window (host RAM)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute
+        return self.weights + self.kv + self.compute + self.checkpoints
 
     def without(self, extra: int) -> "Estimate":
         """This estimate less `extra` bytes it counted beside the weights (a draft model
@@ -57,6 +58,44 @@ def draft_bytes(info: GGUFInfo, file_size: int, num_ctx: int, n_slots: int,
     return file_size + cells * kv_bytes_per_token(info, kv_type)
 
 
+# Sliding-window models by architecture: of every this many layers all but one attend
+# within the window (llama.cpp's load_swa_pattern defaults, src/models/).
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2,
+               "exaone4": 4, "olmo2": 4}
+# A sliding-window model's cache holds only the window where the context is at least this
+# many windows (runner.llama.context), and its slots keep at most CHECKPOINTS of it.
+WINDOWS_FOR_WINDOW_CACHE = 4
+CHECKPOINTS = 8
+
+
+def window_layers(info: GGUFInfo, num_ctx: int, window_cache: bool) -> int:
+    """How many layers keep only the window's KV, in a context of `num_ctx` a sequence
+    where a window cache may be made (`window_cache`: not under CORRAL_DETERMINISTIC nor
+    beside a projector); 0 where none is."""
+    window, pattern = info.sliding_window or 0, SWA_PATTERN.get(info.architecture)
+    if not (window_cache and window and pattern) or num_ctx < WINDOWS_FOR_WINDOW_CACHE * window:
+        return 0
+    layers = info.block_count or 0
+    return layers - layers // pattern
+
+
+def kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f16",
+             n_batch: int = DEFAULT_BATCH, window_cache: bool = False) -> tuple[int, int]:
+    """The KV of `n_slots` sequences of `num_ctx` tokens, and the most their checkpoints
+    hold: every layer's KV for every token, but in a window cache the sliding-window
+    layers' for each sequence's window and a batch (as llama.cpp sizes it), and a slot's
+    checkpoints a window each, as many as the KV saved pays for."""
+    layers = info.block_count or 0
+    per_layer = kv_bytes_per_token(info, kv_type) // max(layers, 1)
+    cells, swa = num_ctx * n_slots, window_layers(info, num_ctx, window_cache)
+    if not swa:
+        return per_layer * layers * cells, 0
+    window = info.sliding_window or 0
+    held = min(cells, window * (n_slots + 1) + n_batch)
+    kept = min(CHECKPOINTS, num_ctx // window - 1) * n_slots * window
+    return per_layer * ((layers - swa) * cells + swa * held), per_layer * swa * kept
+
+
 def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
     layers = info.block_count or 0
     heads_kv = info.head_count_kv or info.head_count or 0
@@ -75,15 +114,17 @@ def compute_bytes(info: GGUFInfo, n_batch: int, n_vocab: int, n_slots: int) -> i
 
 def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu: int = -1,
              kv_type: str = "f16", n_batch: int = DEFAULT_BATCH, n_vocab: int = 32000,
-             adapters: int = 0) -> Estimate:
+             adapters: int = 0, window_cache: bool = False) -> Estimate:
     """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit.
 
-    `adapters` is the LoRA adapters' bytes, held beside the weights they change."""
+    `adapters` is the LoRA adapters' bytes, held beside the weights they change;
+    `window_cache`: a sliding-window model may keep only the window's KV (`kv_bytes`)."""
     per_layer = info.layer_bytes()
     layers = info.block_count or len(per_layer)
     weights = sum(info.tensor_bytes.values()) + adapters
     other = weights - sum(per_layer.values())  # embeddings, output head, norms
-    kv_layer = kv_bytes_per_token(info, kv_type) // max(layers, 1) * num_ctx * n_slots
+    kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache)
+    kv_layer = kv // max(layers, 1)
     compute = compute_bytes(info, n_batch, n_vocab, n_slots)
     if num_gpu >= 0:
         gpu_layers = min(num_gpu, layers)
@@ -102,7 +143,8 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
     if gpu_layers == layers and layers:
         gpu += other + compute
     kv = kv_layer * layers
-    return Estimate(layers, gpu_layers, weights, kv, compute, gpu, weights + kv + compute - gpu)
+    return Estimate(layers, gpu_layers, weights, kv, compute, gpu,
+                    weights + kv + compute + checkpoints - gpu, checkpoints)
 
 
 CPU_MAX_SLOTS = 16  # aggregate decode on a CPU stops growing near 8 streams; 16 keeps the queue off
@@ -131,13 +173,15 @@ def memory_margin(budget: int) -> int:
 
 
 def slots_that_fit(info: GGUFInfo, num_ctx: int, budget: int, max_slots: int,
-                   kv_type: str = "f16", n_batch: int = DEFAULT_BATCH) -> int:
+                   kv_type: str = "f16", n_batch: int = DEFAULT_BATCH,
+                   window_cache: bool = False) -> int:
     """The most slots, each with its whole `num_ctx`, whose estimate fits `budget` bytes
     after the margin; at least one (a load that cannot fit fails on its own terms)."""
     room = budget - memory_margin(budget)
     best = 1
     for n in range(2, max(max_slots, 1) + 1):
-        if estimate(info, num_ctx, n, 0, kv_type=kv_type, n_batch=n_batch).total > room:
+        if estimate(info, num_ctx, n, 0, kv_type=kv_type, n_batch=n_batch,
+                    window_cache=window_cache).total > room:
             break
         best = n
     return best
@@ -149,24 +193,29 @@ DEFAULT_CTX_STEP = 1024
 
 
 def context_that_fits(info: GGUFInfo, budget: int, kv_type: str = "f16",
-                      n_batch: int = DEFAULT_BATCH) -> int:
+                      n_batch: int = DEFAULT_BATCH, window_cache: bool = False) -> int:
     """The default num_ctx: the model's trained length, up to DEFAULT_CTX_MAX, as far as
     one slot of it fits `budget` bytes after the margin (in steps of DEFAULT_CTX_STEP);
     never under DEFAULT_CTX_MIN (or the trained length, where that is shorter). An
     agent's first request is 10-20k tokens, so a model that has the length and the
     memory gets 32k and more; memory that follows use (docs/serving.md) makes a long
-    context cost only the cells a prompt writes."""
+    context cost only the cells a prompt writes. A window cache (`window_cache`) costs
+    a sliding-window model only its other layers' KV past the window."""
     trained = info.context_length or DEFAULT_CTX_MIN
     want = min(trained, DEFAULT_CTX_MAX)
     floor = min(trained, DEFAULT_CTX_MIN)
     if budget <= 0:
         return floor
     room = budget - memory_margin(budget)
-    fixed = estimate(info, 0, 1, 0, kv_type=kv_type, n_batch=n_batch).total
-    fits = (room - fixed) // max(kv_bytes_per_token(info, kv_type), 1)
-    if fits >= want:
+
+    def fits(num_ctx: int) -> bool:
+        return estimate(info, num_ctx, 1, 0, kv_type=kv_type, n_batch=n_batch,
+                        window_cache=window_cache).total <= room
+
+    if fits(want):
         return want
-    return max(floor, fits // DEFAULT_CTX_STEP * DEFAULT_CTX_STEP)
+    steps = range(DEFAULT_CTX_STEP, want, DEFAULT_CTX_STEP)
+    return max([floor] + [n for n in steps if fits(n)])
 
 
 def pool_tokens_that_fit(info: GGUFInfo, want: int, budget: int, n_seqs: int,

@@ -18,6 +18,7 @@ from corral.errors import RunnerError
 from corral.process import physical_cores, resident
 from corral.runner.llama import native, partial
 from corral.runner.llama.textstream import Utf8Stream
+from corral.runner.fitestimate import CHECKPOINTS, WINDOWS_FOR_WINDOW_CACHE
 from corral.runner.loadconfig import DEFAULT_BATCH
 from corral.runner.prefix import Cuts
 
@@ -28,15 +29,14 @@ from corral.runner.prefix import Cuts
 # of the weights' bytes, and none (speculation off) where one would.
 RS_SEQ = 8
 SNAPSHOT_SHARE = 0.1
-# Checkpoints a slot keeps where its memory cannot be cut back (runner.engine.plan Mark):
-# the latest, where the last turns started, near their prompts' ends and through long
-# prompts. Each a copy of one sequence's recurrent state (as many as SNAPSHOT_SHARE of
-# the weights allows for every slot) or of its window's KV (WINDOWS_FOR_WINDOW_CACHE).
-CHECKPOINTS = 8
-# A sliding-window model's cache holds only the window (llama-server's default, --swa-full
-# off) where the context is at least this many windows: the KV it saves then pays for
-# the checkpoints that give back its reuse (each the window's KV of one sequence).
-WINDOWS_FOR_WINDOW_CACHE = 4
+# CHECKPOINTS: how many a slot keeps where its memory cannot be cut back
+# (runner.engine.plan Mark): the latest, where the last turns started, near their
+# prompts' ends and through long prompts. Each a copy of one sequence's recurrent state
+# (as many as SNAPSHOT_SHARE of the weights allows for every slot) or of its window's KV.
+# WINDOWS_FOR_WINDOW_CACHE: a sliding-window model's cache holds only the window
+# (llama-server's default, --swa-full off) where the context is at least this many
+# windows: the KV it saves then pays for the checkpoints that give back its reuse. The
+# fit reckons with both (runner.fitestimate).
 # Architectures whose window is not a sliding one (chunked attention): a cut inside a
 # chunk needs KV the window cache has overwritten, so they keep a full-size cache.
 CHUNKED = {"llama4"}
@@ -83,8 +83,8 @@ class EngineConfig:
     cache_dir: str = ""
     projector: str = ""  # the model's multimodal projector: an image's KV depends on it
     # A sliding-window model's cache: full size (True), the window's (False), or None:
-    # the window's, except under `deterministic` and where the context is short
-    # (WINDOWS_FOR_WINDOW_CACHE). Tests set it.
+    # the window's, except under `deterministic`, beside a projector and where the
+    # context is short (WINDOWS_FOR_WINDOW_CACHE). Tests set it.
     swa_full: bool | None = None
 
 
@@ -238,8 +238,9 @@ class LlamaContext:
         """The model's sliding window, where its cache holds only that (`swa_full`)."""
         n_swa = int(L.llama_model_n_swa(self.model))
         full = self.cfg.swa_full
-        if full is None:
-            full = self.cfg.deterministic or self.num_ctx < WINDOWS_FOR_WINDOW_CACHE * n_swa
+        if full is None:  # a prompt with images has no checkpoints (Schedule._points)
+            full = self.cfg.deterministic or bool(self.cfg.projector) or \
+                self.num_ctx < WINDOWS_FOR_WINDOW_CACHE * n_swa
         if not n_swa or full or self.recurrent or native.meta(
                 self.model, "general.architecture") in CHUNKED:
             return 0

@@ -45,7 +45,8 @@ class MemoryFit:
             if not self.free_vram():  # the prompt cache takes host RAM beside the KV
                 budget -= self.cache_ram()
             self._contexts[key] = fitestimate.context_that_fits(
-                info, budget, self.settings.kv_cache_type)
+                info, budget, self.settings.kv_cache_type,
+                window_cache=self._window_cache(record))
         return self._contexts[key]
 
     def slots(self, record: ModelRecord, opts: Options) -> int:
@@ -70,7 +71,14 @@ class MemoryFit:
         if self.settings.speculative and record.draft is None:  # the n-gram index, at most
             budget -= fitestimate.NGRAM_INDEX_BYTES
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
-                                     self.settings.kv_cache_type)
+                                          self.settings.kv_cache_type,
+                                          window_cache=self._window_cache(record))
+
+    def _window_cache(self, record: ModelRecord) -> bool:
+        """Whether a sliding-window model may keep only its window's KV (as the runner
+        decides: runner.llama.context): not where exactness is promised, nor beside a
+        projector."""
+        return not self.settings.deterministic and record.projector is None
 
     def _draft(self, record: ModelRecord, num_ctx: int, slots: int) -> int:
         """A draft model's weights and KV, loaded beside the model (0: none, or it does
