@@ -311,3 +311,15 @@ def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(
     finally:
         three.stop()
     assert [list(d.stats.context[len(p):]) for (_, d), p in zip(done, prompts)] == want
+
+
+def test_a_recent_cut_is_tried_only_where_the_copied_window_reaches() -> None:
+    """A state copied into a slot (llama.cpp writes only the cells its end's window
+    sees) is cut back without a checkpoint only where what came after it holds the
+    window before the cut (Slot.window_from)."""
+    cuts = Cuts(WINDOW, CHECKPOINTS)
+    assert cuts.recent(100, 90) and cuts.recent(100, 90, since=90 - WINDOW)
+    assert not cuts.recent(100, 90, since=100 - WINDOW)  # a settled slot: its end's window
+    assert not cuts.recent(100, 100 - WINDOW)  # the ring may have come round
+    assert cuts.recent(10, 5, since=0)  # the window before 5 starts at 0
+    assert not Cuts().recent(100, 90) and not Cuts(0, CHECKPOINTS).recent(100, 99)

@@ -35,11 +35,14 @@ class Cuts:
     def anywhere(self, held: int) -> bool:
         return self.below is None or held < self.below
 
-    def recent(self, held: int, n: int) -> bool:
+    def recent(self, held: int, n: int, since: int = 0) -> bool:
         """A cut to `n` of a live sequence of `held` tokens that a window cache usually
         still makes: within a window of its end, whose KV stays until the cache's ring
-        comes round to it. Tried, and checked when made (runner.llama.partial)."""
-        return bool(self.below) and held - n < (self.below or 0)
+        comes round to it, and not before the window of a state copied in at `since`
+        (llama.cpp copies only the cells its end's window sees: Slot.window_from). Tried,
+        and checked when made (runner.llama.partial)."""
+        window = self.below or 0
+        return window > 0 and held - n < window and max(n - window, 0) >= since
 
 
 PREFIX_CHUNK = 64  # tokens compared at once as slices by common_prefix

@@ -179,7 +179,7 @@ class Placer:
         reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
                               for s in idle), key=lambda c: (c[0], c[1]))
         reuse, back = self._back(slot.reusable(shifted), slot.checkpoints, usable(reuse),
-                                 live=True)
+                                 live=slot.window_from)
         best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE,
                          checkpoint=back)
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
@@ -220,23 +220,26 @@ class Placer:
                                  checkpoint=back)
         return best
 
-    def _restorable(self, held: Seq[int], marks: Seq[int], n: int, live: bool = False) -> int:
+    def _restorable(self, held: Seq[int], marks: Seq[int], n: int,
+                    live: int | None = None) -> int:
         """How much of a state holding `held` (a slot's, a cache entry's) a placement
         keeps: all `n` of it where the memory can be cut anywhere (Cuts), or, in a
-        slot's `live` sequence, where a window cache likely still holds the window
-        before `n` (a failed check reads the whole prompt); else the whole state, or its
-        latest checkpoint (`marks`) within `n`, else nothing. A copied state (the cache,
-        another slot) holds only its own end's window."""
+        slot's `live` sequence (whole from its Slot.window_from), where a window cache
+        likely still holds the window before `n` (a failed check reads the whole
+        prompt); else the whole state, or its latest checkpoint (`marks`) within `n`,
+        else nothing. A copied state (the cache, another slot) holds only its own end's
+        window."""
         if self._as_is(len(held), n, live):
             return n
         return max((m for m in marks if m <= n), default=0)
 
-    def _as_is(self, held: int, n: int, live: bool) -> bool:
+    def _as_is(self, held: int, n: int, live: int | None) -> bool:
         """Whether a state of `held` tokens is cut to `n` without a checkpoint."""
-        return n >= held or self.cuts.anywhere(held) or (live and self.cuts.recent(held, n))
+        return n >= held or self.cuts.anywhere(held) or (
+            live is not None and self.cuts.recent(held, n, live))
 
     def _back(self, held: Seq[int], checkpoints: Seq[tuple[int, KVBytes]], n: int,
-              live: bool = False) -> tuple[int, KVBytes | None]:
+              live: int | None = None) -> tuple[int, KVBytes | None]:
         """`_restorable` of a state with its `checkpoints`, and the one it goes back to
         for that (None: nothing is cut, or a cut the memory makes there)."""
         kept = self._restorable(held, [m for m, _ in checkpoints], n, live)

@@ -134,6 +134,8 @@ class Schedule:
         kept = n_prefix > 0 or park is not None
         shifted = (slot.tainted or moved) and kept and p.source in (Source.NONE, Source.REUSE)
         slot.assign(seq, tokens[:n_prefix], shifted=shifted)
+        if p.source is not Source.REUSE or p.checkpoint is not None:  # a state copied in
+            slot.window_from = max(n_prefix - (self.cuts.below or 0), 0)
         if p.source not in (Source.NONE, Source.REUSE):  # another sequence's state now:
             # the checkpoints are the entry's, where they hold (the slot's own went)
             held = p.entry.checkpoints if p.entry is not None else p.checkpoints

@@ -87,6 +87,8 @@ class Settler:
                 self.llama.ctx, state, keep.seq_id, 1)):
             L.llama_memory_seq_rm(self.llama.mem, keep.seq_id, -1, -1)
             keep.cached, keep.tainted = [], False
+        elif keep is not None:  # llama.cpp copied only the cells its end's window sees
+            keep.window_from = max(keep.n_past - (self.llama.window or 0), 0)
         self.settles += 1
         log.info("settled the shared KV: %d MiB committed, %d MiB kept", committed >> 20,
                  (self.llama.kv_committed() or 0) >> 20)

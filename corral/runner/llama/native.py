@@ -21,11 +21,14 @@ _log_hook: Any = None
 
 
 def init_backend(verbose: bool = False, deterministic: bool = False) -> None:
-    """Initialise ggml once and route llama.cpp's logging (silent unless verbose)."""
+    """Initialise ggml once and route llama.cpp's logging (silent unless verbose).
+    Deterministic mode's knobs are set at every call: ggml's CPU backend reads them
+    when each context is made, and a process that made another model's context first
+    (a test suite's) must not lose them."""
     global _log_hook
+    apply_native_defaults(deterministic)
     if _log_hook is not None:
         return
-    apply_native_defaults(deterministic)
 
     def _log(level: int, text: bytes, _user: Any) -> None:
         if verbose and text:

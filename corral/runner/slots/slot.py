@@ -47,6 +47,10 @@ class Slot:
     # cached tokens' lengths (runner.engine.plan Mark), oldest first: where a later prompt
     # that keeps fewer of them goes back to.
     checkpoints: list[tuple[int, KVBytes]] = field(default_factory=list)
+    # Where a window cache's KV of `cached` starts being whole (runner.prefix Cuts.recent):
+    # a state copied in (a restore, a branch, a checkpoint, a settle) brings only the
+    # cells its end's window sees; what is decoded after comes on top.
+    window_from: int = 0
 
     def checkpoint_bytes(self) -> int:
         """What the checkpoints hold: host memory (any thread may ask: the list is
