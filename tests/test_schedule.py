@@ -21,7 +21,8 @@ from corral.runner.engine.schedule import Schedule
 from corral.runner.jobs import ImageSpan, Job, position
 from corral.runner.slots.sequence import DoneReason, Sequence, SeqState
 from corral.runner.slots.slot import Slot, SlotState
-from corral.runner.speculative.ngram import History, NgramIndex
+from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.source import History
 from corral.runner.speculative.speculation import Speculation
 
 A = list(range(100, 300))  # 200 tokens

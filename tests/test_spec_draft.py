@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from corral.runner.speculative import policy
-from corral.runner.speculative.ngram import History, NgramIndex
+from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.source import History
 from corral.runner.speculative.policy import DraftPolicy
 
 
@@ -220,9 +221,7 @@ def test_a_shared_buffers_drafts_are_cut_by_the_step_cost_likeliest_first() -> N
     from corral.runner.speculative.cost import StepCost
     from corral.runner.speculative.speculation import Ask, Candidate, Speculation
 
-    class Fixed:  # a draft source that offers every sequence 2 tokens
-        def add(self, history: History) -> None: ...
-
+    class Fixed(NgramIndex):  # a draft source that offers every sequence 2 tokens
         def draft(self, history: History, n: int) -> list[int]:
             return [7, 8][:n]
 
@@ -239,7 +238,7 @@ def test_a_shared_buffers_drafts_are_cut_by_the_step_cost_likeliest_first() -> N
         elif seq == 5:  # one that is often right
             p.verified(8, 6)
         cands.append(Candidate(seq, p, History([1, 2, 3]), room=100))
-    spec.prepare(Ask(cands, n_batch=512, even=False))
+    spec.prepare(Ask(cands, n_batch=512, split_equal=False))
     made = spec.drafts({c.seq_id: c.history for c in cands})
     assert made == {3: [7, 8], 9: [7, 8]}  # 20 rows: 19.5 tokens in 100 ms, not 16 in 84
     assert spec.cost.best(16, [(1, 0.875)] * 4 + [(1, 0.625)] * 2) == 4
@@ -288,30 +287,25 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     decoder = CountingDecoder()
     model = DraftModel(decoder, n_vocab=1000, cells=56, n_max=4)
     h = History([10, 11, 12])
-    model.propose([(0, h, 8)])  # n_max bounds what the policy asks
+    # n_max bounds what the policy asks
+    assert model.propose([(0, h, 8)]) == {0: [13, 14, 15, 16]}
     assert decoder.rows[0] == [(10, 0, 0, False), (11, 1, 0, False), (12, 2, 0, True)]
-    assert model.draft(h, 8) == [13, 14, 15, 16] and model.draft(h, 2) == [13, 14]
     assert len(decoder.rows) == 4  # the catch-up, then one row per token but the last
     h.tokens += [13, 14, 99]  # two kept, then the model's own token: the cells past 14 go
-    assert model.draft(h, 4) == []  # a proposal is for the history it was made for
-    model.propose([(0, h, 4)])
+    assert model.propose([(0, h, 4)]) == {0: []}  # 100: unsure, nothing proposed
     assert decoder.removed[-1] == (0, 5) and decoder.rows[4] == [(99, 5, 0, True)]
-    assert model.draft(h, 4) == []  # 100: unsure, nothing proposed
     small = DraftModel(CountingDecoder(), n_vocab=14, cells=64)  # 14 is not the model's token
     h2 = History([11, 12])
-    small.propose([(1, h2, 4)])
-    assert small.draft(h2, 4) == [13]
+    assert small.propose([(1, h2, 4)]) == {1: [13]}
     decoder.fail = True  # the cells are full: nothing now, everything read again later
-    model.propose([(0, h, 4)])
-    assert model.draft(h, 4) == [] and model.held == {}
+    assert not any(model.propose([(0, h, 4)]).values()) and model.held == {}
     decoder.fail = False
     model.propose([(0, h, 4)])
     assert decoder.rows[-1][0] == (10, 0, 0, False)
     # Longer than the cells: it does not draft (rather than fail at every step).
     calls = len(decoder.rows)
     long = History(list(range(300, 360)))
-    model.propose([(2, long, 4)])
-    assert model.draft(long, 4) == [] and len(decoder.rows) == calls
+    assert model.propose([(2, long, 4)]) == {} and len(decoder.rows) == calls
     # Full: a sequence that does not draft now gives its cells to one that does.
     other = History(list(range(200, 250)))
     model.propose([(1, other, 4)])
@@ -327,9 +321,7 @@ def test_a_token_past_the_draft_models_vocabulary_ends_that_sequences_drafting_o
     decoder = CountingDecoder()
     model = DraftModel(decoder, n_vocab=1000, cells=64, n_max=4, n_own=900)
     fine, beyond = History([10, 11, 12]), History([20, 950, 21])
-    model.propose([(0, fine, 4), (1, beyond, 4)])
-    assert model.draft(fine, 4) == [13, 14, 15, 16]
-    assert model.draft(beyond, 4) == []
+    assert model.propose([(0, fine, 4), (1, beyond, 4)]) == {0: [13, 14, 15, 16]}
     assert all(seq == 0 for rows in decoder.rows for _, _, seq, _ in rows)
     assert 1 not in model.held
 
@@ -355,16 +347,16 @@ def test_a_long_history_is_read_a_bounded_number_of_rows_a_step() -> None:
     decoder = CountingDecoder()
     model = DraftModel(decoder, n_vocab=100_000, cells=4096, n_max=4)
     short, long = History([10, 11, 12]), History([20 + i % 70 for i in range(600)])
-    steps = 0
-    while model.draft(long, 4) == []:
+    steps, drafts = 0, {}
+    while 1 not in drafts:  # not read to its end yet
         calls = len(decoder.rows)
-        model.propose([(0, short, 4), (1, long, 4)])
+        drafts = model.propose([(0, short, 4), (1, long, 4)])
         assert len(decoder.rows[calls]) <= draftmodel.CATCH_UP  # the catch-up's decode
-        assert model.draft(short, 4) == [13, 14, 15, 16]
+        assert drafts[0] == [13, 14, 15, 16]
         steps += 1
         assert steps < 10
     assert steps == -(-(600 + 3) // draftmodel.CATCH_UP)  # 603 rows in all, 256 a step
-    assert model.draft(long, 4) == [60, 61, 62, 63]
+    assert drafts[1] == [60, 61, 62, 63]
 
 
 def test_a_sequence_priced_out_of_drafting_drafts_again_once_it_copies() -> None:
@@ -386,7 +378,7 @@ def test_a_sequence_priced_out_of_drafting_drafts_again_once_it_copies() -> None
     p.verified(8, 0)  # its first draft missed
     verified_at = None
     for step in range(60):
-        ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, even=False)
+        ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False)
         spec.prepare(ask)
         if spec.drafts({0: history}):
             verified_at = step
@@ -409,8 +401,7 @@ def test_a_draft_models_priced_out_sequence_drafts_again_once_it_foresees() -> N
     for rows in range(1, 33):
         cost.observe(rows, 0.010 + 0.030 * rows)
     decoder = CountingDecoder()
-    spec = Speculation(model=DraftModel(decoder, n_vocab=1000, cells=512, n_max=8),
-                       cost=cost)
+    spec = Speculation(DraftModel(decoder, n_vocab=1000, cells=512, n_max=8), cost=cost)
     history = History([10, 11, 12])
     spec.started(history)
     p = DraftPolicy()
@@ -418,7 +409,7 @@ def test_a_draft_models_priced_out_sequence_drafts_again_once_it_foresees() -> N
     verified_at = None
     for step in range(60):
         for even in (False, True):  # a pool, and a KV stream per slot, alike
-            ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, even=even)
+            ask = Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=even)
             spec.prepare(ask)
             if spec.drafts({0: history}):
                 verified_at = step

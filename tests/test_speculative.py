@@ -15,7 +15,8 @@ from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import EngineConfig
 from corral.runner.slots.slot import SlotState
-from corral.runner.speculative.ngram import History, NgramIndex
+from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.source import History
 from tests.support import collect, same_output
 
 CODE = '''class Account:
@@ -150,7 +151,7 @@ def test_every_draft_rejected_keeps_output_and_leaves_no_cell(starter_gguf: Path
     index = Wrong(truth)
     index.prompt_len = len(prompt)
     engine = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048, deterministic=True),
-                    index=index)
+                    drafts=index)
     engine.start()
     try:
         on = run(engine, REPETITIVE)

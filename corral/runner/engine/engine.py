@@ -57,8 +57,7 @@ from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
-from corral.runner.speculative.draftmodel import DraftModel
-from corral.runner.speculative.ngram import DraftSource
+from corral.runner.speculative.source import DraftSource
 from corral.runner.speculative.speculation import speculation
 
 log = logging.getLogger("corral.engine")
@@ -72,7 +71,7 @@ class Engine:
                  step_hook: Callable[[StepPlan], None] | None = None,
                  disk_reader: Reader = read_entry, caches: PrefixCaches | None = None,
                  reserve_gate: threading.Event | None = None,
-                 index: DraftSource | None = None, draft: DraftModel | None = None) -> None:
+                 drafts: DraftSource | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -112,9 +111,9 @@ class Engine:
             llama.cuts)
         # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
         # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
-        # is freed. With the snapshots, drafts are at most `undo` tokens.
-        self.spec = speculation(config.speculative and llama.can_rollback, index, draft,
-                                llama.undo)
+        # is freed. With the snapshots, drafts are at most `undo` tokens. `drafts`: a
+        # draft model (runner.process.loading), a test's source; the n-gram index else.
+        self.spec = speculation(config.speculative and llama.can_rollback, drafts, llama.undo)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,

@@ -221,7 +221,7 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
     loaded = loaded or load(config)
     est = loaded.estimate
     engine = Engine(config.model, loaded.engine_config, llama=loaded.llama,
-                    load_seconds=loaded.seconds, step_hook=step_hook, draft=loaded.draft)
+                    load_seconds=loaded.seconds, step_hook=step_hook, drafts=loaded.draft)
     import llama_cpp as L
 
     from corral.runner.llama import native

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from corral.runner.jobs import Job, JobEvent, Token
 from corral.runner.llama.textstream import StopMatcher, Utf8Stream
-from corral.runner.speculative.ngram import History
+from corral.runner.speculative.source import History
 from corral.runner.speculative.policy import DraftPolicy
 from corral.runner.wire import DoneLine
 

@@ -23,7 +23,7 @@ import time
 from typing import Protocol, Sequence
 
 from corral.runner.fitestimate import DRAFT_STREAMS
-from corral.runner.speculative.ngram import History
+from corral.runner.speculative.source import History, Want
 
 P_MIN = 0.75
 # Rows of catching up (a new request's prompt, a restored prefix) the draft model decodes
@@ -37,7 +37,6 @@ N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
 STREAMS = DRAFT_STREAMS
 
 Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
-Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose
 
 
 class Decoder(Protocol):
@@ -53,6 +52,8 @@ class Decoder(Protocol):
 
 
 class DraftModel:
+    priced = True  # each proposed token is a row of a draft decode
+
     def __init__(self, context: Decoder, n_vocab: int, cells: int, n_max: int = 0,
                  n_own: int = 0) -> None:
         """`n_vocab`: the model's vocabulary size (a token past it is never proposed);
@@ -62,31 +63,24 @@ class DraftModel:
         self.n_own = n_own or n_vocab
         self.cells = cells
         self.held: dict[int, list[int]] = {}  # sequence -> the tokens its cells hold
-        self._proposals: dict[int, tuple[History, int, list[int]]] = {}
         self.seconds = 0.0  # in the draft model's decodes, since load
 
-    # ---- the draft source (runner.engine.schedule) --------------------------------------
+    # ---- the draft source (runner.speculative.source) ----------------------------------
 
     def add(self, history: History) -> None:
         """A sequence's new tokens: nothing to index (the draft model reads them when it
         next proposes for that sequence)."""
 
-    def draft(self, history: History, n: int) -> list[int]:
-        """Up to `n` tokens of the proposal made for `history` as it is now."""
-        hit = self._proposals.get(id(history))
-        if hit is None or hit[0] is not history or hit[1] != len(history.tokens):
-            return []
-        return hit[2][:n]
+    def bytes(self) -> int:
+        """Nothing beside its context, which its load counts (runner.process.loading)."""
+        return 0
 
-    # ---- proposing (the engine thread, after a step) ------------------------------------
-
-    def propose(self, wants: Sequence[Want]) -> None:
-        """A continuation for each wanting sequence, for the next step to take."""
-        self._proposals.clear()
+    def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
+        """A continuation for each wanting sequence (the engine thread, after a step)."""
         wants = self._fitting([(seq, h, min(n, self.n_max)) for seq, h, n in wants
                                if n > 0 and self._readable(h.tokens)])
         if not wants:
-            return
+            return {}
         t0 = time.perf_counter()
         self._make_room(wants)
         catch_up, ready = self._catch_up(wants)
@@ -107,8 +101,8 @@ class DraftModel:
             picks = self._decode(rows)
             for token, _, seq, _ in rows if picks else []:
                 self.held[seq].append(token)
-        self._proposals = {id(h): (h, len(h.tokens), drafts[seq]) for seq, h, _ in wants}
         self.seconds += time.perf_counter() - t0
+        return drafts
 
     def _readable(self, tokens: list[int]) -> bool:
         """Whether the draft model can read every token: not an image's placeholder

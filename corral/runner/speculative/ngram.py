@@ -16,7 +16,9 @@ sixteen requests over one document draft from each other.
 from __future__ import annotations
 
 from itertools import takewhile
-from typing import Protocol
+from typing import Sequence
+
+from corral.runner.speculative.source import History, Want
 
 # Tokens that must match before a draft is made. Short keys draft sooner after an edit
 # (a renamed variable, an inserted type hint) and are wrong more often; the policy
@@ -33,26 +35,11 @@ TOKENS = 1 << 21
 KEY_BYTES, TOKEN_BYTES = 100, 40  # what each costs in the interpreter, as measured
 
 
-class History:
-    """One sequence's tokens as the index sees them: its prompt, then what it generated.
-    The index points into this list, so a continuation grows as the sequence does."""
-
-    def __init__(self, prompt: list[int]) -> None:
-        self.tokens = list(prompt)
-        self.indexed = 0  # tokens[:indexed] are in the index as continuations
-
-
-class DraftSource(Protocol):
-    """Where the engine's drafts come from: this index, or a draft model's proposals
-    (runner.speculative.draftmodel). `add` hears each sequence's new tokens."""
-
-    def add(self, history: History) -> None: ...
-
-    def draft(self, history: History, n: int) -> list[int]: ...
-
-
 class NgramIndex:
-    """K-gram -> (history, the position that followed it there), the latest wins."""
+    """K-gram -> (history, the position that followed it there), the latest wins. A
+    draft source (runner.speculative.source) whose drafts cost a lookup each."""
+
+    priced = False
 
     def __init__(self, k: int = K, limit: int = LIMIT, tokens: int = TOKENS) -> None:
         self.k, self.limit, self.tokens = k, limit, tokens
@@ -110,3 +97,12 @@ class NgramIndex:
             draft += more
             key = (key + more)[-k:]
         return draft
+
+    def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
+        return {seq: self.draft(history, n) for seq, history, n in wants}
+
+    def set_threads(self, n: int) -> None:
+        """Nothing decodes here."""
+
+    def free(self) -> None:
+        """Python memory only."""

@@ -1,15 +1,17 @@
 """Speculative decoding's one owner, as llama.cpp's common_speculative is one object.
 
-It holds where drafts come from (the n-gram index, or a draft model's proposals), what a
-row costs on this machine (runner.speculative.cost) and the rules of each sequence's
-policy (runner.speculative.policy; a sequence carries its own policy's state, which
-moves with it when it is preempted). The engine talks to it at three points of a step:
+It holds where drafts come from (a draft source: the n-gram index, or a draft model;
+runner.speculative.source), the drafts made, what a row costs on this machine
+(runner.speculative.cost) and the rules of each sequence's policy
+(runner.speculative.policy; a sequence carries its own policy's state, which moves with
+it when it is preempted). The engine talks to it at three points of a step:
 
 - after a step (`prepare`): the decision what each decoding sequence drafts at the next
   step is made here, once, with every constraint together (its policy, what it may
-  still generate, the rows the batch leaves it, the even cut of per-slot streams,
-  whether its drafts pay for their rows), and the drafts are made then: looked up in
-  the index, or proposed by the draft model in one batch for all of them;
+  still generate, the rows the batch leaves it, llama.cpp's split_equal of per-slot
+  streams, whether its drafts pay for their rows), and the source makes them then, in
+  one call for all of them (looked up in the index, or proposed by the draft model in
+  one batch);
 - schedule (`drafts`): takes the drafts made for sequences that are still where they
   were (same tokens), and plans them as rows;
 - postprocess (`counting`, `kept`, `verified`, `extended`): hears what was drafted and
@@ -22,8 +24,8 @@ from itertools import groupby
 from typing import NamedTuple
 
 from corral.runner.speculative.cost import StepCost, passes
-from corral.runner.speculative.draftmodel import DraftModel
-from corral.runner.speculative.ngram import DraftSource, History, NgramIndex
+from corral.runner.speculative.ngram import NgramIndex
+from corral.runner.speculative.source import DraftSource, History
 from corral.runner.speculative.policy import DraftPolicy
 
 
@@ -41,29 +43,29 @@ class Ask(NamedTuple):
 
     candidates: list[Candidate]
     n_batch: int
-    even: bool  # a KV stream per slot: every decoding slot drafts as many (batchplan)
+    # A KV stream per slot: llama.cpp splits the batch into ubatches of as many rows of
+    # each sequence (split_equal), so every decoding slot drafts as many (batchplan).
+    split_equal: bool
 
 
 class Speculation:
-    def __init__(self, source: DraftSource | None = None, model: DraftModel | None = None,
-                 cost: StepCost | None = None, undo: int | None = None) -> None:
-        """`model`: a draft model (a Modelfile's DRAFT), which is then the source; else
-        `source`, the n-gram index by default (or a test's). `undo`: the most tokens the
-        model's memory can take back, where it is recurrent (runner.llama.context); a
-        draft is never longer, and since llama.cpp splits every batch of such a memory
-        into ubatches of as many rows of each sequence, its decoding sequences draft as
-        many tokens each, as per-slot streams do."""
+    def __init__(self, source: DraftSource | None = None, cost: StepCost | None = None,
+                 undo: int | None = None) -> None:
+        """`source`: where drafts come from, the n-gram index by default (a draft model,
+        a Modelfile's DRAFT; a test's). `undo`: the most tokens the model's memory can
+        take back, where it is recurrent (runner.llama.context); a draft is never
+        longer, and since llama.cpp splits every batch of such a memory into ubatches of
+        as many rows of each sequence, its decoding sequences draft as many tokens each,
+        as per-slot streams do."""
         self.undo = undo
-        self.model = model
         # (not `or`: an empty index has no length, and is falsy)
-        self.source: DraftSource = model if model is not None else \
-            source if source is not None else NgramIndex()
+        self.source: DraftSource = source if source is not None else NgramIndex()
         self.cost = cost or StepCost()
         self._made: dict[int, tuple[History, int, list[int]]] = {}  # seq -> what it drafts
         # id(history) -> (its length then, a draft's first token, its policy): drafts
         # made and not verified, scored by the next token (StepCost.expects)
         self._unverified: dict[int, tuple[int, int, DraftPolicy]] = {}
-        self._split = False  # a KV stream per slot: llama.cpp splits batches (cost.passes)
+        self._split_equal = False  # at the last step's layout: the passes it took (cost.passes)
 
     # ---- after a step: the next step's drafts -------------------------------------------
 
@@ -71,12 +73,10 @@ class Speculation:
         """Decide what each candidate drafts at the next step, and make those drafts."""
         self._made.clear()
         self._unverified.clear()
-        even = self._split = ask.even or self.undo is not None
-        decided = self._decide(ask, even)
-        if self.model is not None:
-            self.model.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
-        made = {seq: self.source.draft(c.history, n) for seq, (c, n) in decided.items()}
-        used = (self._even if even else self._cut)(ask.candidates, made)
+        equal = self._split_equal = ask.split_equal or self.undo is not None
+        decided = self._decide(ask, equal)
+        made = self.source.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
+        used = (self._equal if equal else self._cut)(ask.candidates, made)
         for c in ask.candidates:
             tokens, history = made.get(c.seq_id), c.history
             if tokens and used.get(c.seq_id):
@@ -84,19 +84,19 @@ class Speculation:
             elif tokens:  # made, not verified: its first token is scored by the next one
                 self._unverified[id(history)] = (len(history.tokens), tokens[0], c.policy)
 
-    def _decide(self, ask: Ask, even: bool) -> dict[int, tuple[Candidate, int]]:
+    def _decide(self, ask: Ask, equal: bool) -> dict[int, tuple[Candidate, int]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
         each. The n-gram index's drafts cost a lookup, so they are made whole and cut
-        after (`_cut`, `_even`). A draft model's cost a row of its batch each, so a
+        after (`_cut`, `_equal`). A priced source's cost a row of its batch each, so a
         candidate whose draft would not pay for its rows gets one token (and where
-        `even` sequences must all pay and some do not, every one gets one): a draft made
+        `equal` sequences must all pay and some do not, every one gets one): a draft made
         and not verified still tells its odds by the next token, so a sequence whose
         first drafts missed, or that a busy moment priced out, is seen to be copying
         once it is, and drafts again."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
-        look = self.model is None
+        look = not self.source.priced
         out = {}
         if self.undo is not None:
             spare = min(spare, self.undo)
@@ -104,7 +104,7 @@ class Speculation:
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
                 out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
-        if even and not look and any(
+        if equal and not look and any(
                 not self._pays(c.policy, len(cands), n) for c, n in out.values()):
             return {seq: (c, 1) for seq, (c, _) in out.items()}
         return out
@@ -125,7 +125,7 @@ class Speculation:
             used[seq], left = made[seq][:left], left - len(made[seq])
         return used
 
-    def _even(self, cands: list[Candidate], made: dict[int, list[int]]
+    def _equal(self, cands: list[Candidate], made: dict[int, list[int]]
               ) -> dict[int, list[int]]:
         """Where every slot has a KV stream of its own: every decoding slot drafts as
         many tokens, as many as pay, or none unless every one has a draft.
@@ -193,32 +193,30 @@ class Speculation:
         order, took `seconds`; where every slot has a KV stream of its own it took as
         many passes as split_equal makes of them."""
         runs = [(seq, len(list(group))) for seq, group in groupby(seq_ids)]
-        self.cost.observe(len(seq_ids), seconds, passes(runs) if self._split else 1)
+        self.cost.observe(len(seq_ids), seconds, passes(runs) if self._split_equal else 1)
 
     # ---- the engine ----------------------------------------------------------------------
 
     def bytes(self) -> int:
-        """What the n-gram index holds (ps counts it); the draft model's is its load's."""
-        return self.source.bytes() if isinstance(self.source, NgramIndex) else 0
+        """What the source holds for its drafts (ps counts it): the n-gram index's."""
+        return self.source.bytes()
 
     def set_threads(self, n: int) -> None:
-        if self.model is not None:
-            self.model.set_threads(n)
+        self.source.set_threads(n)
 
     def free(self) -> None:
-        if self.model is not None:
-            self.model.free()
+        self.source.free()
 
 
-def speculation(on: bool, source: DraftSource | None = None,
-                model: DraftModel | None = None, undo: int | None = None
+def speculation(on: bool, source: DraftSource | None = None, undo: int | None = None
                 ) -> Speculation | None:
-    """Speculative decoding for an engine, its drafts from a draft model (a Modelfile's
-    DRAFT: it proposes after each step, on the engine thread), else from the n-gram index
-    (or a test's `source`), each at most `undo` tokens where that is set (a recurrent
-    memory's); None where it is off, and then a draft model loaded for nothing is freed."""
+    """Speculative decoding for an engine, its drafts from `source` (a draft model, a
+    Modelfile's DRAFT, which proposes after each step on the engine thread; a test's),
+    else from the n-gram index, each at most `undo` tokens where that is set (a
+    recurrent memory's); None where it is off, and then a source loaded for nothing (a
+    draft model) is freed."""
     if on:
-        return Speculation(source, model, undo=undo)
-    if model is not None:
-        model.free()
+        return Speculation(source, undo=undo)
+    if source is not None:
+        source.free()
     return None
