@@ -419,3 +419,40 @@ def test_a_draft_models_priced_out_sequence_drafts_again_once_it_foresees() -> N
         spec.extended(history, history.tokens[-1] + 1)  # what the draft model foresaw
     assert verified_at is not None and verified_at > 0
     assert p.foreseen_right > 0 and p.foreseen == p.foreseen_right
+
+
+def test_a_models_sequence_waiting_after_misses_drafts_again_once_it_foresees() -> None:
+    """Misses in a row make a sequence wait before it drafts again (1, 2, 4, ... steps).
+    A model's proposals (a draft model, an MTP head) are still made while it waits,
+    unverified, and the first right one ends the wait: the text it foresees has come
+    (an MTP head kept one token in six past a grammar's forced opening without this,
+    benchmarks/mtp.py). The n-gram index waits its wait out."""
+    from corral.runner.speculative.cost import StepCost
+    from corral.runner.speculative.draftmodel import DraftModel
+    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+
+    def waiting(source: object) -> tuple[Speculation, DraftPolicy, History]:
+        cost = StepCost(rate=0.2)
+        for rows in range(1, 33):
+            cost.observe(rows, 0.010 + 0.0005 * rows)  # rows cheap: drafts pay
+        spec = Speculation(source, cost=cost)  # type: ignore[arg-type]
+        history = History([10, 11, 12])
+        spec.started(history)
+        p = DraftPolicy()
+        for _ in range(5):
+            p.verified(8, 0)
+        assert p.wait == 16
+        return spec, p, history
+
+    spec, p, history = waiting(DraftModel(CountingDecoder(), n_vocab=1000, cells=512, n_max=8))
+    spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
+    assert spec.drafts({0: history}) == {}  # waiting: nothing verified
+    spec.extended(history, history.tokens[-1] + 1)  # what the draft model foresaw
+    assert p.wait == 0 and p.foreseen_right == 1
+    spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
+    assert spec.drafts({0: history})[0][0] == history.tokens[-1] + 1
+
+    spec, p, history = waiting(NgramIndex())
+    spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
+    spec.extended(history, 13)
+    assert p.wait == 15 and p.foreseen == 0

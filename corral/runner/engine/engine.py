@@ -277,6 +277,8 @@ class Engine:
                 self._step_hook(plan)
             t0 = self.clock()
             out = self.run.step(plan, self.slots)
+            if self.spec is not None and out.ok:  # before any other decode: run.py
+                self.spec.decoded(out.batch.rows)
             self.post.step(plan, out)
             self._stuck(self.run.trim(self.post.rejected()))
             rows_time = self.clock() - t0  # the decode, and the samplers of its rows

@@ -16,7 +16,7 @@ import llama_cpp as L
 
 from corral.errors import RunnerError
 from corral.process import physical_cores, resident
-from corral.runner.llama import native, partial
+from corral.runner.llama import mtpcontext, native, partial
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.fitestimate import CHECKPOINTS, WINDOWS_FOR_WINDOW_CACHE
 from corral.runner.loadconfig import DEFAULT_BATCH
@@ -99,9 +99,15 @@ class LlamaContext:
         mparams.use_extra_bufts = not cfg.deterministic
         if not cfg.use_mmap:
             mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
+        # A model's MTP head (its GGUF's nextn layers) drafts for it where speculation is
+        # on (runner.speculative.mtp): its weights load, and every context's decodes keep
+        # each row's hidden state for it.
+        mparams.load_mtp = cfg.speculative and mtpcontext.available()
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise RunnerError(f"llama.cpp could not load {path}")
+        # One head (llama.cpp chains several a step at a time, which this does not do)
+        self.mtp = mparams.load_mtp and int(L.llama_model_n_layer_nextn(self.model)) == 1
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
@@ -212,6 +218,8 @@ class LlamaContext:
             if L.llama_set_adapters_lora(ctx, handles, n, scales) != 0:
                 L.llama_free(ctx)
                 raise RunnerError("llama.cpp could not apply the adapters")
+        if self.mtp:
+            mtpcontext.hidden_states_on(ctx)
         pages = native.kv_pages(ctx) if not self.cfg.n_gpu_layers else None  # host KV only
         if pages is not None:
             self._kv_pages[_address(ctx)] = pages

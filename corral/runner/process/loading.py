@@ -33,6 +33,8 @@ log = logging.getLogger("corral.runner")
 if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
     from corral.runner.speculative.draftmodel import DraftModel
+    from corral.runner.speculative.mtp import MtpHead
+    from corral.runner.speculative.source import DraftSource
 
 
 @dataclass
@@ -47,8 +49,8 @@ class LoadedModel:
     seconds: float
     rpc_bytes: int = 0  # of the estimate, what lives on RPC workers
     vision: "Vision | None" = None
-    draft: "DraftModel | None" = None
-    draft_bytes: int = 0  # of the estimate's weights, the draft model's and its KV (0: none)
+    draft: "DraftSource | None" = None  # a DRAFT model, or the model's own MTP head
+    draft_bytes: int = 0  # of the estimate's weights, a draft model's and its KV (0: none)
     draft_error: str = ""  # why the model's draft model did not load ("": it did, or none)
 
 
@@ -103,6 +105,7 @@ def load(config: LoadConfig) -> LoadedModel:
     t0 = time.perf_counter()
     llama = LlamaContext(config.model, cfg)
     vision = _vision(config, llama, est.gpu_layers > 0) if config.projector else None
+    draft: "DraftSource | None"
     try:
         draft, why = _with_draft(config, llama, est, draft_cells) if draft_bytes else (None, "")
         draft_error = draft_error or why
@@ -114,8 +117,11 @@ def load(config: LoadConfig) -> LoadedModel:
     if draft is None and draft_bytes:  # estimated, and not held after all
         est = est.without(draft_bytes)
         rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
+    held = draft_bytes if draft is not None else 0
+    if draft is None and llama.mtp:  # a DRAFT model goes first
+        draft = mtp_head(llama, config.draft_num_predict)
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
-                       vision, draft, draft_bytes if draft is not None else 0, draft_error)
+                       vision, draft, held, draft_error)
 
 
 def _vision(config: LoadConfig, llama: LlamaContext, use_gpu: bool) -> "Vision":
@@ -168,6 +174,8 @@ def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
     RunnerError where its memory cannot cut back a rejected proposal (recurrent, hybrid)."""
     from corral.runner.llama.draftcontext import DraftContext
     from corral.runner.speculative.draftmodel import DraftModel
+    from corral.runner.speculative.mtp import MtpHead
+    from corral.runner.speculative.source import DraftSource
 
     assert config.draft is not None
     context = DraftContext(config.draft, config.n_slots, cells, llama.n_threads,
@@ -179,6 +187,24 @@ def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
                           "proposal")
     return DraftModel(context, llama.n_vocab, cells, config.draft_num_predict,
                       context.n_vocab)
+
+
+def mtp_head(llama: LlamaContext, n_max: int = 0) -> "MtpHead | None":
+    """The model's own MTP head as its draft source (`n_max`: the most tokens a draft,
+    0 for llama-server's), or None where its context cannot be made (an architecture
+    whose head llama.cpp runs some other way: the model runs without)."""
+    from corral.runner.llama.mtpcontext import MtpContext, hidden_states
+    from corral.runner.speculative.mtp import MtpHead
+
+    slots = llama.cfg.n_slots
+    try:  # its sequence ids are the model's: the slots' and the scratch sequence
+        head = MtpContext(llama.model, slots + 1, llama.num_ctx * slots, llama.n_batch,
+                          llama.n_threads, llama.kv_type, llama.flash_attn_type)
+    except RunnerError as exc:
+        log.warning("the model's MTP head is not used: %s", exc)
+        return None
+    n_embd = head.n_embd
+    return MtpHead(head, lambda n: hidden_states(llama.ctx, n, n_embd), n_max)
 
 
 class Pending:

@@ -23,7 +23,7 @@ import time
 from typing import Protocol, Sequence
 
 from corral.runner.fitestimate import DRAFT_STREAMS
-from corral.runner.speculative.source import History, Want
+from corral.runner.speculative.source import History, Row, Want
 
 P_MIN = 0.75
 # Rows of catching up (a new request's prompt, a restored prefix) the draft model decodes
@@ -36,7 +36,6 @@ N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
 # batch drafts little anyway (runner.speculative.policy).
 STREAMS = DRAFT_STREAMS
 
-Row = tuple[int, int, int, bool]  # token, position, sequence, wants logits
 
 
 class Decoder(Protocol):
@@ -70,6 +69,9 @@ class DraftModel:
     def add(self, history: History) -> None:
         """A sequence's new tokens: nothing to index (the draft model reads them when it
         next proposes for that sequence)."""
+
+    def decoded(self, rows: Sequence[Row]) -> None:
+        """Nothing: the draft model reads a sequence's tokens when it next proposes."""
 
     def bytes(self) -> int:
         """Nothing beside its context, which its load counts (runner.process.loading)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from itertools import takewhile
 from typing import Sequence
 
-from corral.runner.speculative.source import History, Want
+from corral.runner.speculative.source import History, Row, Want
 
 # Tokens that must match before a draft is made. Short keys draft sooner after an edit
 # (a renamed variable, an inserted type hint) and are wrong more often; the policy
@@ -97,6 +97,9 @@ class NgramIndex:
             draft += more
             key = (key + more)[-k:]
         return draft
+
+    def decoded(self, rows: Sequence[Row]) -> None:
+        """Nothing: `add` hears the tokens."""
 
     def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
         return {seq: self.draft(history, n) for seq, history, n in wants}

@@ -12,7 +12,9 @@ nothing. So:
 - A draft of which nothing is accepted is a miss. After each miss in a row the slot
   waits twice as many steps before it drafts again (1, 2, 4, ... up to MAX_WAIT): free
   text, where the index keeps offering phrases that do not come again, soon stops
-  paying for rows at all, and a stretch of copying later is still found.
+  paying for rows at all, and a stretch of copying later is still found. A model (a
+  draft model, an MTP head) still proposes a token while the slot waits, unverified,
+  and a right one ends the wait: its proposals follow the text as it turns.
 - A busy batch drafts less: the decoding slots share ROWS draft rows per step, at most
   ROWS // decoding each (at one stream a slot may draft 32; at sixteen, 2). Rows that
   verify one slot's guesses would otherwise crowd out the tokens other streams are
@@ -61,9 +63,13 @@ class DraftPolicy:
         return max(0, min(self.length, ROWS // max(decoding, 1), room))
 
     def foresaw(self, right: bool) -> None:
-        """A draft made and not verified: whether its first token was the one sampled."""
+        """A draft made and not verified: whether its first token was the one sampled. A
+        right one ends a wait after misses (a model's proposals are made while it waits:
+        the text it foresees has come)."""
         self.foreseen += 1
         self.foreseen_right += right
+        if right and self.wait > 0:
+            self.wait = self.misses = 0
 
     def counting(self, drafted: int) -> None:
         """A draft of `drafted` tokens goes to verification: they count now, since

@@ -5,7 +5,9 @@ keeps the drafts made.
 
 After a step, speculation asks its source once for the drafts of every sequence it
 chose (`propose`: a sequence id, its tokens, how many at most); the source hears each
-sequence's tokens as they come (`add`). A source whose drafts cost compute of their own
+sequence's tokens as they come (`add`), and the rows each model decode read
+(`decoded`: a model's MTP head reads them with the model's hidden states,
+runner.speculative.mtp). A source whose drafts cost compute of their own
 (`priced`: a draft model's decode, a row per token) is asked only for drafts that pay
 for their rows; the index's lookups cost nothing, so its drafts are made whole and cut
 after.
@@ -26,6 +28,7 @@ class History:
 
 
 Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose at most
+Row = tuple[int, int, int, bool]  # a decoded row: token, position, sequence, had logits
 
 
 class DraftSource(Protocol):
@@ -33,6 +36,9 @@ class DraftSource(Protocol):
 
     def add(self, history: History) -> None:
         """A sequence's new tokens (its prompt, then each sampled one)."""
+
+    def decoded(self, rows: Sequence[Row]) -> None:
+        """The model just decoded `rows`, in batch order (before any other decode)."""
 
     def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
         """A continuation for each wanting sequence, at most its count: sequence id ->

@@ -21,11 +21,11 @@ it when it is preempted). The engine talks to it at three points of a step:
 from __future__ import annotations
 
 from itertools import groupby
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from corral.runner.speculative.cost import StepCost, passes
 from corral.runner.speculative.ngram import NgramIndex
-from corral.runner.speculative.source import DraftSource, History
+from corral.runner.speculative.source import DraftSource, History, Row
 from corral.runner.speculative.policy import DraftPolicy
 
 
@@ -74,9 +74,11 @@ class Speculation:
         self._made.clear()
         self._unverified.clear()
         equal = self._split_equal = ask.split_equal or self.undo is not None
-        decided = self._decide(ask, equal)
-        made = self.source.propose([(seq, c.history, n) for seq, (c, n) in decided.items()])
-        used = (self._equal if equal else self._cut)(ask.candidates, made)
+        decided, foresee = self._decide(ask, equal)
+        wants = [(seq, c.history, n) for seq, (c, n) in decided.items()]
+        made = self.source.propose(wants + [(c.seq_id, c.history, 1) for c in foresee])
+        used = (self._equal if equal else self._cut)(
+            ask.candidates, {seq: made[seq] for seq in decided if seq in made})
         for c in ask.candidates:
             tokens, history = made.get(c.seq_id), c.history
             if tokens and used.get(c.seq_id):
@@ -84,7 +86,8 @@ class Speculation:
             elif tokens:  # made, not verified: its first token is scored by the next one
                 self._unverified[id(history)] = (len(history.tokens), tokens[0], c.policy)
 
-    def _decide(self, ask: Ask, equal: bool) -> dict[int, tuple[Candidate, int]]:
+    def _decide(self, ask: Ask, equal: bool
+                ) -> tuple[dict[int, tuple[Candidate, int]], list[Candidate]]:
         """How many tokens each candidate drafts: as many as its policy asks (a step of
         its wait counts here, once a step), within its room and the rows the batch leaves
         each. The n-gram index's drafts cost a lookup, so they are made whole and cut
@@ -93,21 +96,27 @@ class Speculation:
         `equal` sequences must all pay and some do not, every one gets one): a draft made
         and not verified still tells its odds by the next token, so a sequence whose
         first drafts missed, or that a busy moment priced out, is seen to be copying
-        once it is, and drafts again."""
+        once it is, and drafts again. So is one waiting after misses: a priced source
+        (a model, sure of what it proposes or silent) is asked for one token it does not
+        verify (`foresee`), and a right one ends the wait (DraftPolicy.foresaw)."""
         cands = ask.candidates
         spare = (ask.n_batch - len(cands)) // max(len(cands), 1)
         look = not self.source.priced
         out = {}
         if self.undo is not None:
             spare = min(spare, self.undo)
+        foresee = []
         for c in cands:
+            waiting = c.policy.wait > 0
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
                 out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
+            elif waiting and not look and c.room > 0:
+                foresee.append(c)
         if equal and not look and any(
                 not self._pays(c.policy, len(cands), n) for c, n in out.values()):
-            return {seq: (c, 1) for seq, (c, _) in out.items()}
-        return out
+            return {seq: (c, 1) for seq, (c, _) in out.items()}, foresee
+        return out, foresee
 
     def _cut(self, cands: list[Candidate], made: dict[int, list[int]]
              ) -> dict[int, list[int]]:
@@ -196,6 +205,10 @@ class Speculation:
         self.cost.observe(len(seq_ids), seconds, passes(runs) if self._split_equal else 1)
 
     # ---- the engine ----------------------------------------------------------------------
+
+    def decoded(self, rows: Sequence[Row]) -> None:
+        """The model's decode read `rows` (its MTP head reads them too)."""
+        self.source.decoded(rows)
 
     def bytes(self) -> int:
         """What the source holds for its drafts (ps counts it): the n-gram index's."""

@@ -1,0 +1,149 @@
+"""Drafting with the model's own MTP head (runner.llama.mtpcontext): a draft source
+(runner.speculative.source) as llama-server's draft-mtp is one.
+
+The head predicts the token after next from a token and the model's hidden state at the
+position before it. So its cells must follow the model's: after every decode of the
+model (`decoded`), each row's token goes into the head with the state of the row before
+it (the first row of a sequence with the last state kept for it), which costs one
+layer's decode of every row the model reads. To draft (`propose`), a sequence's next
+token goes in with the state that predicted it, and each drafted token with the state
+the head gave with it, while the head is sure of its pick (P_MIN, among its top ten as
+llama-server's sampler sees it) and up to the count asked. The drafted cells go again
+after, as llama-server removes them: the model's next decode writes those positions.
+
+What the head's cells hold is checked only against its own writes: a slot whose state
+was copied in (a restore, a branch) keeps the head's cells of what the slot held before
+up to where the copy's new rows began, so drafts after a restore read a stale prefix
+until the slot starts over. That costs acceptance, never exactness (the model verifies
+every draft).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from corral.runner.speculative.draftmodel import N_MAX, P_MIN
+from corral.runner.speculative.source import History, Row, Want
+
+HeadRow = tuple[int, int, int, np.ndarray, bool]  # ... with the hidden state it reads
+
+
+class Head(Protocol):
+    """The native side (runner.llama.mtpcontext.MtpContext)."""
+
+    n_embd: int
+
+    def kv_bytes(self) -> int: ...
+
+    def remove(self, seq: int, start: int) -> None: ...
+
+    def decode(self, rows: Sequence[HeadRow]) -> bool: ...
+
+    def pick(self, row: int) -> tuple[int, float, np.ndarray]: ...
+
+    def set_threads(self, n: int) -> None: ...
+
+    def free(self) -> None: ...
+
+
+class MtpHead:
+    priced = True  # each drafted token is a row of the head's decode
+
+    def __init__(self, head: Head, states: "StatesOf", n_max: int = 0) -> None:
+        """`states(n)`: the hidden states of the model's last decode's n rows."""
+        self.head, self.states = head, states
+        self.n_max = n_max or N_MAX
+        # sequence -> (the first position of its rows in the model's last decode that
+        # had any, their states): the state that predicted a sequence's next token
+        self.last: dict[int, tuple[int, np.ndarray]] = {}
+        self.seconds = 0.0  # in the head's decodes, since load
+
+    # ---- the draft source (runner.speculative.source) ----------------------------------
+
+    def add(self, history: History) -> None:
+        """Nothing to index: the head reads the model's rows as they are decoded."""
+
+    def bytes(self) -> int:
+        """The head's KV pages written, and the states kept for the next drafts (ps
+        counts them)."""
+        return self.head.kv_bytes() + sum(states.nbytes for _, states in self.last.values())
+
+    def decoded(self, rows: Sequence[Row]) -> None:
+        """The model decoded `rows` (in batch order): the head reads them too."""
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        states = self.states(len(rows))
+        by_seq: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_seq.setdefault(row[2], []).append(i)
+        catch_up: list[HeadRow] = []
+        for seq, idx in by_seq.items():
+            first = rows[idx[0]][1]
+            before = self._state_at(seq, first - 1)
+            self.head.remove(seq, first)  # rejected drafts' rows, and what a cut left
+            for k, i in enumerate(idx):
+                token, pos = rows[i][0], rows[i][1]
+                catch_up.append((token, pos, seq, before if k == 0 else states[idx[k - 1]],
+                                 False))
+            self.last[seq] = (first, states[idx])
+        self.head.decode(catch_up)
+        self.seconds += time.perf_counter() - t0
+
+    def _state_at(self, seq: int, pos: int) -> np.ndarray:
+        """The model's state at `pos` of `seq`, from its last decode; zeros where it is
+        not there (the first token of a prompt, a prefix the slot took whole)."""
+        kept = self.last.get(seq)
+        if kept is not None and 0 <= pos - kept[0] < len(kept[1]):
+            return kept[1][pos - kept[0]]
+        return np.zeros(self.head.n_embd, dtype=np.float32)
+
+    def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
+        """A continuation for each wanting sequence (the engine thread, after a step)."""
+        drafts: dict[int, list[int]] = {}
+        rows: list[HeadRow] = []
+        for seq, history, n in wants:
+            kept = self.last.get(seq)
+            pos = len(history.tokens) - 1  # the next token's, which the model reads next
+            if n <= 0 or kept is None or not 0 <= pos - 1 - kept[0] < len(kept[1]):
+                continue
+            self.head.remove(seq, pos)
+            drafts[seq] = []
+            rows.append((history.tokens[-1], pos, seq, kept[1][pos - 1 - kept[0]], True))
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        want = {seq: min(n, self.n_max) for seq, _, n in wants}
+        start = {row[2]: row[1] for row in rows}
+        while rows and self.head.decode(rows):
+            rows = self._next(rows, drafts, want)
+        for seq, pos in start.items():
+            self.head.remove(seq, pos)  # the model's next decode writes these positions
+        self.seconds += time.perf_counter() - t0
+        return {seq: d for seq, d in drafts.items() if d}
+
+    def _next(self, rows: list[HeadRow], drafts: dict[int, list[int]],
+              want: dict[int, int]) -> list[HeadRow]:
+        """Each row's pick, kept where the head is sure; the rows of the next draft step."""
+        out = []
+        for i, (_, pos, seq, _, _) in enumerate(rows):
+            token, p, state = self.head.pick(i)
+            if p < P_MIN:
+                continue
+            drafts[seq].append(token)
+            if len(drafts[seq]) < want[seq]:
+                out.append((token, pos + 1, seq, state, True))
+        return out
+
+    def set_threads(self, n: int) -> None:
+        self.head.set_threads(n)
+
+    def free(self) -> None:
+        self.head.free()
+
+
+class StatesOf(Protocol):
+    def __call__(self, n_rows: int) -> np.ndarray: ...
