@@ -12,7 +12,7 @@ embedding and the hidden state, normed and joined, projected to the model's widt
 The vocabulary is the chat starter's (SmolLM2's BPE with ChatML tokens); the weights
 mean nothing, the path is real.
 
-    python -m tests.mtp_model CHAT_GGUF OUT.gguf
+    python -m tests.mtp_model CHAT_GGUF OUT.gguf [--part whole|model|head]
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ TRUNK, INTERVAL = 4, 4  # layers 0-2 gated delta-net, 3 attention; 4 is the MTP 
 CONV, STATE, GROUPS, V_HEADS = 4, 16, 2, 4  # ssm: conv taps, head size, k heads, v heads
 
 
-def write_mtp(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> Path:
+def write_mtp(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0,
+              trunk: bool = True, head: bool = True) -> Path:
     """A loadable Qwen3.5 with an MTP layer, seeded random weights and `tokenizer`'s
-    vocabulary. `sure` scales the output norm, as in tests.hybrid_model."""
+    vocabulary. `sure` scales the output norm, as in tests.hybrid_model. Without `head`,
+    the model alone (as converted without its MTP layers); without `trunk`, the head
+    alone, a sidecar (a DRAFT) for the model of the same seed."""
     reader = gguf.GGUFReader(str(tokenizer))
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(seed)
@@ -44,8 +47,9 @@ def write_mtp(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> P
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_context_length(4096)
     w.add_embedding_length(EMBD)
-    w.add_block_count(TRUNK + 1)
-    w.add_uint32(f"{ARCH}.nextn_predict_layers", 1)
+    w.add_block_count(TRUNK + head)
+    if head:
+        w.add_uint32(f"{ARCH}.nextn_predict_layers", 1)
     w.add_feed_forward_length(FF)
     w.add_head_count(HEADS)
     w.add_head_count_kv(HEADS_KV)
@@ -77,10 +81,11 @@ def write_mtp(tokenizer: Path, dst: Path, seed: int = 0, sure: float = 8.0) -> P
 
     add("token_embd.weight", rand(n_vocab, EMBD, std=0.5))
     add("output_norm.weight", ones(EMBD, sure))
-    for i in range(TRUNK):
+    for i in range(TRUNK):  # drawn either way: the head's weights follow from the seed
         for name, data in _block(i, rand, ones):
-            add(f"blk.{i}.{name}", data)
-    for name, data in _head(rand, ones):
+            if trunk:
+                add(f"blk.{i}.{name}", data)
+    for name, data in _head(rand, ones) if head else []:
         add(f"blk.{TRUNK}.{name}", data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -141,8 +146,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokenizer", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--part", choices=("whole", "model", "head"), default="whole")
     args = parser.parse_args()
-    write_mtp(args.tokenizer, args.out)
+    write_mtp(args.tokenizer, args.out, trunk=args.part != "head",
+              head=args.part != "model")
     print(args.out)
 
 

@@ -160,3 +160,29 @@ def test_mtp_drafts_after_a_return_from_ram_and_a_resume_from_disk(
     assert out[1].stats.prompt_eval_count < len(resumed)  # from the disk tier
     assert out[1].stats.draft_accepted_count > 0
     same_output(out, run(plain, resumed, n=24, grammar=None))
+
+
+def test_a_sidecar_head_named_as_the_draft_drafts_for_its_model(
+        chat_gguf: Path, tmp_path: Path, engines: dict[str, Engine]) -> None:
+    """A model converted without its MTP layers, and its head alone in a GGUF of its
+    own (a sidecar) named as the DRAFT: the head drafts from the model's hidden states,
+    and the output is plain decoding's."""
+    from tests.mtp_model import write_mtp
+
+    model = write_mtp(chat_gguf, tmp_path / "model.gguf", head=False)
+    sidecar = write_mtp(chat_gguf, tmp_path / "head.gguf", trunk=False)
+    alone = load(LoadConfig(str(model), n_slots=1, num_ctx=256))
+    assert alone.draft is None and not alone.llama.mtp  # no head of its own: n-grams
+    alone.llama.free()
+    loaded = load(LoadConfig(str(model), n_slots=1, num_ctx=256, draft=str(sidecar)))
+    assert isinstance(loaded.draft, MtpHead) and loaded.llama.mtp and not loaded.draft_error
+    assert loaded.draft_bytes > 0  # its weights and its one layer's KV, in the fit
+    e = Engine(str(model), loaded.engine_config, llama=loaded.llama, drafts=loaded.draft)
+    e.start()
+    try:
+        prompt = e.tokenize(PROMPTS[1], add_special=True)
+        out = run(e, prompt)
+    finally:
+        e.stop()
+    same_output(out, run(engines["plain"], prompt))
+    assert out[1].stats.draft_accepted_count > 0

@@ -53,9 +53,21 @@ NGRAM_INDEX_BYTES = (1 << 18) * 100 + (1 << 21) * 40
 def draft_bytes(info: GGUFInfo, file_size: int, num_ctx: int, n_slots: int,
                 kv_type: str = "f16") -> int:
     """What a draft model loaded beside a model holds: its weights, and the KV of its
-    cells (`num_ctx` tokens for each of up to DRAFT_STREAMS sequences)."""
+    cells (`num_ctx` tokens for each of up to DRAFT_STREAMS sequences). An MTP sidecar's
+    head holds one layer's KV a position of every slot's context."""
+    if is_mtp_sidecar(info):
+        per_layer = kv_bytes_per_token(info, kv_type) // max(info.block_count or 1, 1)
+        return file_size + num_ctx * n_slots * per_layer
     cells = num_ctx * min(n_slots, DRAFT_STREAMS)
     return file_size + cells * kv_bytes_per_token(info, kv_type)
+
+
+def is_mtp_sidecar(info: GGUFInfo) -> bool:
+    """A GGUF that holds an MTP head and no model (as llama.cpp tells them: a `nextn`
+    block last, and no first block), which drafts for a model of its family."""
+    last = (info.block_count or 0) - 1
+    return f"blk.{last}.nextn.eh_proj.weight" in info.tensor_bytes and \
+        "blk.0.attn_norm.weight" not in info.tensor_bytes
 
 
 # Sliding-window models by architecture: of every this many layers all but one attend

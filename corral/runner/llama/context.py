@@ -225,6 +225,12 @@ class LlamaContext:
             self._kv_pages[_address(ctx)] = pages
         return ctx
 
+    def keep_hidden_states(self) -> None:
+        """An MTP sidecar drafts for this model: its contexts keep each row's hidden
+        state from now on, as they do where the model has a head of its own."""
+        self.mtp = True
+        mtpcontext.hidden_states_on(self.ctx)
+
     def kv_committed(self, ctx: Any = None) -> int | None:
         """Bytes of the KV pages of `ctx` (the one in use by default) that are in memory
         now: the cells its sequences wrote since it was made or cleared. None where

@@ -68,9 +68,10 @@ def hidden_states(ctx: Any, n_rows: int, n_embd: int) -> np.ndarray:
 
 class MtpContext:
     def __init__(self, model: Any, n_seqs: int, cells: int, n_batch: int,
-                 n_threads: int, kv_type: int, flash_attn: int) -> None:
+                 n_threads: int, kv_type: int, flash_attn: int, owned: bool = False) -> None:
         """The head of `model` (loaded with load_mtp), for `n_seqs` sequences sharing
-        `cells` KV cells."""
+        `cells` KV cells; `owned`: the model is a sidecar's, freed with the head."""
+        self.model = model if owned else None
         cparams = L.llama_context_default_params()
         cparams.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         cparams.n_ctx, cparams.n_seq_max = cells, n_seqs
@@ -87,7 +88,9 @@ class MtpContext:
         cparams.type_k = cparams.type_v = kv_type
         cparams.flash_attn_type = flash_attn
         self.ctx = L.llama_init_from_model(model, cparams)
+        self.batch: Any = None
         if not self.ctx:
+            self.free()
             raise RunnerError("llama.cpp could not create the MTP head's context")
         _SET(self.ctx, True, True)  # the state after each drafted token feeds the next
         self.mem = L.llama_get_memory(self.ctx)
@@ -155,6 +158,8 @@ class MtpContext:
     def free(self) -> None:
         if self.batch is not None:
             L.llama_batch_ext_free(self.batch)
-        if self.ctx is not None:
+        if self.ctx:
             L.llama_free(self.ctx)
-        self.batch = self.ctx = None
+        if self.model is not None:
+            L.llama_model_free(self.model)
+        self.batch = self.ctx = self.model = None

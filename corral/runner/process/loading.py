@@ -15,13 +15,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from corral.process import limit_malloc_arenas
 from corral.errors import BadRequest, CorralError, RunnerError
 from corral.registry.gguf import GGUFInfo, inspect_gguf
 from corral.runner import fitestimate
-from corral.runner.llama import native
+from corral.runner.llama import mtpcontext, native
 from corral.runner.tools import rpc
 from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.kv.reserve import possible as reserve_possible
@@ -32,7 +32,6 @@ log = logging.getLogger("corral.runner")
 
 if TYPE_CHECKING:
     from corral.runner.llama.vision import Vision
-    from corral.runner.speculative.draftmodel import DraftModel
     from corral.runner.speculative.mtp import MtpHead
     from corral.runner.speculative.source import DraftSource
 
@@ -143,8 +142,9 @@ def _draft_size(config: LoadConfig, per_slot: int) -> tuple[int, str]:
     if config.draft is None or not config.speculative:
         return 0, ""
     try:
-        return fitestimate.draft_bytes(inspect_gguf(config.draft), os.path.getsize(config.draft),
-                                       per_slot, config.n_slots, config.kv_cache_type), ""
+        info = inspect_gguf(config.draft)
+        return fitestimate.draft_bytes(info, os.path.getsize(config.draft), per_slot,
+                                       config.n_slots, config.kv_cache_type), ""
     except (CorralError, OSError) as exc:
         return 0, _without_draft(exc)
 
@@ -158,7 +158,7 @@ def _without_draft(exc: CorralError | OSError) -> str:
 
 
 def _with_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
-                cells: int) -> "tuple[DraftModel | None, str]":
+                cells: int) -> "tuple[DraftSource | None, str]":
     """The draft model, or None and why not ("": the model cannot verify drafts)."""
     if not llama.can_rollback:
         return None, ""
@@ -169,18 +169,22 @@ def _with_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estima
 
 
 def _load_draft(config: LoadConfig, llama: LlamaContext, est: fitestimate.Estimate,
-                cells: int) -> "DraftModel":
-    """The draft model: on the GPU where the whole model is, else beside it on the CPU.
-    RunnerError where its memory cannot cut back a rejected proposal (recurrent, hybrid)."""
+                cells: int) -> "DraftSource":
+    """The draft model, or an MTP sidecar's head: on the GPU where the whole model is,
+    else beside it on the CPU. RunnerError where its memory cannot cut back a rejected
+    proposal (recurrent, hybrid), or a sidecar's head cannot read the model."""
     from corral.runner.llama.draftcontext import DraftContext
     from corral.runner.speculative.draftmodel import DraftModel
-    from corral.runner.speculative.mtp import MtpHead
-    from corral.runner.speculative.source import DraftSource
 
     assert config.draft is not None
+    gpu_layers = -1 if est.gpu_layers >= est.layers > 0 else 0
+    if fitestimate.is_mtp_sidecar(inspect_gguf(config.draft)):
+        if not mtpcontext.available():
+            raise RunnerError("this llama.cpp does not hand out the hidden states an MTP "
+                              "head reads")
+        return _sidecar(config, llama, gpu_layers)
     context = DraftContext(config.draft, config.n_slots, cells, llama.n_threads,
-                           -1 if est.gpu_layers >= est.layers > 0 else 0, llama.kv_type,
-                           llama.flash_attn_type)
+                           gpu_layers, llama.kv_type, llama.flash_attn_type)
     if not context.can_rollback:
         context.free()
         raise RunnerError("the draft model's memory is recurrent: it cannot drop a rejected "
@@ -193,18 +197,44 @@ def mtp_head(llama: LlamaContext, n_max: int = 0) -> "MtpHead | None":
     """The model's own MTP head as its draft source (`n_max`: the most tokens a draft,
     0 for llama-server's), or None where its context cannot be made (an architecture
     whose head llama.cpp runs some other way: the model runs without)."""
+    try:
+        return _head(llama, llama.model, n_max)
+    except RunnerError as exc:
+        log.warning("the model's MTP head is not used: %s", exc)
+        return None
+
+
+def _head(llama: LlamaContext, model: Any, n_max: int, owned: bool = False) -> "MtpHead":
+    """An MTP head on `model` (the model's own, or a sidecar's it then `owned`) for
+    `llama`'s slots, reading `llama`'s hidden states."""
     from corral.runner.llama.mtpcontext import MtpContext, hidden_states
     from corral.runner.speculative.mtp import MtpHead
 
     slots = llama.cfg.n_slots
-    try:  # its sequence ids are the model's: the slots' and the scratch sequence
-        head = MtpContext(llama.model, slots + 1, llama.num_ctx * slots, llama.n_batch,
-                          llama.n_threads, llama.kv_type, llama.flash_attn_type)
-    except RunnerError as exc:
-        log.warning("the model's MTP head is not used: %s", exc)
-        return None
+    # its sequence ids are the model's: the slots' and the scratch sequence
+    head = MtpContext(model, slots + 1, llama.num_ctx * slots, llama.n_batch,
+                      llama.n_threads, llama.kv_type, llama.flash_attn_type, owned)
     n_embd = head.n_embd
     return MtpHead(head, lambda n: hidden_states(llama.ctx, n, n_embd), n_max)
+
+
+def _sidecar(config: LoadConfig, llama: LlamaContext, gpu_layers: int) -> "MtpHead":
+    """A DRAFT that is an MTP sidecar: its head drafts from the model's hidden states.
+    RunnerError where it does not load or its width is not the model's."""
+    import llama_cpp as L
+
+    assert config.draft is not None
+    mparams = L.llama_model_default_params()
+    mparams.n_gpu_layers, mparams.load_mtp = gpu_layers, True
+    model = L.llama_model_load_from_file(config.draft.encode(), mparams)
+    if not model:
+        raise RunnerError(f"llama.cpp could not load the MTP head {config.draft}")
+    if L.llama_model_n_embd(model) != L.llama_model_n_embd(llama.model):
+        L.llama_model_free(model)
+        raise RunnerError("the MTP head's width is not the model's")
+    head = _head(llama, model, config.draft_num_predict, owned=True)
+    llama.keep_hidden_states()
+    return head
 
 
 class Pending:
