@@ -69,6 +69,8 @@ def test_a_model_with_an_mtp_layer_drafts_with_it_by_default(mtp_gguf: Path) -> 
     try:
         assert isinstance(on.draft, MtpHead) and on.llama.mtp and on.draft_bytes == 0
         assert off.draft is None and not off.llama.mtp
+        # the head's KV (one layer a position of the slot's context) is in the fit
+        assert on.estimate.weights > off.estimate.weights
     finally:
         for loaded in (on, off):
             if loaded.draft is not None:

@@ -56,10 +56,20 @@ def draft_bytes(info: GGUFInfo, file_size: int, num_ctx: int, n_slots: int,
     cells (`num_ctx` tokens for each of up to DRAFT_STREAMS sequences). An MTP sidecar's
     head holds one layer's KV a position of every slot's context."""
     if is_mtp_sidecar(info):
-        per_layer = kv_bytes_per_token(info, kv_type) // max(info.block_count or 1, 1)
-        return file_size + num_ctx * n_slots * per_layer
+        return file_size + head_kv_bytes(info, num_ctx, n_slots, kv_type)
     cells = num_ctx * min(n_slots, DRAFT_STREAMS)
     return file_size + cells * kv_bytes_per_token(info, kv_type)
+
+
+def head_kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f16"
+                  ) -> int:
+    """The KV of an MTP head (runner.llama.mtpcontext): one layer's, a position of every
+    slot's context. 0 for a model without one, or with several (not run)."""
+    last = (info.block_count or 0) - 1
+    if f"blk.{last}.nextn.eh_proj.weight" not in info.tensor_bytes or \
+            f"blk.{last - 1}.nextn.eh_proj.weight" in info.tensor_bytes:
+        return 0
+    return num_ctx * n_slots * kv_bytes_per_token(info, kv_type) // max(last + 1, 1)
 
 
 def is_mtp_sidecar(info: GGUFInfo) -> bool:

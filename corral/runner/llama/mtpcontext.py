@@ -23,8 +23,6 @@ import llama_cpp as L
 import numpy as np
 
 from corral.errors import RunnerError
-from corral.process import resident
-from corral.runner.llama import native
 
 log = logging.getLogger("corral.draft")
 
@@ -94,16 +92,11 @@ class MtpContext:
             raise RunnerError("llama.cpp could not create the MTP head's context")
         _SET(self.ctx, True, True)  # the state after each drafted token feeds the next
         self.mem = L.llama_get_memory(self.ctx)
-        self._pages = native.kv_pages(self.ctx)  # None: stock ggml (counted as 0)
         self.n_batch = n_batch
         self.n_embd = int(L.llama_model_n_embd(model))
         self.n_vocab = int(L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)))
         self.batch = L.llama_batch_ext_init(self.ctx)
         self._pos = (ctypes.c_int32 * 4)()
-
-    def kv_bytes(self) -> int:
-        """The head's KV pages in memory now (its cells written since it was made)."""
-        return resident(self._pages) if self._pages else 0
 
     def remove(self, seq: int, start: int) -> None:
         """Drop the sequence's cells from position `start` on."""

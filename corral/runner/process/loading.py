@@ -75,14 +75,11 @@ def load(config: LoadConfig) -> LoadedModel:
     # Remote workers' devices count as offload targets beside local GPUs; llama.cpp
     # splits the offloaded layers between all of them by the free memory each reports.
     rpc_free = sum(w.free for w in rpc.add_workers(config.rpc_servers))
-    # Adapters and a projector are weights beside the model's (the projector's compute
-    # buffers are small next to its weights for the models this serves).
-    adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
-    if config.projector:
-        adapters += os.path.getsize(config.projector)
     draft_bytes, draft_error = _draft_size(config, per_slot)
     draft_cells = per_slot * min(config.n_slots, STREAMS)
-    adapters += draft_bytes
+    head_bytes = 0 if not config.speculative or config.draft else \
+        fitestimate.head_kv_bytes(info, per_slot, config.n_slots, config.kv_cache_type)
+    adapters = _beside(config) + draft_bytes + head_bytes
     # With nowhere to offload to, llama.cpp keeps every layer on the CPU whatever num_gpu
     # asks; the estimate (and so `ps`) must say so too.
     num_gpu = config.num_gpu if fitestimate.gpu_backend_present() or rpc_free else 0
@@ -113,14 +110,21 @@ def load(config: LoadConfig) -> LoadedModel:
         if vision is not None:
             vision.close()
         raise
-    if draft is None and draft_bytes:  # estimated, and not held after all
-        est = est.without(draft_bytes)
-        rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     held = draft_bytes if draft is not None else 0
     if draft is None and llama.mtp:  # a DRAFT model goes first
         draft = mtp_head(llama, config.draft_num_predict)
+    if draft is None and draft_bytes + head_bytes:  # estimated, and not held after all
+        est = est.without(draft_bytes + head_bytes)
+        rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     return LoadedModel(config, info, est, cfg, llama, time.perf_counter() - t0, rpc_bytes,
                        vision, draft, held, draft_error)
+
+
+def _beside(config: LoadConfig) -> int:
+    """Adapters and a projector are weights beside the model's (the projector's compute
+    buffers are small next to its weights for the models this serves)."""
+    adapters = sum(os.path.getsize(path) for path, _ in config.adapters)
+    return adapters + (os.path.getsize(config.projector) if config.projector else 0)
 
 
 def _vision(config: LoadConfig, llama: LlamaContext, use_gpu: bool) -> "Vision":

@@ -36,8 +36,6 @@ class Head(Protocol):
 
     n_embd: int
 
-    def kv_bytes(self) -> int: ...
-
     def remove(self, seq: int, start: int) -> None: ...
 
     def decode(self, rows: Sequence[HeadRow]) -> bool: ...
@@ -67,9 +65,9 @@ class MtpHead:
         """Nothing to index: the head reads the model's rows as they are decoded."""
 
     def bytes(self) -> int:
-        """The head's KV pages written, and the states kept for the next drafts (ps
-        counts them)."""
-        return self.head.kv_bytes() + sum(states.nbytes for _, states in self.last.values())
+        """The states kept for the next drafts (ps counts them; the head's KV is in the
+        load's estimate, as a draft model's is)."""
+        return sum(states.nbytes for _, states in self.last.values())
 
     def decoded(self, rows: Sequence[Row]) -> None:
         """The model decoded `rows` (in batch order): the head reads them too."""
