@@ -257,9 +257,14 @@ def test_a_chat_back_from_ram_and_from_disk_goes_back_to_its_checkpoint(
 
 def test_a_burst_branches_from_the_prefix_its_first_request_computes(
         window_gguf: Path, engines: dict[str, Engine]) -> None:
-    """Two requests share a prefix far past the window. The first's prefill stops where
-    the prefix ends, so that the second branches from its state whole (it could not be
-    cut back there once the first had read on)."""
+    """Two requests share a prefix far past the window. The first's prefill stops a few
+    tokens before the prefix ends (BRANCH_MARGIN), so that the second branches from its
+    state whole (it could not be cut back there once the first had read on). Two more
+    that part two tokens sooner then keep most of the prefix in both slots: the branched
+    one too, from where it branched (prefix.py's second burst read its prompts whole
+    without the margin: a 512-token window's slot is cut back within it)."""
+    from corral.runner.engine.placer import BRANCH_MARGIN
+
     engine = Engine(str(window_gguf), config(n_slots=2, n_batch=512))
     shared = engine.tokenize(PROMPT + " " + PROMPT, add_special=True)
     prompts = [shared + engine.tokenize(tail, add_special=False)
@@ -271,12 +276,23 @@ def test_a_burst_branches_from_the_prefix_its_first_request_computes(
     engine.start()
     try:
         done = [collect(job) for job in jobs]
+        sooner = [shared[:-2] + engine.tokenize(tail, add_special=False)
+                  for tail in (" to eat.", " and went home.")]
+        again = [Job(prompt=p, params=SamplingParams(temperature=0), num_predict=8,
+                     ignore_eos=True) for p in sooner]
+        for job in again:
+            engine.submit(job)
+        done += [collect(job) for job in again]
     finally:
         engine.stop()
     n = len(shared)
     assert done[0][1].stats.prompt_eval_count == len(prompts[0])
-    assert done[1][1].stats.prompt_eval_count == len(prompts[1]) - n
-    for (_, d), p in zip(done, prompts):
+    assert done[1][1].stats.prompt_eval_count == len(prompts[1]) - (n - BRANCH_MARGIN)
+    # the first slot cut back in its window; the branched one (its window past what
+    # this one keeps) back to its checkpoint where it branched: the margin's
+    assert done[2][1].stats.prompt_eval_count == len(sooner[0]) - (n - 2)
+    assert done[3][1].stats.prompt_eval_count == len(sooner[1]) - (n - BRANCH_MARGIN)
+    for (_, d), p in zip(done, prompts + sooner):
         assert list(d.stats.context) == list(fresh(engines["full"], p, num_predict=8)[1]
                                              .stats.context)
 

@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 
 MIN_GAIN = 32  # tokens a copy must save over reusing the slot's own cache
 HOLD_MIN = 64  # tokens a prefilling slot must be about to compute for a sequence to wait on it
+# Where a window cache's sequences branch, a few tokens before their shared prefix ends
+# (as llama-server checkpoints four tokens before a prompt's end): a copied state is cut
+# back only as far as it was copied at (Cuts.recent), and the next burst over the same
+# prefix often parts a token or two sooner ("Task a1", "Task b1"). Each branch reads
+# these tokens again.
+BRANCH_MARGIN = 8
 
 
 class Source(enum.Enum):
@@ -174,12 +180,16 @@ class Placer:
         def usable(n: int) -> int:
             return align_prefix(seq.job.images, min(n, len(tokens) - 1))
 
-        # The idle slot sharing the longest prefix; ties go to the least recently used.
+        # The idle slot that keeps the longest prefix, as its memory can be cut (a window
+        # cache's slot whose state was copied in is cut back only at a checkpoint, where
+        # another with the same prefix may be cut anywhere in its window); ties go to the
+        # least recently used.
         shifted = seq.job.reuse_chunk > 0
-        reuse, _, slot = max(((common_prefix(s.reusable(shifted), tokens), -s.last_used, s)
-                              for s in idle), key=lambda c: (c[0], c[1]))
-        reuse, back = self._back(slot.reusable(shifted), slot.checkpoints, usable(reuse),
-                                 live=slot.window_from)
+        reuse, back, _, slot = max(
+            ((*self._back(s.reusable(shifted), s.checkpoints,
+                          usable(common_prefix(s.reusable(shifted), tokens)),
+                          live=s.window_from), -s.last_used, s) for s in idle),
+            key=lambda c: (c[0], c[2]))
         best = Placement(seq, slot, tokens, reuse, Source.REUSE if reuse else Source.NONE,
                          checkpoint=back)
         busy = [s for s in slots if s.state is not SlotState.IDLE and not s.tainted]
@@ -255,6 +265,8 @@ class Placer:
                 continue
             # a branch leaves at least one token to decode
             ahead = min(common_prefix(slot.cached + slot.pending, tokens), len(tokens) - 1)
+            if self.cuts.below:
+                ahead -= BRANCH_MARGIN
             if ahead > len(slot.cached) and ahead >= have + HOLD_MIN:
                 if not self.cuts.anywhere(ahead) and slot.job is not None \
                         and not slot.job.images:
