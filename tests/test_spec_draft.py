@@ -7,7 +7,7 @@ import sys
 
 from corral.runner.speculative import policy
 from corral.runner.speculative.ngram import NgramIndex
-from corral.runner.speculative.source import History
+from corral.runner.speculative.source import History, Want
 from corral.runner.speculative.policy import DraftPolicy
 
 
@@ -288,27 +288,27 @@ def test_a_draft_model_proposes_reads_only_new_tokens_and_stops_where_unsure() -
     model = DraftModel(decoder, n_vocab=1000, cells=56, n_max=4)
     h = History([10, 11, 12])
     # n_max bounds what the policy asks
-    assert model.propose([(0, h, 8)]) == {0: [13, 14, 15, 16]}
+    assert model.propose([Want(0, h, 8)]) == {0: [13, 14, 15, 16]}
     assert decoder.rows[0] == [(10, 0, 0, False), (11, 1, 0, False), (12, 2, 0, True)]
     assert len(decoder.rows) == 4  # the catch-up, then one row per token but the last
     h.tokens += [13, 14, 99]  # two kept, then the model's own token: the cells past 14 go
-    assert model.propose([(0, h, 4)]) == {0: []}  # 100: unsure, nothing proposed
+    assert model.propose([Want(0, h, 4)]) == {0: []}  # 100: unsure, nothing proposed
     assert decoder.removed[-1] == (0, 5) and decoder.rows[4] == [(99, 5, 0, True)]
     small = DraftModel(CountingDecoder(), n_vocab=14, cells=64)  # 14 is not the model's token
     h2 = History([11, 12])
-    assert small.propose([(1, h2, 4)]) == {1: [13]}
+    assert small.propose([Want(1, h2, 4)]) == {1: [13]}
     decoder.fail = True  # the cells are full: nothing now, everything read again later
-    assert not any(model.propose([(0, h, 4)]).values()) and model.held == {}
+    assert not any(model.propose([Want(0, h, 4)]).values()) and model.held == {}
     decoder.fail = False
-    model.propose([(0, h, 4)])
+    model.propose([Want(0, h, 4)])
     assert decoder.rows[-1][0] == (10, 0, 0, False)
     # Longer than the cells: it does not draft (rather than fail at every step).
     calls = len(decoder.rows)
     long = History(list(range(300, 360)))
-    assert model.propose([(2, long, 4)]) == {} and len(decoder.rows) == calls
+    assert model.propose([Want(2, long, 4)]) == {} and len(decoder.rows) == calls
     # Full: a sequence that does not draft now gives its cells to one that does.
     other = History(list(range(200, 250)))
-    model.propose([(1, other, 4)])
+    model.propose([Want(1, other, 4)])
     assert 0 not in model.held and (0, 0) in decoder.removed and 1 in model.held
 
 
@@ -321,7 +321,7 @@ def test_a_token_past_the_draft_models_vocabulary_ends_that_sequences_drafting_o
     decoder = CountingDecoder()
     model = DraftModel(decoder, n_vocab=1000, cells=64, n_max=4, n_own=900)
     fine, beyond = History([10, 11, 12]), History([20, 950, 21])
-    assert model.propose([(0, fine, 4), (1, beyond, 4)]) == {0: [13, 14, 15, 16]}
+    assert model.propose([Want(0, fine, 4), Want(1, beyond, 4)]) == {0: [13, 14, 15, 16]}
     assert all(seq == 0 for rows in decoder.rows for _, _, seq, _ in rows)
     assert 1 not in model.held
 
@@ -350,7 +350,7 @@ def test_a_long_history_is_read_a_bounded_number_of_rows_a_step() -> None:
     steps, drafts = 0, {}
     while 1 not in drafts:  # not read to its end yet
         calls = len(decoder.rows)
-        drafts = model.propose([(0, short, 4), (1, long, 4)])
+        drafts = model.propose([Want(0, short, 4), Want(1, long, 4)])
         assert len(decoder.rows[calls]) <= draftmodel.CATCH_UP  # the catch-up's decode
         assert drafts[0] == [13, 14, 15, 16]
         steps += 1
@@ -429,7 +429,7 @@ def test_a_models_sequence_waiting_after_misses_drafts_again_once_it_foresees() 
     benchmarks/mtp.py). The n-gram index waits its wait out."""
     from corral.runner.speculative.cost import StepCost
     from corral.runner.speculative.draftmodel import DraftModel
-    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+    from corral.runner.speculative.speculation import FORESEE, Ask, Candidate, Speculation
 
     def waiting(source: object) -> tuple[Speculation, DraftPolicy, History]:
         cost = StepCost(rate=0.2)
@@ -445,11 +445,16 @@ def test_a_models_sequence_waiting_after_misses_drafts_again_once_it_foresees() 
         return spec, p, history
 
     spec, p, history = waiting(DraftModel(CountingDecoder(), n_vocab=1000, cells=512, n_max=8))
-    spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
-    assert spec.drafts({0: history}) == {}  # waiting: nothing verified
-    spec.extended(history, history.tokens[-1] + 1)  # what the draft model foresaw
-    assert p.wait == 0 and p.foreseen_right == 1
-    spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
+    steps = 0
+    while not spec.drafts({0: history}):
+        spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512,
+                         split_equal=False))
+        if not spec.drafts({0: history}):  # waiting: nothing verified, a token foreseen
+            spec.extended(history, history.tokens[-1] + 1)  # what the draft model foresaw
+        steps += 1
+        assert steps < 16
+    # heard every FORESEE steps of the wait: the first right one ended it
+    assert steps == FORESEE + 1 and p.foreseen_right == 1 and p.misses == 0
     assert spec.drafts({0: history})[0][0] == history.tokens[-1] + 1
 
     spec, p, history = waiting(NgramIndex())

@@ -257,7 +257,8 @@ class Health:
     images_encoded: int = 0
     kv_bytes: int = 0  # KV committed now (runner.kv.growth: Resizer.kv_held)
     reserve_streams: int = 0  # the cap's context made ahead (runner.kv.reserve); 0: none
-    index_bytes: int = 0  # speculative decoding's n-gram index (runner.speculative.ngram)
+    # What speculation's draft source holds (the n-gram index; an MTP head's kept states)
+    index_bytes: int = 0
     cache: CacheStats = field(default_factory=CacheStats)
 
     def to_json(self) -> dict[str, Any]:

@@ -230,8 +230,8 @@ def _sizes(entry: Resident, health: Health | None) -> dict[str, int]:
     report = entry.runner.report if entry.runner is not None else LoadReport()
     kv = health.kv_bytes if health is not None else report.kv_per_slot * report.start_slots
     cache = health.cache.bytes if health is not None else 0
-    # Speculative decoding's n-gram index is held beside the prompt cache; the cap leaves
-    # it out, as the slot fit takes its bound off the budget already.
+    # Speculative decoding's draft source (its n-gram index) is held beside the prompt
+    # cache; the cap leaves it out, as the slot fit takes its bound off the budget already.
     index = health.index_bytes if health is not None else 0
     size, vram, rpc = report.held(kv, cache + index)
     out = {"size": size, "size_vram": vram, "size_cap": max(report.size + cache, size)}

@@ -209,7 +209,8 @@ class Schedule:
         if self.spec is None:
             return None
         decoding = [s for s in slots if s.state is SlotState.DECODE][:self.n_batch]
-        return Ask([Candidate(s.seq_id, s.sequence.draft, s.sequence.history, self._room(s))
+        return Ask([Candidate(s.seq_id, s.sequence.draft, s.sequence.history, self._room(s),
+                              s.pos(s.n_past))
                     for s in decoding if s.sequence is not None], self.n_batch,
                    self.pool is None and len(slots) > 1)
 

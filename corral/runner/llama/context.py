@@ -100,14 +100,14 @@ class LlamaContext:
         if not cfg.use_mmap:
             mparams.load_mode = L.LLAMA_LOAD_MODE_NONE
         # A model's MTP head (its GGUF's nextn layers) drafts for it where speculation is
-        # on (runner.speculative.mtp): its weights load, and every context's decodes keep
-        # each row's hidden state for it.
+        # on (runner.speculative.mtp): its weights load (and see `keep_hidden_states`).
         mparams.load_mtp = cfg.speculative and mtpcontext.available()
         self.model = L.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
             raise RunnerError(f"llama.cpp could not load {path}")
-        # One head (llama.cpp chains several a step at a time, which this does not do)
-        self.mtp = mparams.load_mtp and int(L.llama_model_n_layer_nextn(self.model)) == 1
+        # One head (llama.cpp chains several a step at a time, which this does not do);
+        # `mtp`: an MTP head reads this model's hidden states
+        self.has_head, self.mtp = mparams.load_mtp and self._nextn() == 1, False
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
@@ -225,9 +225,12 @@ class LlamaContext:
             self._kv_pages[_address(ctx)] = pages
         return ctx
 
+    def _nextn(self) -> int:
+        return int(L.llama_model_n_layer_nextn(self.model))
+
     def keep_hidden_states(self) -> None:
-        """An MTP sidecar drafts for this model: its contexts keep each row's hidden
-        state from now on, as they do where the model has a head of its own."""
+        """An MTP head drafts for this model (its own, or a sidecar's): its contexts
+        keep each row's hidden state from now on."""
         self.mtp = True
         mtpcontext.hidden_states_on(self.ctx)
 

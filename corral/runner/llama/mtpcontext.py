@@ -4,8 +4,9 @@ llama-server's draft-mtp makes it). runner.speculative.mtp decides what it decod
 makes the native calls, on the engine thread only, as for the model's own context.
 
 The head reads a token with the model's hidden state at the position before it (the
-state before the output norm, which llama.cpp hands out when a context's "nextn
-embeddings" are on), and gives the logits of the token after. Its KV holds one layer's
+state the model's graph marks `h_nextn`, after the output norm for Qwen3.5, which
+llama.cpp hands out when a context's "nextn embeddings" are on), and gives the logits of
+the token after. Its KV holds one layer's
 cells a position, in one stream for every sequence.
 
 The pinned llama.cpp exports the nextn-embedding calls from C++ only (src/llama-ext.h),
@@ -56,12 +57,11 @@ def hidden_states_on(ctx: Any) -> None:
     _SET(ctx, True, False)
 
 
-def hidden_states(ctx: Any, n_rows: int, n_embd: int) -> np.ndarray:
-    """A copy of the hidden states of the last decode's `n_rows` rows, in batch order."""
+def hidden_states(ctx: Any, n_rows: int, n_embd: int) -> np.ndarray | None:
+    """A copy of the hidden states of the last decode's `n_rows` rows, in batch order
+    (None: it kept none)."""
     ptr = _GET(ctx)
-    if not ptr:
-        raise RunnerError("llama.cpp kept no hidden states for the MTP head")
-    return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd)).copy()
+    return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd)).copy() if ptr else None
 
 
 class MtpContext:
@@ -93,7 +93,7 @@ class MtpContext:
         _SET(self.ctx, True, True)  # the state after each drafted token feeds the next
         self.mem = L.llama_get_memory(self.ctx)
         self.n_batch = n_batch
-        self.n_embd = int(L.llama_model_n_embd(model))
+        self.n_embd = int(L.llama_model_n_embd_out(model))
         self.n_vocab = int(L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)))
         self.batch = L.llama_batch_ext_init(self.ctx)
         self._pos = (ctypes.c_int32 * 4)()
@@ -108,7 +108,8 @@ class MtpContext:
 
     def decode(self, rows: Sequence[Row]) -> bool:
         """Decode `rows` in batches of n_batch (only the last batch's logits stay). False
-        when a decode failed (the cells are full): the head's cells then start over."""
+        when a decode failed (the cells are full, a position llama.cpp refused): the
+        head's cells then start over, every sequence's."""
         for start in range(0, len(rows), self.n_batch):
             if not self._decode(rows[start:start + self.n_batch]):
                 log.warning("the MTP head's decode failed; its cells start over")

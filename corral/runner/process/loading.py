@@ -111,7 +111,7 @@ def load(config: LoadConfig) -> LoadedModel:
             vision.close()
         raise
     held = draft_bytes if draft is not None else 0
-    if draft is None and llama.mtp:  # a DRAFT model goes first
+    if draft is None and llama.has_head and llama.can_rollback:  # a DRAFT goes first
         draft = mtp_head(llama, config.draft_num_predict)
     if draft is None and draft_bytes + head_bytes:  # estimated, and not held after all
         est = est.without(draft_bytes + head_bytes)
@@ -202,10 +202,12 @@ def mtp_head(llama: LlamaContext, n_max: int = 0) -> "MtpHead | None":
     0 for llama-server's), or None where its context cannot be made (an architecture
     whose head llama.cpp runs some other way: the model runs without)."""
     try:
-        return _head(llama, llama.model, n_max)
+        head = _head(llama, llama.model, n_max)
     except RunnerError as exc:
         log.warning("the model's MTP head is not used: %s", exc)
         return None
+    llama.keep_hidden_states()
+    return head
 
 
 def _head(llama: LlamaContext, model: Any, n_max: int, owned: bool = False) -> "MtpHead":
@@ -233,9 +235,10 @@ def _sidecar(config: LoadConfig, llama: LlamaContext, gpu_layers: int) -> "MtpHe
     model = L.llama_model_load_from_file(config.draft.encode(), mparams)
     if not model:
         raise RunnerError(f"llama.cpp could not load the MTP head {config.draft}")
-    if L.llama_model_n_embd(model) != L.llama_model_n_embd(llama.model):
+    if L.llama_model_n_embd_out(model) != L.llama_model_n_embd_out(llama.model) or \
+            L.llama_model_n_layer_nextn(model) != 1:
         L.llama_model_free(model)
-        raise RunnerError("the MTP head's width is not the model's")
+        raise RunnerError("the MTP head is not one head of the model's width")
     head = _head(llama, model, config.draft_num_predict, owned=True)
     llama.keep_hidden_states()
     return head

@@ -79,8 +79,8 @@ class DraftModel:
 
     def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
         """A continuation for each wanting sequence (the engine thread, after a step)."""
-        wants = self._fitting([(seq, h, min(n, self.n_max)) for seq, h, n in wants
-                               if n > 0 and self._readable(h.tokens)])
+        wants = self._fitting([w._replace(n=min(w.n, self.n_max)) for w in wants
+                               if w.n > 0 and self._readable(w.history.tokens)])
         if not wants:
             return {}
         t0 = time.perf_counter()
@@ -88,10 +88,10 @@ class DraftModel:
         catch_up, ready = self._catch_up(wants)
         wants = [want for want in wants if want[0] in ready]
         picks = self._decode(catch_up)
-        drafts: dict[int, list[int]] = {seq: [] for seq, _, _ in wants}
+        drafts: dict[int, list[int]] = {w.seq: [] for w in wants}
         while picks:
             rows: list[Row] = []
-            for seq, history, n in wants:
+            for seq, history, n, _ in wants:
                 if seq not in picks:
                     continue
                 token, p = picks[seq]
@@ -128,8 +128,8 @@ class DraftModel:
     def _make_room(self, wants: Sequence[Want]) -> None:
         """Drop the cells of sequences that do not draft now while the drafting ones'
         tokens and proposals would not fit beside them."""
-        drafting = {seq for seq, _, _ in wants}
-        need = sum(len(h.tokens) + n for _, h, n in wants)
+        drafting = {w.seq for w in wants}
+        need = sum(len(w.history.tokens) + w.n for w in wants)
         idle = [seq for seq in self.held if seq not in drafting]
         while idle and need + sum(len(t) for t in self.held.values()) > self.cells:
             seq = idle.pop()
@@ -143,7 +143,7 @@ class DraftModel:
         to their end, which propose now."""
         rows: list[Row] = []
         ready, budget = set(), CATCH_UP
-        for seq, history, _ in wants:
+        for seq, history, _, _ in wants:
             tokens, held = history.tokens, self.held.get(seq, [])
             keep = 0
             limit = min(len(held), len(tokens) - 1)

@@ -102,7 +102,7 @@ class NgramIndex:
         """Nothing: `add` hears the tokens."""
 
     def propose(self, wants: Sequence[Want]) -> dict[int, list[int]]:
-        return {seq: self.draft(history, n) for seq, history, n in wants}
+        return {w.seq: self.draft(w.history, w.n) for w in wants}
 
     def set_threads(self, n: int) -> None:
         """Nothing decodes here."""

@@ -13,8 +13,8 @@ nothing. So:
   waits twice as many steps before it drafts again (1, 2, 4, ... up to MAX_WAIT): free
   text, where the index keeps offering phrases that do not come again, soon stops
   paying for rows at all, and a stretch of copying later is still found. A model (a
-  draft model, an MTP head) still proposes a token while the slot waits, unverified,
-  and a right one ends the wait: its proposals follow the text as it turns.
+  draft model, an MTP head) still proposes a token every few steps of the wait,
+  unverified, and a right one ends it: its proposals follow the text as it turns.
 - A busy batch drafts less: the decoding slots share ROWS draft rows per step, at most
   ROWS // decoding each (at one stream a slot may draft 32; at sixteen, 2). Rows that
   verify one slot's guesses would otherwise crowd out the tokens other streams are
@@ -68,7 +68,7 @@ class DraftPolicy:
         the text it foresees has come)."""
         self.foreseen += 1
         self.foreseen_right += right
-        if right and self.wait > 0:
+        if right:
             self.wait = self.misses = 0
 
     def counting(self, drafted: int) -> None:

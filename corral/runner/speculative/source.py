@@ -15,7 +15,7 @@ after.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 
 class History:
@@ -27,7 +27,15 @@ class History:
         self.indexed = 0  # tokens[:indexed] are in the n-gram index as continuations
 
 
-Want = tuple[int, History, int]  # sequence id, its tokens, how many to propose at most
+class Want(NamedTuple):
+    seq: int
+    history: History
+    n: int  # how many tokens to propose at most
+    # The position the model reads the sequence's last token at: its index, save past an
+    # M-RoPE image or a context shift (-1: not told)
+    pos: int = -1
+
+
 Row = tuple[int, int, int, bool]  # a decoded row: token, position, sequence, had logits
 
 

@@ -1,17 +1,20 @@
 """Speculative decoding's one owner, as llama.cpp's common_speculative is one object.
 
-It holds where drafts come from (a draft source: the n-gram index, or a draft model;
-runner.speculative.source), the drafts made, what a row costs on this machine
-(runner.speculative.cost) and the rules of each sequence's policy
+It holds where drafts come from (a draft source: the n-gram index, a draft model, or the
+model's own MTP head; runner.speculative.source), the drafts made, what a row costs on
+this machine (runner.speculative.cost) and the rules of each sequence's policy
 (runner.speculative.policy; a sequence carries its own policy's state, which moves with
-it when it is preempted). The engine talks to it at three points of a step:
+it when it is preempted). The engine talks to it at four points of a step:
+
+- after the model's decode (`decoded`): the source hears the rows it read (an MTP head
+  reads them too, with the model's hidden states);
 
 - after a step (`prepare`): the decision what each decoding sequence drafts at the next
   step is made here, once, with every constraint together (its policy, what it may
   still generate, the rows the batch leaves it, llama.cpp's split_equal of per-slot
   streams, whether its drafts pay for their rows), and the source makes them then, in
-  one call for all of them (looked up in the index, or proposed by the draft model in
-  one batch);
+  one call for all of them (looked up in the index, or proposed by a model in one
+  batch of its own);
 - schedule (`drafts`): takes the drafts made for sequences that are still where they
   were (same tokens), and plans them as rows;
 - postprocess (`counting`, `kept`, `verified`, `extended`): hears what was drafted and
@@ -25,8 +28,11 @@ from typing import NamedTuple, Sequence
 
 from corral.runner.speculative.cost import StepCost, passes
 from corral.runner.speculative.ngram import NgramIndex
-from corral.runner.speculative.source import DraftSource, History, Row
+from corral.runner.speculative.source import DraftSource, History, Row, Want
 from corral.runner.speculative.policy import DraftPolicy
+
+
+FORESEE = 4  # a sequence waiting after misses hears a priced source every this many steps
 
 
 class Candidate(NamedTuple):
@@ -36,6 +42,7 @@ class Candidate(NamedTuple):
     policy: DraftPolicy
     history: History
     room: int  # what it may still generate, less the token it decodes anyway
+    pos: int = -1  # the position its next token is read at (Want.pos)
 
 
 class Ask(NamedTuple):
@@ -75,8 +82,9 @@ class Speculation:
         self._unverified.clear()
         equal = self._split_equal = ask.split_equal or self.undo is not None
         decided, foresee = self._decide(ask, equal)
-        wants = [(seq, c.history, n) for seq, (c, n) in decided.items()]
-        made = self.source.propose(wants + [(c.seq_id, c.history, 1) for c in foresee])
+        wants = [Want(seq, c.history, n, c.pos) for seq, (c, n) in decided.items()]
+        made = self.source.propose(wants + [Want(c.seq_id, c.history, 1, c.pos)
+                                            for c in foresee])
         used = (self._equal if equal else self._cut)(
             ask.candidates, {seq: made[seq] for seq in decided if seq in made})
         for c in ask.candidates:
@@ -96,7 +104,8 @@ class Speculation:
         `equal` sequences must all pay and some do not, every one gets one): a draft made
         and not verified still tells its odds by the next token, so a sequence whose
         first drafts missed, or that a busy moment priced out, is seen to be copying
-        once it is, and drafts again. So is one waiting after misses: a priced source
+        once it is, and drafts again. So is one waiting after misses: every FORESEE
+        steps of its wait (a proposal costs a row of the source's decode), a priced source
         (a model, sure of what it proposes or silent) is asked for one token it does not
         verify (`foresee`), and a right one ends the wait (DraftPolicy.foresaw)."""
         cands = ask.candidates
@@ -111,7 +120,7 @@ class Speculation:
             n = min(c.policy.want(len(cands), c.room), spare)
             if n > 0:
                 out[c.seq_id] = (c, n if look or self._pays(c.policy, len(cands), n) else 1)
-            elif waiting and not look and c.room > 0:
+            elif waiting and not look and c.room > 0 and c.policy.wait % FORESEE == 0:
                 foresee.append(c)
         if equal and not look and any(
                 not self._pays(c.policy, len(cands), n) for c, n in out.values()):
@@ -223,11 +232,11 @@ class Speculation:
 
 def speculation(on: bool, source: DraftSource | None = None, undo: int | None = None
                 ) -> Speculation | None:
-    """Speculative decoding for an engine, its drafts from `source` (a draft model, a
-    Modelfile's DRAFT, which proposes after each step on the engine thread; a test's),
-    else from the n-gram index, each at most `undo` tokens where that is set (a
-    recurrent memory's); None where it is off, and then a source loaded for nothing (a
-    draft model) is freed."""
+    """Speculative decoding for an engine, its drafts from `source` (a Modelfile's DRAFT
+    model, the model's MTP head, each of which proposes after each step on the engine
+    thread; a test's), else from the n-gram index, each at most `undo` tokens where that
+    is set (a recurrent memory's); None where it is off, and then a source loaded for
+    nothing is freed."""
     if on:
         return Speculation(source, undo=undo)
     if source is not None:
