@@ -264,6 +264,7 @@ def test_a_burst_branches_from_the_prefix_its_first_request_computes(
     one too, from where it branched (prefix.py's second burst read its prompts whole
     without the margin: a 512-token window's slot is cut back within it)."""
     from corral.runner.engine.placer import BRANCH_MARGIN
+    from corral.runner.engine.schedule import MARK_SPACING
 
     engine = Engine(str(window_gguf), config(n_slots=2, n_batch=512))
     shared = engine.tokenize(PROMPT + " " + PROMPT, add_special=True)
@@ -292,6 +293,12 @@ def test_a_burst_branches_from_the_prefix_its_first_request_computes(
     # this one keeps) back to its checkpoint where it branched: the margin's
     assert done[2][1].stats.prompt_eval_count == len(sooner[0]) - (n - 2)
     assert done[3][1].stats.prompt_eval_count == len(sooner[1]) - (n - BRANCH_MARGIN)
+    # one checkpoint where each was placed, none again a few tokens later at its end
+    # (a window's slot is cut back that far without one: schedule.MARK_SPACING)
+    near = min(MARK_SPACING, WINDOW // 4)
+    for slot in engine.slots:
+        marks = sorted(m for m, _ in slot.checkpoints)
+        assert all(b - a >= near for a, b in zip(marks, marks[1:])), marks
     for (_, d), p in zip(done, prompts + sooner):
         assert list(d.stats.context) == list(fresh(engines["full"], p, num_predict=8)[1]
                                              .stats.context)
