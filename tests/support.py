@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from corral.config import load_settings
 from corral.registry.store import Store
@@ -176,6 +176,34 @@ def llama_greedy(model: Any, prompt: list[int], n: int, stop: Callable[[int], bo
         L.llama_sampler_free(sampler)
         L.llama_free(ctx)
     return out
+
+
+def greedy(engine: Any, prompt: list[int], **job: Any) -> tuple[list[Any], Any]:
+    """A greedy, seeded job on an engine with two logprobs a token, to its end."""
+    from corral.runner.jobs import Job, SamplingParams
+
+    return collect(engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
+                                     logprobs=2, ignore_eos=True, **job)))
+
+
+def started(engines: dict[Any, Any]) -> Iterator[dict[Any, Any]]:
+    """A fixture's engines, started, yielded, and stopped after (`yield from`)."""
+    for e in engines.values():
+        e.start()
+    yield engines
+    for e in engines.values():
+        e.stop()
+
+
+def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
+    """`llama_greedy` on the model in `gguf`, loaded for it alone."""
+    import llama_cpp as L
+
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    try:
+        return llama_greedy(model, prompt, n)
+    finally:
+        L.llama_model_free(model)
 
 
 def same_output(a: tuple[list[Any], Any], b: tuple[list[Any], Any]) -> None:

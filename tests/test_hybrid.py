@@ -19,7 +19,7 @@ from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, RS_SEQ, EngineConfig, snapshot_planes
 from corral.runner.prefix import Cuts
-from tests.support import collect, llama_greedy, same_output
+from tests.support import greedy, llama_cpp_greedy, same_output, started
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
 # rollback that left the state wrong, the choices and their logprobs would change.
@@ -40,16 +40,10 @@ def engines(hybrid_gguf: Path) -> Iterator[dict[bool, Engine]]:
     made = {spec: Engine(str(hybrid_gguf), EngineConfig(
         n_slots=1, num_ctx=1024, deterministic=True, speculative=spec))
         for spec in (True, False)}
-    for e in made.values():
-        e.start()
-    yield made
-    for e in made.values():
-        e.stop()
+    yield from started(made)
 
 
-def run(engine: Engine, prompt: list[int], **job: Any) -> tuple[list[Token], Done]:
-    return collect(engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
-                                     logprobs=2, ignore_eos=True, **job)))
+run = greedy
 
 
 same = same_output
@@ -193,16 +187,6 @@ def test_a_chat_resumed_after_an_unload_goes_back_to_its_checkpoint_on_disk(
         second.stop()
     assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
     same(out, fresh(engines[True], again, num_predict=12))
-
-
-def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
-    import llama_cpp as L
-
-    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
-    try:
-        return llama_greedy(model, prompt, n)
-    finally:
-        L.llama_model_free(model)
 
 
 def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(

@@ -18,7 +18,7 @@ from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig, LlamaContext
 from corral.runner.prefix import Cuts
-from tests.support import collect, llama_greedy
+from tests.support import collect, greedy, llama_cpp_greedy, started
 from tests.window_model import WINDOW
 
 PROMPT = ("Once upon a time there was a fox who lived in the forest near the river, "
@@ -46,16 +46,10 @@ def engines(window_gguf: Path) -> Iterator[dict[str, Engine]]:
     made = {"window": Engine(str(window_gguf), config()),
             "plain": Engine(str(window_gguf), config(speculative=False)),
             "full": Engine(str(window_gguf), config(swa_full=True))}
-    for e in made.values():
-        e.start()
-    yield made
-    for e in made.values():
-        e.stop()
+    yield from started(made)
 
 
-def run(engine: Engine, prompt: list[int], **job: Any) -> tuple[list[Token], Done]:
-    return collect(engine.submit(Job(prompt=prompt, params=SamplingParams(temperature=0, seed=1),
-                                     logprobs=2, ignore_eos=True, **job)))
+run = greedy
 
 
 def same_output(a: tuple[list[Token], Done], b: tuple[list[Token], Done]) -> None:
@@ -302,16 +296,6 @@ def test_a_burst_branches_from_the_prefix_its_first_request_computes(
     for (_, d), p in zip(done, prompts + sooner):
         assert list(d.stats.context) == list(fresh(engines["full"], p, num_predict=8)[1]
                                              .stats.context)
-
-
-def llama_cpp_greedy(gguf: Path, prompt: list[int], n: int) -> list[int]:
-    import llama_cpp as L
-
-    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
-    try:
-        return llama_greedy(model, prompt, n)
-    finally:
-        L.llama_model_free(model)
 
 
 def test_the_greedy_answer_is_llama_cpps_alone_batched_and_after_a_checkpoint(
