@@ -155,6 +155,13 @@ def serve_gguf(gguf: Path, model: str, tmp: Path, root: Path = ROOT, **env: str
     return url, proc
 
 
+def llama_server_binaries() -> Path:
+    """The pinned llama-server's folder, built once (benchmarks/build_llama_server.sh)."""
+    build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
+                           capture_output=True, text=True, check=True)
+    return Path(build.stdout.strip().splitlines()[-1])
+
+
 def start_llama_server(binaries: Path, model: Path, slots: int, num_ctx: int, threads: int,
                        *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
@@ -217,9 +224,7 @@ def main() -> None:
     model = starter_model_path(Store(load_settings().models))
     if model is None:
         raise SystemExit("Error: the starter model is not installed; run ./install.sh")
-    build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
-                           capture_output=True, text=True, check=True)
-    binaries = Path(build.stdout.strip().splitlines()[-1])
+    binaries = llama_server_binaries()
     work = ROOT / "benchmarks" / ".out"
     work.mkdir(exist_ok=True)
     only = {x.strip() for x in args.only.split(",") if x.strip()}

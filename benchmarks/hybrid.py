@@ -35,7 +35,6 @@ import argparse
 import datetime as dt
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import serve_gguf, start_llama_server  # noqa: E402
+from compare import llama_server_binaries, serve_gguf, start_llama_server  # noqa: E402
 from latency import rss, runner_pids  # noqa: E402
 
 from corral.config import load_settings  # noqa: E402
@@ -208,9 +207,7 @@ def main() -> None:
     base_gguf = starter_model_path(store, STARTER_NAME)
     if chat_gguf is None or base_gguf is None:
         raise SystemExit("Error: the starters are not installed; run ./install.sh")
-    build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
-                           capture_output=True, text=True, check=True)
-    binaries = Path(build.stdout.strip().splitlines()[-1])
+    binaries = llama_server_binaries()
     with tempfile.TemporaryDirectory() as tmp:
         gguf = base_gguf if args.model == "swa" else write_hybrid(
             chat_gguf, Path(tmp) / "bench-hybrid.gguf", shape=SHAPES["bench"])

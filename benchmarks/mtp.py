@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import serve_gguf, start_llama_server  # noqa: E402
+from compare import llama_server_binaries, serve_gguf, start_llama_server  # noqa: E402
 
 from corral.config import load_settings  # noqa: E402
 from corral.process import physical_cores  # noqa: E402
@@ -97,9 +96,7 @@ def main() -> None:
     chat_gguf = starter_model_path(Store(load_settings().models), CHAT_NAME)
     if chat_gguf is None:
         raise SystemExit("Error: the starters are not installed; run ./install.sh")
-    build = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_server.sh")],
-                           capture_output=True, text=True, check=True)
-    binaries = Path(build.stdout.strip().splitlines()[-1])
+    binaries = llama_server_binaries()
     with tempfile.TemporaryDirectory() as tmp:
         gguf = write_mtp(chat_gguf, Path(tmp) / "bench-mtp.gguf")
         theirs = llama_server(binaries, gguf, threads)

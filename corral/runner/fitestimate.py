@@ -66,8 +66,7 @@ def head_kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f1
     """The KV of an MTP head (runner.llama.mtpcontext): one layer's, a position of every
     slot's context. 0 for a model without one, or with several (not run)."""
     last = (info.block_count or 0) - 1
-    if f"blk.{last}.nextn.eh_proj.weight" not in info.tensor_bytes or \
-            f"blk.{last - 1}.nextn.eh_proj.weight" in info.tensor_bytes:
+    if not _head_at(info, last) or _head_at(info, last - 1):
         return 0
     return num_ctx * n_slots * kv_bytes_per_token(info, kv_type) // max(last + 1, 1)
 
@@ -75,9 +74,13 @@ def head_kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f1
 def is_mtp_sidecar(info: GGUFInfo) -> bool:
     """A GGUF that holds an MTP head and no model (as llama.cpp tells them: a `nextn`
     block last, and no first block), which drafts for a model of its family."""
-    last = (info.block_count or 0) - 1
-    return f"blk.{last}.nextn.eh_proj.weight" in info.tensor_bytes and \
+    return _head_at(info, (info.block_count or 0) - 1) and \
         "blk.0.attn_norm.weight" not in info.tensor_bytes
+
+
+def _head_at(info: GGUFInfo, block: int) -> bool:
+    """Whether block `block` is an MTP head (its `nextn` projection is there)."""
+    return f"blk.{block}.nextn.eh_proj.weight" in info.tensor_bytes
 
 
 # Sliding-window models by architecture: of every this many layers all but one attend

@@ -112,7 +112,7 @@ class Engine:
         # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
         # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
         # is freed. With the snapshots, drafts are at most `undo` tokens. `drafts`: a
-        # draft model (runner.process.loading), a test's source; the n-gram index else.
+        # draft model, the model's MTP head, a test's source; the n-gram index else.
         self.spec = speculation(config.speculative and llama.can_rollback, drafts, llama.undo)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,

@@ -6,8 +6,8 @@ makes the native calls, on the engine thread only, as for the model's own contex
 The head reads a token with the model's hidden state at the position before it (the
 state the model's graph marks `h_nextn`, after the output norm for Qwen3.5, which
 llama.cpp hands out when a context's "nextn embeddings" are on), and gives the logits of
-the token after. Its KV holds one layer's
-cells a position, in one stream for every sequence.
+the token after. Its KV holds one layer's cells a position, in one stream for every
+sequence.
 
 The pinned llama.cpp exports the nextn-embedding calls from C++ only (src/llama-ext.h),
 so they are found by their Itanium-mangled names (Linux and macOS); where they are not

@@ -146,9 +146,8 @@ def _draft_size(config: LoadConfig, per_slot: int) -> tuple[int, str]:
     if config.draft is None or not config.speculative:
         return 0, ""
     try:
-        info = inspect_gguf(config.draft)
-        return fitestimate.draft_bytes(info, os.path.getsize(config.draft), per_slot,
-                                       config.n_slots, config.kv_cache_type), ""
+        return fitestimate.draft_bytes(inspect_gguf(config.draft), os.path.getsize(config.draft),
+                                       per_slot, config.n_slots, config.kv_cache_type), ""
     except (CorralError, OSError) as exc:
         return 0, _without_draft(exc)
 
@@ -202,17 +201,15 @@ def mtp_head(llama: LlamaContext, n_max: int = 0) -> "MtpHead | None":
     0 for llama-server's), or None where its context cannot be made (an architecture
     whose head llama.cpp runs some other way: the model runs without)."""
     try:
-        head = _head(llama, llama.model, n_max)
+        return _head(llama, llama.model, n_max)
     except RunnerError as exc:
         log.warning("the model's MTP head is not used: %s", exc)
         return None
-    llama.keep_hidden_states()
-    return head
 
 
 def _head(llama: LlamaContext, model: Any, n_max: int, owned: bool = False) -> "MtpHead":
     """An MTP head on `model` (the model's own, or a sidecar's it then `owned`) for
-    `llama`'s slots, reading `llama`'s hidden states."""
+    `llama`'s slots, reading `llama`'s hidden states, which its contexts keep from now."""
     from corral.runner.llama.mtpcontext import MtpContext, hidden_states
     from corral.runner.speculative.mtp import MtpHead
 
@@ -221,6 +218,7 @@ def _head(llama: LlamaContext, model: Any, n_max: int, owned: bool = False) -> "
     head = MtpContext(model, slots + 1, llama.num_ctx * slots, llama.n_batch,
                       llama.n_threads, llama.kv_type, llama.flash_attn_type, owned)
     n_embd = head.n_embd
+    llama.keep_hidden_states()
     return MtpHead(head, lambda n: hidden_states(llama.ctx, n, n_embd), n_max)
 
 
@@ -239,9 +237,7 @@ def _sidecar(config: LoadConfig, llama: LlamaContext, gpu_layers: int) -> "MtpHe
             L.llama_model_n_layer_nextn(model) != 1:
         L.llama_model_free(model)
         raise RunnerError("the MTP head is not one head of the model's width")
-    head = _head(llama, model, config.draft_num_predict, owned=True)
-    llama.keep_hidden_states()
-    return head
+    return _head(llama, model, config.draft_num_predict, owned=True)
 
 
 class Pending:

@@ -37,7 +37,6 @@ N_MAX = 16  # llama-server's --draft-max, when draft_num_predict is not given
 STREAMS = DRAFT_STREAMS
 
 
-
 class Decoder(Protocol):
     """The draft model's context (runner.llama.draftcontext.DraftContext)."""
 

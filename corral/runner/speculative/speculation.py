@@ -58,8 +58,8 @@ class Ask(NamedTuple):
 class Speculation:
     def __init__(self, source: DraftSource | None = None, cost: StepCost | None = None,
                  undo: int | None = None) -> None:
-        """`source`: where drafts come from, the n-gram index by default (a draft model,
-        a Modelfile's DRAFT; a test's). `undo`: the most tokens the model's memory can
+        """`source`: where drafts come from, the n-gram index by default (a Modelfile's
+        DRAFT model, the model's MTP head; a test's). `undo`: the most tokens the model's memory can
         take back, where it is recurrent (runner.llama.context); a draft is never
         longer, and since llama.cpp splits every batch of such a memory into ubatches of
         as many rows of each sequence, its decoding sequences draft as many tokens each,
