@@ -63,9 +63,11 @@ def test_generate_and_chat_stream(runner: RunnerProcess) -> None:
     assert all(isinstance(line, TokenLine) for line in lines[:-1])
     text = "".join(line.content for line in lines if isinstance(line, TokenLine))
     assert text.strip()
+    assert done.context == ()  # the tokens come back only when asked (below)
     # Text the daemon rendered with a BOS of its own: the tokenizer adds none.
     chat = list(runner.completion(job({"prompt": "<bos>User: Hi\nAssistant:", "add_bos": False,
-                                   "options": {**GREEDY, "stop": ["User:"]}})))
+                                       "return_context": True,
+                                       "options": {**GREEDY, "stop": ["User:"]}})))
     end = chat[-1]
     assert isinstance(end, DoneLine) and end.prompt_eval_count > 0
     assert list(end.context[:1]) == runner.tokenize("<bos>", add_special=False)

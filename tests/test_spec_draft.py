@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -72,6 +73,26 @@ def test_image_placeholders_are_neither_keys_nor_drafts() -> None:
     h2 = History([-5, 3, 7, 8, -5, -5, 3, 7])
     index.add(h2)
     assert index.draft(h2, 5) == [8]  # stops at the placeholder
+
+
+def test_an_index_built_a_token_at_a_time_equals_one_built_at_once() -> None:
+    """Prompts are indexed whole, in C loops, and tokens one by one as they decode: the
+    latest continuation of a key wins either way, and a placeholder anywhere in what is
+    added keeps its keys out."""
+    rng = random.Random(5)
+    for _ in range(50):
+        tokens = [rng.choice([-1, 1, 2, 3, 4]) if rng.random() < 0.1 else rng.randint(1, 4)
+                  for _ in range(rng.randint(0, 40))]
+        whole, steps = NgramIndex(k=3), NgramIndex(k=3)
+        a, b = History(list(tokens)), History([])
+        whole.add(a)
+        for t in tokens:
+            b.tokens.append(t)
+            steps.add(b)
+        assert {key: at for key, (_, at) in whole._next.items()} == \
+            {key: at for key, (_, at) in steps._next.items()}
+        assert all(whole.draft(History(tokens[:i]), 4) == steps.draft(History(tokens[:i]), 4)
+                   for i in range(len(tokens)))
 
 
 def test_a_full_index_starts_over() -> None:

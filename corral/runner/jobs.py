@@ -141,6 +141,7 @@ class Job:
     # Chunks of at least this many cached tokens past the common prefix are shifted into
     # place instead of evaluated again (llama-server's --cache-reuse); 0: exact reuse only.
     reuse_chunk: int = 0
+    return_context: bool = True  # the Done line carries the prompt's and reply's tokens
     id: str = ""
     events: "queue.Queue[JobEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -151,6 +151,7 @@ class RunnerService:
             id=wire.id,
             images=tuple(spans),
             reuse_chunk=FIM_REUSE if wire.infill is not None else 0,
+            return_context=wire.return_context,
             cancelled=cancelled,
         )
         self.engine.submit(job)

@@ -152,7 +152,8 @@ class Sequence:
             queue_duration=int((self.t_start - job.submitted) * 1e9),
             prompt_tokens=self.n_prompt or len(job.prompt),  # what was read
             # Image placeholders mean nothing outside this runner's vision cache.
-            context=tuple([t for t in job.prompt if t >= 0] + self.generated),
+            context=tuple([t for t in job.prompt if t >= 0] + self.generated)
+            if job.return_context else (),
             draft_count=self.draft.drafted,
             draft_accepted_count=self.draft.accepted,
         )

@@ -178,7 +178,10 @@ def _runner_body(plan: Plan, report: LoadReport, options: Options,
                         id=job_id, truncate=request.truncate, shift=request.shift,
                         special=plan.special,
                         logprobs=-1 if request.logprobs is None else request.logprobs,
-                        infill=infill_of(plan))
+                        infill=infill_of(plan),
+                        # Only a templated completion answers with its tokens (Ollama's
+                        # `context`; native.Lines shows them on the same rule).
+                        return_context=isinstance(request, CompletionTask) and not request.raw)
     return job, shown.opened
 
 
