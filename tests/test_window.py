@@ -113,6 +113,24 @@ def test_a_regenerate_reads_only_the_last_prompt_token(engines: dict[str, Engine
     same_output(again, first)
 
 
+def test_a_short_tail_read_after_a_checkpoint_goes_in_one_step(
+        engines: dict[str, Engine]) -> None:
+    """A prompt placed past its slot's checkpoints has its state read where it starts; a
+    tail shorter than MARK_SPACING after that is read in the same step as its last token
+    (a stop before the last token would read no checkpoint there: one it is reading is
+    too close), so a burst of such prompts pays no extra step of every stream's rows."""
+    engine = engines["plain"]
+    prompt = engine.tokenize(PROMPT, add_special=True)
+    fresh(engine, prompt, num_predict=1)
+    tail = engine.tokenize(" the fox", add_special=False)[:2]
+    steps = engine.steps
+    out = run(engine, prompt[:-3] + tail, num_predict=1)
+    assert out[1].stats.prompt_eval_count == len(tail)
+    assert engine.steps - steps == 1
+    slot = next(s for s in engine.slots if s.cached[:len(prompt) - 3] == prompt[:-3])
+    assert len(prompt) - 3 in [at for at, _ in slot.checkpoints]  # read where it started
+
+
 def test_an_edited_last_message_goes_back_to_the_turn_before(
         engines: dict[str, Engine]) -> None:
     engine = engines["window"]

@@ -96,7 +96,7 @@ class Schedule:
                 self._shift(slot, plan)
         if self.checkpoints:
             self._marks(slots, plan)
-        plan.batch = self._batch(slots, self._drafts(slots))
+        plan.batch = self._batch(slots, plan, self._drafts(slots))
         if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
             plan.batch = self._fit(slots, plan)
         plan.image = self._image(slots, len(plan.batch.rows))
@@ -158,20 +158,26 @@ class Schedule:
         if park is not None:
             self.parking.park(slot, park, new)
 
-    def _batch(self, slots: list[Slot], drafts: dict[int, list[int]] | None = None) -> Batch:
-        return plan_step(slots, self.n_batch, drafts or {}, self._stops(slots))
+    def _batch(self, slots: list[Slot], plan: StepPlan,
+               drafts: dict[int, list[int]] | None = None) -> Batch:
+        return plan_step(slots, self.n_batch, drafts or {}, self._stops(slots, plan))
 
-    def _stops(self, slots: list[Slot]) -> dict[int, int]:
+    def _stops(self, slots: list[Slot], plan: StepPlan) -> dict[int, int]:
         """Where prefills stop this step: where a parked run joins its slot, where
         sequences held for a slot's prefix branch from it (the placer's `holds`: only
         where its memory could not be cut back there after), and, where checkpoints are
-        read, at the next point its state is read (`_marks`)."""
+        read, at the next point its state is read (`_marks`). Not at a point whose state
+        would not be read (a checkpoint held or read this step is too close below it):
+        a stop costs a burst a whole step of every stream's rows, and bought nothing."""
         stops = self.parking.joins()
         for seq_id, at in self.placer.holds.items():
             stops[seq_id] = min(stops.get(seq_id, at), at)
         if self.checkpoints:
+            marking = {op.seq_id: op.slot.n_past for op in plan.ops if isinstance(op, Mark)}
             for slot in slots:
-                ahead = [n for n in self._points(slot) if n > slot.n_past]
+                read = [marking[slot.seq_id]] if slot.seq_id in marking else []
+                ahead = [n for n in self._points(slot)
+                         if n > slot.n_past and not self._covered(slot, n, read)]
                 if ahead:
                     stops[slot.seq_id] = min(stops.get(slot.seq_id, ahead[0]), ahead[0])
         return stops
@@ -194,13 +200,19 @@ class Schedule:
         its slot kept (the end of the turn before: an edited last message goes back
         there)."""
         placed = {p.slot.seq_id for p in plan.placed}
-        near = max(min(MARK_SPACING, self.cuts.below // 4), 1) if self.cuts.below else 1
         for slot in slots:
-            if not slot.n_past or any(0 <= slot.n_past - n < near for n, _ in slot.checkpoints):
+            if not slot.n_past or self._covered(slot, slot.n_past):
                 continue
             if slot.n_past in self._points(slot) or (
                     slot.seq_id in placed and slot.job is not None and not slot.job.images):
                 plan.ops.append(Mark(slot))
+
+    def _covered(self, slot: Slot, n: int, reading: list[int] | None = None) -> bool:
+        """Whether a checkpoint the slot holds, or reads this step (`reading`), lies
+        close enough below `n` that none is read at `n` (MARK_SPACING)."""
+        near = max(min(MARK_SPACING, self.cuts.below // 4), 1) if self.cuts.below else 1
+        held = [at for at, _ in slot.checkpoints] + (reading or [])
+        return any(0 <= n - at < near for at in held)
 
     def _drafts(self, slots: list[Slot]) -> dict[int, list[int]]:
         """The drafts speculation made for the slots decoding now (after the step before:
@@ -272,12 +284,12 @@ class Schedule:
         batch = plan.batch
         parked = self.parking.cells
         if batch.drafts and self.pool.relief(slots, len(batch.rows), parked) is not None:
-            batch = self._batch(slots)
+            batch = self._batch(slots, plan)
         while batch.rows and (relief := self.pool.relief(slots, len(batch.rows),
                                                           self.parking.cells)) is not None:
             if relief.preempt:
                 self._preempt(relief.slot, plan)
-                batch = self._batch(slots)
+                batch = self._batch(slots, plan)
             else:
                 self._drop(relief.slot, plan)
         return batch
