@@ -17,7 +17,8 @@ import pytest
 
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
-from corral.runner.llama.context import CHECKPOINTS, RS_SEQ, EngineConfig, snapshot_planes
+from corral.runner.layerkinds import RS_SEQ, snapshot_planes
+from corral.runner.llama.context import CHECKPOINTS, EngineConfig
 from corral.runner.prefix import Cuts
 from tests.support import greedy, llama_cpp_greedy, same_output, started
 

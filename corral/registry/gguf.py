@@ -16,6 +16,7 @@ from corral.errors import InvalidModelFile
 from corral.registry.fim import WANTED, fim_roles
 from corral.registry.ggufio import (
     ARRAY,
+    BOOL,
     F32,
     I32,
     INTEGER,
@@ -76,6 +77,9 @@ class GGUFInfo:
     metadata: dict[str, object] = field(default_factory=dict)
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # ggml order
     fim: frozenset[str] = frozenset()  # fill-in-the-middle roles (registry/fim.py)
+    # Small integer and boolean arrays (per-layer values: a hybrid's head_count_kv, whose
+    # zeros are its recurrent layers), which `metadata` leaves out.
+    arrays: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def layer_bytes(self) -> dict[int, int]:
         """Weight bytes per block index (`blk.N.*`), for the GPU offload estimate."""
@@ -206,7 +210,7 @@ def _read_value(r: Reader, type_id: int, key: str, vocabulary: bool = False) -> 
     width = struct.calcsize(SCALAR[item_type])
     if count > MAX_ARRAY or count > r.remaining // width:
         raise InvalidModelFile(f"invalid model file: array too long in {key[:80]}")
-    if item_type in INTEGER and count <= 4096:
+    if (item_type in INTEGER or item_type == BOOL) and count <= 4096:  # per-layer values
         data = r.take(count * width, key)
         ints = [int(v) for v in struct.unpack(f"<{count}{SCALAR[item_type][1]}", data)]
         return _Array(item_type, count, ints)
@@ -338,6 +342,8 @@ def _summarize(version: int, metadata: dict[str, object], tensors: list[_Tensor]
         data_offset=data_offset,
         file_size=size,
         metadata=plain,
+        arrays={k: tuple(v.ints) for k, v in metadata.items()
+                if isinstance(v, _Array) and v.ints is not None},
         tensor_shapes={t.name: t.shape for t in tensors},
         fim=_fim(metadata),
     )

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, replace
 
 from corral.registry.gguf import GGUFInfo
+from corral.runner.layerkinds import LayerKinds, layer_kinds, snapshot_planes
 from corral.runner.loadconfig import DEFAULT_BATCH
 
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -27,7 +28,7 @@ class Estimate:
     compute: int
     gpu_bytes: int
     cpu_bytes: int
-    checkpoints: int = 0  # the most a window cache's slots keep of its window (host RAM)
+    checkpoints: int = 0  # the most the slots keep of their windows or states (host RAM)
 
     @property
     def total(self) -> int:
@@ -121,6 +122,20 @@ def kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f16",
     return per_layer * ((layers - swa) * cells + swa * held), per_layer * swa * kept
 
 
+def hybrid_bytes(info: GGUFInfo, kinds: LayerKinds, num_ctx: int, n_slots: int,
+                 weights: int, kv_type: str = "f16") -> tuple[int, int]:
+    """A hybrid's or recurrent model's memory as llama.cpp sizes it, and the most its
+    slots' checkpoints hold: its attention layers' KV for every token, a recurrent state
+    for every slot and the scratch sequence with the copies kept for taking back drafts
+    (n_rs_seq), and each slot's checkpoints, each a state (runner.llama.context)."""
+    per_layer = kv_bytes_per_token(info, kv_type) // max(info.block_count or 1, 1)
+    seqs = n_slots + 1
+    planes = snapshot_planes(kinds.state, seqs, weights)
+    kept = snapshot_planes(kinds.state, n_slots, weights, CHECKPOINTS)
+    return (per_layer * kinds.attention * num_ctx * n_slots + kinds.state * seqs * (1 + planes),
+            kinds.state * n_slots * kept)
+
+
 def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
     layers = info.block_count or 0
     heads_kv = info.head_count_kv or info.head_count or 0
@@ -148,7 +163,9 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
     layers = info.block_count or len(per_layer)
     weights = sum(info.tensor_bytes.values()) + adapters
     other = weights - sum(per_layer.values())  # embeddings, output head, norms
-    kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache)
+    kinds = layer_kinds(info)
+    kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache) \
+        if kinds is None else hybrid_bytes(info, kinds, num_ctx, n_slots, weights, kv_type)
     kv_layer = kv // max(layers, 1)
     compute = compute_bytes(info, n_batch, n_vocab, n_slots)
     if num_gpu >= 0:

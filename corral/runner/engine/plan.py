@@ -54,7 +54,7 @@ class Trim:
     """Keep the first `n_prefix` positions (all cells go when it is 0). A partial removal
     fails on memories that cannot cut there (runner.prefix Cuts): the placement fails.
     `draft`: a rejected draft's tokens, which such a memory takes back (a recurrent one
-    from its snapshots of the last ubatch, runner.llama.context RS_SEQ)."""
+    from its snapshots of the last ubatch, runner.layerkinds RS_SEQ)."""
 
     seq_id: int
     n_prefix: int

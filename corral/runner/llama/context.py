@@ -19,16 +19,12 @@ from corral.process import physical_cores, resident
 from corral.runner.llama import mtpcontext, native, partial
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.fitestimate import CHECKPOINTS, WINDOWS_FOR_WINDOW_CACHE
+from corral.runner.layerkinds import snapshot_planes
 from corral.runner.loadconfig import DEFAULT_BATCH
 from corral.runner.prefix import Cuts
 
-# The recurrent states a sequence keeps for taking back a rejected draft: a draft is at
-# most this long on such a model. Each is a copy of every sequence's recurrent state
-# (on paper, 160 KB a sequence for LFM2-1.2B's short convolutions, tens of MB for
-# Qwen3.5's delta-net), so fewer are kept where RS_SEQ of them would take more than SNAPSHOT_SHARE
-# of the weights' bytes, and none (speculation off) where one would.
-RS_SEQ = 8
-SNAPSHOT_SHARE = 0.1
+# RS_SEQ, SNAPSHOT_SHARE (runner.layerkinds): the recurrent states a sequence keeps for
+# taking back a rejected draft, as many as a share of the weights' bytes allows.
 # CHECKPOINTS: how many a slot keeps where its memory cannot be cut back
 # (runner.engine.plan Mark): the latest, where the last turns started, near their
 # prompts' ends and through long prompts. Each a copy of one sequence's recurrent state
@@ -40,13 +36,6 @@ SNAPSHOT_SHARE = 0.1
 # Architectures whose window is not a sliding one (chunked attention): a cut inside a
 # chunk needs KV the window cache has overwritten, so they keep a full-size cache.
 CHUNKED = {"llama4"}
-
-
-def snapshot_planes(state: int, seqs: int, weights: int, most: int = RS_SEQ) -> int:
-    """How many copies of its recurrent state each of `seqs` sequences keeps, each
-    `state` bytes, beside `weights` bytes of weights: `most`, fewer where they would
-    take more than SNAPSHOT_SHARE of the weights."""
-    return min(most, int(SNAPSHOT_SHARE * weights) // max(state * seqs, 1))
 
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "q8_0": L.GGML_TYPE_Q8_0, "q4_0": L.GGML_TYPE_Q4_0}

@@ -1,0 +1,85 @@
+"""A hybrid's memory as the fit reckons it, against what the pinned llama.cpp allocates
+for the same GGUF: the random LFM2 (short convolutions beside attention) and Qwen3.5
+(gated delta-net layers, one attention layer in four, an MTP block after them) the tests
+write. Before, the fit counted every layer as attention KV (issue 67)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Callable
+
+import llama_cpp as L
+import pytest
+
+from corral.registry.gguf import inspect_gguf
+from corral.runner import fitestimate
+from corral.runner.layerkinds import layer_kinds, snapshot_planes
+from corral.runner.llama import native
+
+# llama.cpp's state writes each cell's position and sequence ids (and M-RoPE's extra
+# positions: Qwen3.5's cells take 24 bytes here, LFM2's 12)
+CELL_SLACK = 32
+HEADER_SLACK = 256  # and a few counts per cache and layer
+
+
+def state_size(path: Path, n: int, flags: int) -> int:
+    """One sequence's state after `n` tokens, in a context of that sequence alone."""
+    native.init_backend()
+    params = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(path).encode(), params)
+    assert model
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
+    cparams.n_seq_max, cparams.n_threads, cparams.n_threads_batch = 1, 1, 1
+    ctx = L.llama_init_from_model(model, cparams)
+    try:
+        tokens = (L.llama_token * n)(*[1] * n)
+        assert L.llama_decode(ctx, L.llama_batch_get_one(tokens, n)) == 0
+        return int(L.llama_state_seq_get_size_ext(ctx, 0, flags))
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen35"])
+def hybrid(request: pytest.FixtureRequest, chat_gguf: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.hybrid_model import write_hybrid
+    from tests.mtp_model import write_mtp
+
+    write: Callable[[Path, Path], Path] = write_hybrid if request.param == "lfm2" else write_mtp
+    return write(chat_gguf, tmp_path_factory.mktemp(request.param) / "model.gguf")
+
+
+def test_the_state_and_the_attention_layers_are_llama_cpps(hybrid: Path) -> None:
+    info = inspect_gguf(hybrid)
+    kinds = layer_kinds(info)
+    assert kinds is not None and 0 < kinds.attention < kinds.recurrent
+    # The recurrent state: what a checkpoint holds (the partial state after a token).
+    partial = state_size(hybrid, 1, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+    assert kinds.state <= partial <= kinds.state + HEADER_SLACK
+    # The KV a token adds: its attention layers' only.
+    per_token = state_size(hybrid, 9, 0) - state_size(hybrid, 8, 0)
+    want = fitestimate.kv_bytes_per_token(info) // (info.block_count or 1) * kinds.attention
+    assert want <= per_token <= want + CELL_SLACK
+
+
+def test_the_fit_counts_states_and_checkpoints_not_every_layers_kv(hybrid: Path) -> None:
+    info = inspect_gguf(hybrid)
+    kinds = layer_kinds(info)
+    assert kinds is not None
+    slots, num_ctx = 4, 4096
+    est = fitestimate.estimate(info, num_ctx, slots, 0)
+    every_layer = fitestimate.kv_bytes_per_token(info) * num_ctx * slots
+    attention = every_layer // (info.block_count or 1) * kinds.attention
+    weights = sum(info.tensor_bytes.values())
+    planes = snapshot_planes(kinds.state, slots + 1, weights)
+    held = attention + kinds.state * (slots + 1) * (1 + planes)
+    assert held - est.layers < est.kv <= held < every_layer // 2  # est.kv: whole layers
+    kept = snapshot_planes(kinds.state, slots, weights, fitestimate.CHECKPOINTS)
+    assert est.checkpoints == kinds.state * slots * kept
+
+
+def test_a_transformer_has_no_layer_kinds(starter_gguf: Path) -> None:
+    assert layer_kinds(inspect_gguf(starter_gguf)) is None
