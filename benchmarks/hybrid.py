@@ -20,6 +20,8 @@ the time to the first token):
 - that chat a turn further again after an unload (Corral with its disk tier on; a new
   llama-server, which keeps no prompt cache on disk by itself).
 
+The two servers run side by side and take each request in turn (the other order every
+other round), so that a machine whose speed drifts over the run moves both alike.
 Times are wall-clock medians of ROUNDS, and the tokens each server read
 (`usage.prompt_tokens` less what it says it reused); then each server's resident memory
 after the rounds (Corral's daemon and runner together). Prints the table and appends it
@@ -58,7 +60,7 @@ from corral.registry.store import Store  # noqa: E402
 from tests.hybrid_model import SHAPES, write_hybrid  # noqa: E402
 
 MODEL = "bench-hybrid"
-ROUNDS = 3
+ROUNDS = 5  # a 40 ms request moves by several ms between rounds: a median of five
 
 
 @dataclass(frozen=True)
@@ -108,45 +110,70 @@ def ask(client: httpx.Client, messages: list[dict[str, str]]) -> tuple[float, in
     return seconds, usage["prompt_tokens"], cached
 
 
-def workloads(url: str, restart: Callable[[], str], memory: Callable[[], int]
-              ) -> dict[str, tuple[float, int, int]]:
-    """Each workload's median time, its prompt tokens and those reused (the last round's);
-    the server's `memory` after them (as a time: bytes, no tokens); then the last chat a
-    turn further once more, after `restart` (an unload and a load, or a new server)
-    gave the URL to ask."""
-    with httpx.Client(base_url=url) as client:
-        out, last = _rounds(client)
-    out[MEMORY] = (float(memory()), 0, 0)
+@dataclass
+class Server:
+    """One contender, started: its URL, how to unload and load it again (a new URL for
+    a new llama-server), how much memory it holds, and how to stop it."""
+
+    url: str
+    restart: Callable[[], str]
+    memory: Callable[[], int]
+    stop: Callable[[], None]
+
+
+Results = dict[str, tuple[float, int, int]]
+
+
+def workloads(servers: list[Server]) -> list[Results]:
+    """Each workload's median time for each server, its prompt tokens and those reused
+    (the last round's); each server's memory after them (as a time: bytes, no tokens);
+    then the last chat a turn further once more, after each server's `restart`. The
+    servers run side by side and take each request in turn (in the other order every
+    other round): a machine whose speed drifts over a run moves both alike."""
+    clients = [httpx.Client(base_url=s.url) for s in servers]
+    try:
+        outs, last = _rounds(clients)
+    finally:
+        for c in clients:
+            c.close()
     resumed = last + [{"role": "assistant", "content": "ok"},
                       {"role": "user", "content": "and after that?"}]
-    with httpx.Client(base_url=restart()) as client:
-        out["resumed after an unload"] = ask(client, resumed)
-    return out
+    for server, out in zip(servers, outs):
+        out[MEMORY] = (float(server.memory()), 0, 0)
+        with httpx.Client(base_url=server.restart()) as client:
+            out["resumed after an unload"] = ask(client, resumed)
+    return outs
 
 
-def _rounds(url: httpx.Client) -> tuple[dict[str, tuple[float, int, int]],
-                                        list[dict[str, str]]]:
-    out: dict[str, list[tuple[float, int, int]]] = {}
+def _rounds(clients: list[httpx.Client]) -> tuple[list[Results], list[dict[str, str]]]:
+    out: list[dict[str, list[tuple[float, int, int]]]] = [{} for _ in clients]
     back: list[dict[str, str]] = []
     for r in range(ROUNDS):
+        order = list(enumerate(clients))[::1 if r % 2 == 0 else -1]
+
+        def each(name: str | None, messages: list[dict[str, str]]) -> None:
+            for i, client in order:
+                got = ask(client, messages)
+                if name is not None:
+                    out[i].setdefault(name, []).append(got)
+
         a, b = chat(100 + r, BENCH.turns), chat(200 + r, BENCH.turns)
-        out.setdefault("a new chat", []).append(ask(url, a))  # the slot holds it after
-        out.setdefault("regenerate", []).append(ask(url, a))
+        each("a new chat", a)  # each slot holds it after
+        each("regenerate", a)
         edited = a[:-1] + [{"role": "user", "content": a[-1]["content"] + " and one more"}]
-        out.setdefault("edit the last message", []).append(ask(url, edited))
+        each("edit the last message", edited)
         extended = a + [{"role": "assistant", "content": "ok"},
                         {"role": "user", "content": text(random.Random(r), 150)}]
-        out.setdefault("the next turn", []).append(ask(url, extended))
-        ask(url, b)  # another chat takes the slot
+        each("the next turn", extended)
+        each(None, b)  # another chat takes the slot
         back = extended + [{"role": "assistant", "content": "ok"},
                            {"role": "user", "content": "and then?"}]
-        out.setdefault("back to the first chat", []).append(ask(url, back))
-    return {k: (statistics.median(x[0] for x in v), v[-1][1], v[-1][2])
-            for k, v in out.items()}, back
+        each("back to the first chat", back)
+    return [{k: (statistics.median(x[0] for x in v), v[-1][1], v[-1][2])
+             for k, v in o.items()} for o in out], back
 
 
-def corral(gguf: Path, tmp: Path, threads: int, root: Path
-           ) -> dict[str, tuple[float, int, int]]:
+def corral(gguf: Path, tmp: Path, threads: int, root: Path) -> Server:
     """One slot, and the disk tier on: an unload writes the slot and RAM cache there."""
     url, proc = serve_gguf(gguf, MODEL, tmp, root, CONTEXT_LENGTH=str(BENCH.num_ctx),
                            NUM_PARALLEL="1", CACHE_DISK="2GiB")
@@ -162,16 +189,16 @@ def corral(gguf: Path, tmp: Path, threads: int, root: Path
         httpx.post(url + "/api/generate", timeout=300, json=load)
         return url
 
-    try:
-        httpx.post(url + "/api/generate", timeout=300, json=load)
-        return workloads(url, unload_and_load,
-                         lambda: rss(proc.pid) + sum(map(rss, runner_pids(proc.pid))))
-    finally:
+    def stop() -> None:
         proc.terminate()
         proc.wait(60)
 
+    httpx.post(url + "/api/generate", timeout=300, json=load)
+    return Server(url, unload_and_load,
+                  lambda: rss(proc.pid) + sum(map(rss, runner_pids(proc.pid))), stop)
 
-def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[float, int, int]]:
+
+def llama_server(binaries: Path, gguf: Path, threads: int) -> Server:
     """With its defaults; "resumed" is a new server (it keeps no prompt cache on disk
     unless a client saves and restores slots by hand)."""
     procs = []
@@ -182,15 +209,14 @@ def llama_server(binaries: Path, gguf: Path, threads: int) -> dict[str, tuple[fl
         return url
 
     def restart() -> str:
-        procs[-1].terminate()
-        procs[-1].wait(60)
+        stop()
         return start()
 
-    try:
-        return workloads(start(), restart, lambda: rss(procs[-1].pid))
-    finally:
+    def stop() -> None:
         procs[-1].terminate()
         procs[-1].wait(60)
+
+    return Server(start(), restart, lambda: rss(procs[-1].pid), stop)
 
 
 def main() -> None:
@@ -211,8 +237,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         gguf = base_gguf if args.model == "swa" else write_hybrid(
             chat_gguf, Path(tmp) / "bench-hybrid.gguf", shape=SHAPES["bench"])
-        theirs = llama_server(binaries, gguf, threads)
-        ours = corral(gguf, Path(tmp), threads, args.corral_root)
+        servers = [llama_server(binaries, gguf, threads)]
+        try:
+            servers.append(corral(gguf, Path(tmp), threads, args.corral_root))
+            theirs, ours = workloads(servers)
+        finally:
+            for server in servers:
+                server.stop()
     lines = [f"{'workload':26} {'llama-server':>22} {'corral':>22} {'ratio':>6}"]
     for name, (t, n, cached) in theirs.items():
         o, on, ocached = ours[name]

@@ -51,7 +51,8 @@ CHECKPOINT_EVERY = 4096
 # regenerate, an edit), and a restore from the prompt cache reads these few tokens
 # again. A burst's requests, each placed a few tokens before its prompt's end, read one
 # checkpoint each, not two (llama.cpp reads a sequence's window cell by cell from the
-# shared ring: ~30 ms each on the base starter, 14% of a burst's engine time).
+# shared ring: ~30 ms each on the base starter, 14% of a burst's engine time), and their
+# prefills do not stop one token short of the end for a second (`_stops`).
 MARK_SPACING = 32
 
 log = logging.getLogger("corral.engine")
