@@ -77,6 +77,10 @@ def test_the_fit_counts_states_and_checkpoints_not_every_layers_kv(hybrid: Path)
     planes = snapshot_planes(kinds.state, slots + 1, weights)
     held = attention + kinds.state * (slots + 1) * (1 + planes)
     assert held - est.layers < est.kv <= held < every_layer // 2  # est.kv: whole layers
+    # of which the copies for taking back drafts, which the runner measures in their place
+    assert est.snapshots == kinds.state * (slots + 1) * planes > 0
+    pool = fitestimate.pool_tokens_that_fit(info, 1 << 20, 1 << 30, slots)
+    assert pool > (1 << 30) // 2 // fitestimate.kv_bytes_per_token(info)  # attention's only
     kept = snapshot_planes(kinds.state, slots, weights, fitestimate.CHECKPOINTS)
     assert est.checkpoints == kinds.state * slots * kept
 

@@ -29,6 +29,7 @@ class Estimate:
     gpu_bytes: int
     cpu_bytes: int
     checkpoints: int = 0  # the most the slots keep of their windows or states (host RAM)
+    snapshots: int = 0  # of `kv`, a recurrent memory's states kept for taking back drafts
 
     @property
     def total(self) -> int:
@@ -123,17 +124,26 @@ def kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f16",
 
 
 def hybrid_bytes(info: GGUFInfo, kinds: LayerKinds, num_ctx: int, n_slots: int,
-                 weights: int, kv_type: str = "f16") -> tuple[int, int]:
-    """A hybrid's or recurrent model's memory as llama.cpp sizes it, and the most its
-    slots' checkpoints hold: its attention layers' KV for every token, a recurrent state
-    for every slot and the scratch sequence with the copies kept for taking back drafts
-    (n_rs_seq), and each slot's checkpoints, each a state (runner.llama.context)."""
-    per_layer = kv_bytes_per_token(info, kv_type) // max(info.block_count or 1, 1)
+                 weights: int, kv_type: str = "f16") -> tuple[int, int, int]:
+    """A hybrid's or recurrent model's memory as llama.cpp sizes it, the most its slots'
+    checkpoints hold, and of the first the copies of states kept for taking back drafts:
+    its attention layers' KV for every token, a recurrent state for every slot and the
+    scratch sequence with those copies (n_rs_seq, as if speculation were on), and each
+    slot's checkpoints, each a state (runner.llama.context)."""
     seqs = n_slots + 1
-    planes = snapshot_planes(kinds.state, seqs, weights)
+    planes = kinds.state * seqs * snapshot_planes(kinds.state, seqs, weights)
     kept = snapshot_planes(kinds.state, n_slots, weights, CHECKPOINTS)
-    return (per_layer * kinds.attention * num_ctx * n_slots + kinds.state * seqs * (1 + planes),
-            kinds.state * n_slots * kept)
+    return (kv_per_token(info, kv_type) * num_ctx * n_slots + kinds.state * seqs + planes,
+            kinds.state * n_slots * kept, planes)
+
+
+def kv_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
+    """The KV a token takes in the layers that keep KV: a hybrid's attention layers
+    (runner.layerkinds), a transformer's every layer."""
+    kinds = layer_kinds(info)
+    if kinds is None:
+        return kv_bytes_per_token(info, kv_type)
+    return kv_bytes_per_token(info, kv_type) // max(info.block_count or 1, 1) * kinds.attention
 
 
 def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
@@ -163,9 +173,12 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
     layers = info.block_count or len(per_layer)
     weights = sum(info.tensor_bytes.values()) + adapters
     other = weights - sum(per_layer.values())  # embeddings, output head, norms
-    kinds = layer_kinds(info)
-    kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache) \
-        if kinds is None else hybrid_bytes(info, kinds, num_ctx, n_slots, weights, kv_type)
+    kinds, snapshots = layer_kinds(info), 0
+    if kinds is None:
+        kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache)
+    else:  # the share of the weights is the model's own, as the runtime's
+        kv, checkpoints, snapshots = hybrid_bytes(info, kinds, num_ctx, n_slots,
+                                                  weights - adapters, kv_type)
     kv_layer = kv // max(layers, 1)
     compute = compute_bytes(info, n_batch, n_vocab, n_slots)
     if num_gpu >= 0:
@@ -186,7 +199,8 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
         gpu += other + compute
     kv = kv_layer * layers
     return Estimate(layers, gpu_layers, weights, kv, compute, gpu,
-                    weights + kv + compute + checkpoints - gpu, checkpoints)
+                    weights + kv + compute + checkpoints - gpu, checkpoints,
+                    snapshots if kinds is not None else 0)
 
 
 CPU_MAX_SLOTS = 16  # aggregate decode on a CPU stops growing near 8 streams; 16 keeps the queue off
@@ -265,7 +279,7 @@ def pool_tokens_that_fit(info: GGUFInfo, want: int, budget: int, n_seqs: int,
     """A shared KV pool of up to `want` tokens that fits `budget` after the margin."""
     room = budget - memory_margin(budget)
     fixed = estimate(info, 0, n_seqs, 0, kv_type=kv_type, n_batch=n_batch).total
-    per_token = max(kv_bytes_per_token(info, kv_type), 1)
+    per_token = max(kv_per_token(info, kv_type), 1)
     return max(256, min(want, (room - fixed) // per_token))
 
 

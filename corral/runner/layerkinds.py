@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from corral.registry.gguf import GGUFInfo
 
 RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+# Hybrids whose every layer keeps both (attention beside the SSM, in parallel).
+BOTH = frozenset({"falcon-h1"})
 # Hybrids whose recurrent layers are those with no KV heads (head_count_kv's zeros).
 BY_KV_HEADS = frozenset({"lfm2", "lfm2moe", "granitehybrid", "jamba", "plamo2",
                          "nemotron_h", "nemotron_h_moe"})
@@ -50,11 +52,15 @@ class LayerKinds:
 
 def layer_kinds(info: GGUFInfo) -> LayerKinds | None:
     """The model's layers by what they keep; None for a model whose every layer keeps KV
-    (a transformer), or a recurrent kind this does not know (the fit then counts every
-    layer as KV, which asks for more than such a model takes)."""
+    (a transformer), or a hybrid this does not know (Kimi's and MiniMax's linear
+    attention, DeepSeek-V4, ...: the fit then counts every layer as KV, and no state
+    or checkpoint, which asks for more KV than such a model takes and leaves out its
+    states)."""
     arch, layers = info.architecture, _trunk_layers(info)
     if arch in RECURRENT:
         kinds = [False] * layers, [True] * layers
+    elif arch in BOTH:
+        kinds = [True] * layers, [True] * layers
     elif arch in BY_KV_HEADS or arch in BY_INTERVAL:
         kinds = _hybrid(info, layers)
     else:
@@ -111,8 +117,9 @@ def _state_per_layer(info: GGUFInfo) -> int | None:
         value = meta.get(f"{arch}.{suffix}")
         return value if isinstance(value, int) else 0
 
-    if key("wkv.head_size"):  # RWKV: its token shifts and its wkv state
-        return STATE_BYTES * (key("token_shift_count") * embd + embd * key("wkv.head_size"))
+    if key("wkv.head_size"):  # RWKV: its token shifts (2 unless said) and its wkv state
+        shifts = key("token_shift_count") or 2
+        return STATE_BYTES * (shifts * embd + embd * key("wkv.head_size"))
     if key("shortconv.l_cache"):  # LFM2's short convolutions
         return STATE_BYTES * embd * (key("shortconv.l_cache") - 1)
     conv, inner, d_state = key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size")

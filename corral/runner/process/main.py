@@ -233,18 +233,20 @@ def build(config: LoadConfig, loaded: LoadedModel | None = None,
         "utf-8", "replace")
     # host memory beside the estimate's compute buffer: the cells' bookkeeping, and the
     # recurrent states kept for taking back drafts; the KV at the cap with the most the
-    # slots' checkpoints hold, as measured at load in place of the estimate's (counted
-    # as they are read: Engine.kv_held)
+    # slots' checkpoints hold; both of the last as measured at load in place of the
+    # estimate's (checkpoints counted as they are read: Engine.kv_held)
     cells = llama.cells_bytes() + llama.snapshot_bytes()
     checkpoints = llama.checkpoint_bytes()
+    kv = est.kv - est.snapshots
     report = LoadReport(
-        weights=est.weights, kv=est.kv + checkpoints, compute=est.compute + cells,
+        weights=est.weights, kv=kv + checkpoints, compute=est.compute + cells,
         gpu_layers=est.gpu_layers, layers=est.layers,
-        size=est.total - est.checkpoints + cells + checkpoints, size_vram=est.gpu_bytes - loaded.rpc_bytes,
+        size=est.total - est.checkpoints - est.snapshots + cells + checkpoints,
+        size_vram=est.gpu_bytes - loaded.rpc_bytes,
         size_rpc=loaded.rpc_bytes, rpc_servers=tuple(config.rpc_servers),
         num_ctx=llama.num_ctx, n_ctx=llama.n_ctx, slots=config.n_slots,
         # Elastic KV holds start_slots' worth while idle: `size` is what the cap holds.
-        start_slots=len(engine.slots), kv_per_slot=est.kv // max(config.n_slots, 1),
+        start_slots=len(engine.slots), kv_per_slot=kv // max(config.n_slots, 1),
         n_threads=llama.n_threads, load_seconds=engine.load_seconds,
         bos=bos, eos=eos, can_shift=llama.can_shift, n_ctx_train=llama.n_ctx_train,
         vision=loaded.vision is not None, draft=loaded.draft_bytes,

@@ -68,8 +68,11 @@ class MemoryFit:
         if not self.free_vram():  # the model's prompt cache takes host RAM beside its KV
             budget -= self.cache_ram()
         budget -= self._draft(record, int(opts.num_ctx or 0), cap)
-        if self.settings.speculative and record.draft is None:  # the n-gram index, at most
-            budget -= fitestimate.NGRAM_INDEX_BYTES
+        if self.settings.speculative and record.draft is None:  # the n-gram index, at most,
+            # and the KV of the model's own MTP head, where it has one (the estimate
+            # counts the layers the model decodes with)
+            budget -= fitestimate.NGRAM_INDEX_BYTES + fitestimate.head_kv_bytes(
+                info, int(opts.num_ctx or 0), cap, self.settings.kv_cache_type)
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                           self.settings.kv_cache_type,
                                           window_cache=self._window_cache(record))
