@@ -126,7 +126,7 @@ def test_a_follow_up_about_the_clip_reuses_its_tokens(hearing: RunnerService) ->
     assert stats.prompt_tokens > TOKENS_PER_WINDOW
     assert follow.prompt_eval_count < follow.prompt_tokens - TOKENS_PER_WINDOW
     assert hearing.vision is not None and hearing.vision.encoded == encoded
-    assert all(t >= 0 for t in follow.context)  # no placeholder ids handed back
+    assert follow.context and all(t >= 0 for t in follow.context)  # no placeholder ids
 
 
 def test_a_long_clip_is_one_span_per_30_s_window(hearing: RunnerService) -> None:

@@ -57,7 +57,7 @@ def image(kind: str, **colour: Any) -> str:
 
 def ask(kind: str, prompt: str = PROMPT, **options: Any) -> dict[str, Any]:
     """llama-server's rendering of the request, the image at its media marker."""
-    return {"prompt": prompt.replace(MTMD_MARKER, MARKER),
+    return {"prompt": prompt.replace(MTMD_MARKER, MARKER), "return_context": True,
             "images": [image(kind)], "add_bos": True, "options": {
                 "temperature": 0, "seed": 1, "num_predict": N, **options}}
 

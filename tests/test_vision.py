@@ -83,7 +83,8 @@ def rendered(service: RunnerService, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def submit(service: RunnerService, body: dict[str, Any], **options: Any) -> Any:
-    return service.job(CompletionJob.from_json({**rendered(service, body),
+    """The job, its Done line with the prompt's and reply's tokens (`context`)."""
+    return service.job(CompletionJob.from_json({**rendered(service, body), "return_context": True,
                                                 "options": {**GREEDY, **options}}))
 
 
@@ -130,7 +131,7 @@ def test_follow_up_reuses_the_image_and_does_not_encode_it_again(llava: RunnerSe
     assert follow.prompt_eval_count < follow.prompt_tokens - IMAGE_TOKENS
     assert llava.vision.encoded == encoded  # embeddings came from the cache
     # The context handed back holds no placeholder ids.
-    assert all(t >= 0 for t in follow.context)
+    assert follow.context and all(t >= 0 for t in follow.context)
 
 
 def test_non_causal_image_is_never_reused_in_part(gemma: RunnerService) -> None:
