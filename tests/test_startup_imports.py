@@ -34,6 +34,7 @@ def test_daemon_spawns_its_first_runner_before_the_http_stack_is_imported() -> N
 DAEMON_RUNNER_MODULES = {
     "corral.runner", "corral.runner.client", "corral.runner.wire", "corral.runner.rankwire",
     "corral.runner.fim", "corral.runner.loadconfig", "corral.runner.fitestimate",
+    "corral.runner.layerkinds",  # the fit's reading of a hybrid's layers, pure
     "corral.runner.tools", "corral.runner.tools.quantize",  # quantize_in_child
     "corral.runner.tools.probe",  # probe_in_child
     "corral.runner.llama", "corral.runner.llama.capi",  # pure_module: grammar conversion
