@@ -5,7 +5,6 @@ write. Before, the fit counted every layer as attention KV (issue 67)."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +14,7 @@ import pytest
 from corral.registry.gguf import inspect_gguf
 from corral.runner import fitestimate
 from corral.runner.layerkinds import layer_kinds, snapshot_planes
-from corral.runner.llama import native
+from corral.runner.llama import native, partial
 
 # llama.cpp's state writes each cell's position and sequence ids (and M-RoPE's extra
 # positions: Qwen3.5's cells take 24 bytes here, LFM2's 12)
@@ -26,19 +25,13 @@ HEADER_SLACK = 256  # and a few counts per cache and layer
 def state_size(path: Path, n: int, flags: int) -> int:
     """One sequence's state after `n` tokens, in a context of that sequence alone."""
     native.init_backend()
-    params = L.llama_model_default_params()
-    model = L.llama_model_load_from_file(str(path).encode(), params)
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
     assert model
-    cparams = L.llama_context_default_params()
-    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
-    cparams.n_seq_max, cparams.n_threads, cparams.n_threads_batch = 1, 1, 1
-    ctx = L.llama_init_from_model(model, cparams)
     try:
-        tokens = (L.llama_token * n)(*[1] * n)
-        assert L.llama_decode(ctx, L.llama_batch_get_one(tokens, n)) == 0
-        return int(L.llama_state_seq_get_size_ext(ctx, 0, flags))
+        size = partial.measure(model, 1, n, flags)
+        assert size > 0
+        return size
     finally:
-        L.llama_free(ctx)
         L.llama_model_free(model)
 
 

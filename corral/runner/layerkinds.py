@@ -81,6 +81,7 @@ def _trunk_layers(info: GGUFInfo) -> int:
 
 def _hybrid(info: GGUFInfo, layers: int) -> tuple[list[bool], list[bool]]:
     arch = info.architecture
+    heads = _per_layer(info, "attention.head_count_kv", layers)
     listed = info.arrays.get(f"{arch}.attention.recurrent_layers")
     if listed is not None:
         recurrent = [bool(r) for r in listed[:layers]]
@@ -89,13 +90,11 @@ def _hybrid(info: GGUFInfo, layers: int) -> tuple[list[bool], list[bool]]:
         every = every if isinstance(every, int) and every > 0 else 4
         recurrent = [(i + 1) % every != 0 for i in range(layers)]
     else:
-        heads = _per_layer(info, "attention.head_count_kv", layers)
         ffn = _per_layer(info, "feed_forward_length", layers)
         # Nemotron-H's layers without KV heads are recurrent only where they have no
         # feed-forward either: its MLP layers keep nothing (src/models/nemotron-h.cpp).
         nemotron = arch.startswith("nemotron_h")
         recurrent = [h == 0 and not (nemotron and f) for h, f in zip(heads, ffn)]
-    heads = _per_layer(info, "attention.head_count_kv", layers)
     attention = [not r and h > 0 for r, h in zip(recurrent, heads)]
     return attention, recurrent
 

@@ -20,9 +20,10 @@ import llama_cpp as L
 PARTIAL = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-def measure(model: Any, n_threads: int, n: int) -> int:
-    """The partial state's bytes of one sequence that has read `n` tokens, in a context
-    of that one sequence (one KV stream); 0 where it could not be made."""
+def measure(model: Any, n_threads: int, n: int, flags: int = PARTIAL) -> int:
+    """The partial state's bytes (or with `flags` 0 the whole state's) of one sequence
+    that has read `n` tokens, in a context of that one sequence (one KV stream); 0 where
+    it could not be made."""
     cparams = L.llama_context_default_params()
     cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
     cparams.n_seq_max = 1
@@ -36,7 +37,7 @@ def measure(model: Any, n_threads: int, n: int) -> int:
         tokens = (L.llama_token * n)(*[bos] * n)
         if L.llama_decode(ctx, L.llama_batch_get_one(tokens, n)) != 0:
             return 0
-        return int(L.llama_state_seq_get_size_ext(ctx, 0, PARTIAL))
+        return int(L.llama_state_seq_get_size_ext(ctx, 0, flags))
     finally:
         L.llama_free(ctx)
 

@@ -33,6 +33,7 @@ LIMIT = 1 << 18
 # every one of them alive (about 40 bytes a token).
 TOKENS = 1 << 21
 KEY_BYTES, TOKEN_BYTES = 100, 40  # what each costs in the interpreter, as measured
+PROMPT = 32  # tokens added at once past which the keys are built in C loops
 
 
 class NgramIndex:
@@ -60,9 +61,10 @@ class NgramIndex:
         tokens, k, n = history.tokens, self.k, len(history.tokens)
         self._held += n - history.indexed
         start = max(history.indexed, k)
-        if start < n and min(tokens[start - k:n - 1]) >= 0:
-            # The common case, a prompt of text, in C loops: a prompt is indexed on the
-            # engine thread before its first step (a 30k-token one took 15 ms in Python).
+        if n - start > PROMPT and min(tokens[start - k:n - 1]) >= 0:
+            # A prompt of text in C loops: it is indexed on the engine thread before its
+            # first step (30k tokens took 17 ms in Python). A decoded token goes through
+            # the plain loop below, which is cheaper for one.
             keys = zip(*(tokens[start - k + j:n - k + j] for j in range(k)))
             self._next.update(zip(map(hash, keys), zip(repeat(history), range(start, n))))
         else:
