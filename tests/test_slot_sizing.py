@@ -183,7 +183,8 @@ GEMMA3 = GGUFInfo(**{**INFO.__dict__, "architecture": "gemma3", "block_count": 1
 def test_a_window_cache_is_fitted_as_the_runner_makes_it(tmp_path: Path) -> None:
     """A sliding-window model's window layers hold each sequence's window and a batch
     (llama.cpp's size), its slots up to eight checkpoints of the window; not where the
-    context is under four windows, under CORRAL_DETERMINISTIC or beside a projector."""
+    context is under four windows or under CORRAL_DETERMINISTIC (beside a projector too,
+    as the runner makes it)."""
     per_layer = fitestimate.kv_bytes_per_token(GEMMA3) // 18
     assert per_layer == 1024
     assert fitestimate.window_layers(GEMMA3, 32768, True) == 15
@@ -204,11 +205,8 @@ def test_a_window_cache_is_fitted_as_the_runner_makes_it(tmp_path: Path) -> None
     assert fitestimate.context_that_fits(GEMMA3, budget) < 32768
     assert fitestimate.context_that_fits(GEMMA3, budget, window_cache=True) == 32768
     # the daemon's fit asks for it as the runner will make it
-    for env, projector, want in (({}, None, True), ({"CORRAL_DETERMINISTIC": "1"}, None, False),
-                                 ({}, tmp_path / "mmproj.gguf", False)):
+    for env, want in (({}, True), ({"CORRAL_DETERMINISTIC": "1"}, False)):
         s = Scheduler(load_settings(env), FakeRunner, free_memory=lambda: budget,
                       free_vram=lambda: 0, total_memory=lambda: 64 << 30,
                       inspect=lambda r: GEMMA3)
-        r = rec(tmp_path)
-        r.projector = projector
-        assert s.fit._window_cache(r) is want
+        assert s.fit._window_cache() is want

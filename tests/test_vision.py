@@ -185,6 +185,33 @@ def test_image_fed_in_slices_answers_as_whole(chat_gguf: Path, tmp_path: Path) -
     assert steps >= 64 // 16 + 9  # four image slices, then ten tokens
 
 
+def test_a_gemma_3_with_its_projector_keeps_only_the_window(chat_gguf: Path,
+                                                           tmp_path: Path) -> None:
+    """A sliding-window model loaded with its projector keeps a cache of the window's size
+    (as llama-server's does), and a regenerate of a prompt with an image past the window
+    reads one token: its checkpoints hold through the image (tests/test_window.py has
+    the engine's side)."""
+    from tests.window_model import WINDOW, write_window
+
+    model = write_window(chat_gguf, tmp_path / "gemma3.gguf", seed=1)
+    proj = write_projector(tmp_path / "proj.gguf", "gemma3", 64)
+    service = serve(model, proj, n_slots=1, num_ctx=64 * WINDOW)
+    try:
+        assert service.engine.llama.window == WINDOW
+        body = raw([IMG1], "The picture shows a fox by the river, and the birds in the "
+                           "trees above it, and the fish in the cold clear water below")
+        # an answer longer than the window: the slot's state cannot be cut back to the
+        # prompt's end without a checkpoint
+        first, stats = run(service, body, num_predict=2 * WINDOW)
+        assert stats.prompt_tokens > IMAGE_TOKENS + 2 * WINDOW
+        encoded = service.vision.encoded
+        again, again_stats = run(service, body, num_predict=2 * WINDOW)
+        assert again_stats.prompt_eval_count == 1 and again == first
+        assert service.vision.encoded == encoded
+    finally:
+        service.engine.stop()
+
+
 def test_bad_images_fail_the_request_not_the_runner(llava: RunnerService) -> None:
     bad = [base64.b64encode(b"not an image at all").decode(),
            base64.b64encode(png_bytes(40, 30)[:60]).decode()]

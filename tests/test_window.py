@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pytest
 
 from corral.runner.engine.engine import Engine
-from corral.runner.jobs import Done, Job, SamplingParams, Token
+from corral.runner.jobs import Done, ImageSpan, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig, LlamaContext
 from corral.runner.prefix import Cuts
 from tests.support import collect, greedy, llama_cpp_greedy, started
@@ -87,9 +88,9 @@ def test_the_cache_holds_the_window_and_its_slots_keep_checkpoints(
     assert full.window == 0 and full.cuts == Cuts() and full.checkpoints == 0
     # llama.cpp's cells of the window cache: the window's for each sequence and a batch
     assert window.cells_bytes() < full.cells_bytes()
-    # By default the window's cache, but not where exactness is promised, nor where the
-    # context is a few windows long (a full-size cache costs little and cuts anywhere),
-    # nor beside a projector (a prompt with images keeps no checkpoints).
+    # By default the window's cache, beside a projector too (as llama-server's), but not
+    # where exactness is promised, nor where the context is a few windows long (a
+    # full-size cache costs little and cuts anywhere).
     auto = {}
     cases: list[dict[str, Any]] = [{}, {"deterministic": True}, {"num_ctx": 32},
                                    {"projector": "mmproj.gguf"}]
@@ -97,7 +98,8 @@ def test_the_cache_holds_the_window_and_its_slots_keep_checkpoints(
         llama = LlamaContext(str(window_gguf), EngineConfig(**{"num_ctx": 2048, **case}))
         auto[tuple(case)] = llama.window
         llama.free()
-    assert auto == {(): WINDOW, ("deterministic",): 0, ("num_ctx",): 0, ("projector",): 0}
+    assert auto == {(): WINDOW, ("deterministic",): 0, ("num_ctx",): 0,
+                    ("projector",): WINDOW}
 
 
 @pytest.mark.parametrize("spec", ["window", "plain"], ids=["drafting", "plain"])
@@ -145,6 +147,38 @@ def test_an_edited_last_message_goes_back_to_the_turn_before(
     out = run(engine, edited, num_predict=12)
     assert out[1].stats.prompt_eval_count <= len(edited) - len(history) + 1
     same_output(out, fresh(engines["full"], edited, num_predict=12))
+
+
+def test_a_chat_with_an_image_goes_back_to_a_checkpoint_never_inside_the_image(
+        engines: dict[str, Engine]) -> None:
+    """A Gemma 3 image (its tokens attend both ways: decoded whole) between two texts
+    past the window. The checkpoint a batch before the prompt's end falls inside the
+    image and is read where the image starts; one token before the end is read too. A
+    regenerate reads one token; a prompt that changes the text after the image goes
+    back to the image's start and reads it and its own text; each answer is a full-size
+    cache's."""
+    engine = engines["window"]
+    head = engine.tokenize(PROMPT, add_special=True)
+    tail = engine.tokenize(" " + PROMPT + " " + PROMPT, add_special=False)[:50]
+    other = engine.tokenize(" and then the fox went home to sleep " + PROMPT,
+                            add_special=False)[:50]
+    n_image = 16
+    embd = np.random.default_rng(3).normal(0, 1, (n_image, 64)).astype(np.float32)
+    image = ImageSpan(start=len(head), key=-7, embd=embd, non_causal=True)
+    prompt = head + [image.key] * n_image + tail
+    assert image.start < len(prompt) - 1 - config().n_batch < image.end  # the moved one
+    job = {"num_predict": 12, "images": (image,)}
+    first = fresh(engine, prompt, **job)
+    same_output(first, fresh(engines["full"], prompt, **job))
+    slot = next(s for s in engine.slots if s.cached[:len(prompt)] == prompt)
+    assert sorted(at for at, _ in slot.checkpoints) == [image.start, len(prompt) - 1]
+    again = run(engine, prompt, **job)
+    assert again[1].stats.prompt_eval_count == 1
+    same_output(again, first)
+    edited = head + [image.key] * n_image + other
+    out = run(engine, edited, **job)
+    assert out[1].stats.prompt_eval_count == n_image + len(other)
+    same_output(out, fresh(engines["full"], edited, **job))
 
 
 def test_a_state_past_the_window_is_cut_near_its_end_or_back_at_a_checkpoint(

@@ -97,8 +97,8 @@ CHECKPOINTS = 8
 
 def window_layers(info: GGUFInfo, num_ctx: int, window_cache: bool) -> int:
     """How many layers keep only the window's KV, in a context of `num_ctx` a sequence
-    where a window cache may be made (`window_cache`: not under CORRAL_DETERMINISTIC nor
-    beside a projector); 0 where none is."""
+    where a window cache may be made (`window_cache`: not under CORRAL_DETERMINISTIC);
+    0 where none is."""
     window, pattern = info.sliding_window or 0, SWA_PATTERN.get(info.architecture)
     if not (window_cache and window and pattern) or num_ctx < WINDOWS_FOR_WINDOW_CACHE * window:
         return 0

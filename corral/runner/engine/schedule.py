@@ -188,12 +188,17 @@ class Schedule:
         context checkpoints: one token before the prompt's end (a regenerate, the same
         prompt again, reads only that token; the last is decoded a step later for its
         logits), a batch before that (an edit near the end: the last message), and
-        every CHECKPOINT_EVERY tokens through a long prompt. None inside images."""
-        if slot.state is not SlotState.PREFILL or slot.job is None or slot.job.images:
+        every CHECKPOINT_EVERY tokens through a long prompt. A point inside an image
+        moves to where the image starts: an image goes into the memory in slices, or
+        whole, and no cut of its KV may be restored."""
+        if slot.state is not SlotState.PREFILL or slot.job is None:
             return []
         last = slot.n_past + len(slot.pending) - 1
         every = range(CHECKPOINT_EVERY, last - self.n_batch, CHECKPOINT_EVERY)
-        return sorted(n for n in {*every, last - self.n_batch, last} if n > 0)
+        points = {*every, last - self.n_batch, last}
+        for span in slot.job.images:
+            points = {span.start if span.start < n < span.end else n for n in points}
+        return sorted(n for n in points if n > 0)
 
     def _marks(self, slots: list[Slot], plan: StepPlan) -> None:
         """A memory that cannot be cut back has its state read (a Mark) where a
@@ -204,8 +209,7 @@ class Schedule:
         for slot in slots:
             if not slot.n_past or self._covered(slot, slot.n_past):
                 continue
-            if slot.n_past in self._points(slot) or (
-                    slot.seq_id in placed and slot.job is not None and not slot.job.images):
+            if slot.n_past in self._points(slot) or slot.seq_id in placed:
                 plan.ops.append(Mark(slot))
 
     def _covered(self, slot: Slot, n: int, reading: list[int] | None = None) -> bool:

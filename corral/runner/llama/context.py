@@ -72,8 +72,8 @@ class EngineConfig:
     cache_dir: str = ""
     projector: str = ""  # the model's multimodal projector: an image's KV depends on it
     # A sliding-window model's cache: full size (True), the window's (False), or None:
-    # the window's, except under `deterministic`, beside a projector and where the
-    # context is short (WINDOWS_FOR_WINDOW_CACHE). Tests set it.
+    # the window's, except under `deterministic` and where the context is short
+    # (WINDOWS_FOR_WINDOW_CACHE). Tests set it.
     swa_full: bool | None = None
 
 
@@ -244,9 +244,8 @@ class LlamaContext:
         """The model's sliding window, where its cache holds only that (`swa_full`)."""
         n_swa = int(L.llama_model_n_swa(self.model))
         full = self.cfg.swa_full
-        if full is None:  # a prompt with images has no checkpoints (Schedule._points)
-            full = self.cfg.deterministic or bool(self.cfg.projector) or \
-                self.num_ctx < WINDOWS_FOR_WINDOW_CACHE * n_swa
+        if full is None:
+            full = self.cfg.deterministic or self.num_ctx < WINDOWS_FOR_WINDOW_CACHE * n_swa
         if not n_swa or full or self.recurrent or native.meta(
                 self.model, "general.architecture") in CHUNKED:
             return 0

@@ -46,7 +46,7 @@ class MemoryFit:
                 budget -= self.cache_ram()
             self._contexts[key] = fitestimate.context_that_fits(
                 info, budget, self.settings.kv_cache_type,
-                window_cache=self._window_cache(record))
+                window_cache=self._window_cache())
         return self._contexts[key]
 
     def slots(self, record: ModelRecord, opts: Options) -> int:
@@ -75,13 +75,12 @@ class MemoryFit:
                 info, int(opts.num_ctx or 0), cap, self.settings.kv_cache_type)
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                           self.settings.kv_cache_type,
-                                          window_cache=self._window_cache(record))
+                                          window_cache=self._window_cache())
 
-    def _window_cache(self, record: ModelRecord) -> bool:
+    def _window_cache(self) -> bool:
         """Whether a sliding-window model may keep only its window's KV (as the runner
-        decides: runner.llama.context): not where exactness is promised, nor beside a
-        projector."""
-        return not self.settings.deterministic and record.projector is None
+        decides: runner.llama.context): not where exactness is promised."""
+        return not self.settings.deterministic
 
     def _draft(self, record: ModelRecord, num_ctx: int, slots: int) -> int:
         """A draft model's weights and KV, loaded beside the model (0: none, or it does
