@@ -72,6 +72,9 @@ def test_the_fit_counts_states_and_checkpoints_not_every_layers_kv(hybrid: Path)
     assert held - est.layers < est.kv <= held < every_layer // 2  # est.kv: whole layers
     # of which the copies for taking back drafts, which the runner measures in their place
     assert est.snapshots == kinds.state * (slots + 1) * planes > 0
+    # with speculation off the runner makes no copies (test_hybrid), nor does the fit
+    off = fitestimate.estimate(info, num_ctx, slots, 0, speculative=False)
+    assert off.snapshots == 0 and abs(est.total - off.total - est.snapshots) < est.layers
     pool = fitestimate.pool_tokens_that_fit(info, 1 << 20, 1 << 30, slots)
     assert pool > (1 << 30) // 2 // fitestimate.kv_bytes_per_token(info)  # attention's only
     kept = snapshot_planes(kinds.state, slots, weights, fitestimate.CHECKPOINTS)

@@ -124,14 +124,16 @@ def kv_bytes(info: GGUFInfo, num_ctx: int, n_slots: int, kv_type: str = "f16",
 
 
 def hybrid_bytes(info: GGUFInfo, kinds: LayerKinds, num_ctx: int, n_slots: int,
-                 weights: int, kv_type: str = "f16") -> tuple[int, int, int]:
+                 weights: int, kv_type: str = "f16", speculative: bool = True
+                 ) -> tuple[int, int, int]:
     """A hybrid's or recurrent model's memory as llama.cpp sizes it, the most its slots'
     checkpoints hold, and of the first the copies of states kept for taking back drafts:
     its attention layers' KV for every token, a recurrent state for every slot and the
-    scratch sequence with those copies (n_rs_seq, as if speculation were on), and each
-    slot's checkpoints, each a state (runner.llama.context)."""
+    scratch sequence with those copies (n_rs_seq, made only where speculation is on),
+    and each slot's checkpoints, each a state (runner.llama.context)."""
     seqs = n_slots + 1
-    planes = kinds.state * seqs * snapshot_planes(kinds.state, seqs, weights)
+    planes = kinds.state * seqs * snapshot_planes(kinds.state, seqs, weights) \
+        if speculative else 0
     kept = snapshot_planes(kinds.state, n_slots, weights, CHECKPOINTS)
     return (kv_per_token(info, kv_type) * num_ctx * n_slots + kinds.state * seqs + planes,
             kinds.state * n_slots * kept, planes)
@@ -164,11 +166,13 @@ def compute_bytes(info: GGUFInfo, n_batch: int, n_vocab: int, n_slots: int) -> i
 
 def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu: int = -1,
              kv_type: str = "f16", n_batch: int = DEFAULT_BATCH, n_vocab: int = 32000,
-             adapters: int = 0, window_cache: bool = False) -> Estimate:
+             adapters: int = 0, window_cache: bool = False, speculative: bool = True
+             ) -> Estimate:
     """Split layers between GPU and CPU; `num_gpu` >= 0 overrides the fit.
 
     `adapters` is the LoRA adapters' bytes, held beside the weights they change;
-    `window_cache`: a sliding-window model may keep only the window's KV (`kv_bytes`)."""
+    `window_cache`: a sliding-window model may keep only the window's KV (`kv_bytes`);
+    `speculative`: a recurrent memory keeps copies of its states for drafts."""
     per_layer = info.layer_bytes()
     layers = info.block_count or len(per_layer)
     weights = sum(info.tensor_bytes.values()) + adapters
@@ -178,7 +182,7 @@ def estimate(info: GGUFInfo, num_ctx: int, n_slots: int, free_vram: int, num_gpu
         kv, checkpoints = kv_bytes(info, num_ctx, n_slots, kv_type, n_batch, window_cache)
     else:  # the share of the weights is the model's own, as the runtime's
         kv, checkpoints, snapshots = hybrid_bytes(info, kinds, num_ctx, n_slots,
-                                                  weights - adapters, kv_type)
+                                                  weights - adapters, kv_type, speculative)
     kv_layer = kv // max(layers, 1)
     compute = compute_bytes(info, n_batch, n_vocab, n_slots)
     if num_gpu >= 0:
@@ -230,14 +234,14 @@ def memory_margin(budget: int) -> int:
 
 def slots_that_fit(info: GGUFInfo, num_ctx: int, budget: int, max_slots: int,
                    kv_type: str = "f16", n_batch: int = DEFAULT_BATCH,
-                   window_cache: bool = False) -> int:
+                   window_cache: bool = False, speculative: bool = True) -> int:
     """The most slots, each with its whole `num_ctx`, whose estimate fits `budget` bytes
     after the margin; at least one (a load that cannot fit fails on its own terms)."""
     room = budget - memory_margin(budget)
     best = 1
     for n in range(2, max(max_slots, 1) + 1):
         if estimate(info, num_ctx, n, 0, kv_type=kv_type, n_batch=n_batch,
-                    window_cache=window_cache).total > room:
+                    window_cache=window_cache, speculative=speculative).total > room:
             break
         best = n
     return best
@@ -249,7 +253,8 @@ DEFAULT_CTX_STEP = 1024
 
 
 def context_that_fits(info: GGUFInfo, budget: int, kv_type: str = "f16",
-                      n_batch: int = DEFAULT_BATCH, window_cache: bool = False) -> int:
+                      n_batch: int = DEFAULT_BATCH, window_cache: bool = False,
+                      speculative: bool = True) -> int:
     """The default num_ctx: the model's trained length, up to DEFAULT_CTX_MAX, as far as
     one slot of it fits `budget` bytes after the margin (in steps of DEFAULT_CTX_STEP);
     never under DEFAULT_CTX_MIN (or the trained length, where that is shorter). An
@@ -266,7 +271,7 @@ def context_that_fits(info: GGUFInfo, budget: int, kv_type: str = "f16",
 
     def fits(num_ctx: int) -> bool:
         return estimate(info, num_ctx, 1, 0, kv_type=kv_type, n_batch=n_batch,
-                        window_cache=window_cache).total <= room
+                        window_cache=window_cache, speculative=speculative).total <= room
 
     if fits(want):
         return want

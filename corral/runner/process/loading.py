@@ -85,7 +85,8 @@ def load(config: LoadConfig) -> LoadedModel:
     num_gpu = config.num_gpu if fitestimate.gpu_backend_present() or rpc_free else 0
     est = fitestimate.estimate(info, per_slot, config.n_slots, gpu_free + rpc_free,
                           num_gpu, config.kv_cache_type, config.n_batch, adapters=adapters,
-                          window_cache=not config.deterministic)
+                          window_cache=not config.deterministic,
+                          speculative=config.speculative)
     rpc_bytes = est.gpu_bytes * rpc_free // max(gpu_free + rpc_free, 1)
     cfg = EngineConfig(
         n_slots=config.n_slots, num_ctx=config.num_ctx, n_batch=config.n_batch,

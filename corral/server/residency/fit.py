@@ -46,7 +46,7 @@ class MemoryFit:
                 budget -= self.cache_ram()
             self._contexts[key] = fitestimate.context_that_fits(
                 info, budget, self.settings.kv_cache_type,
-                window_cache=self._window_cache())
+                window_cache=self._window_cache(), speculative=self.settings.speculative)
         return self._contexts[key]
 
     def slots(self, record: ModelRecord, opts: Options) -> int:
@@ -75,7 +75,8 @@ class MemoryFit:
                 info, int(opts.num_ctx or 0), cap, self.settings.kv_cache_type)
         return fitestimate.slots_that_fit(info, int(opts.num_ctx or 0), budget, cap,
                                           self.settings.kv_cache_type,
-                                          window_cache=self._window_cache())
+                                          window_cache=self._window_cache(),
+                                          speculative=self.settings.speculative)
 
     def _window_cache(self) -> bool:
         """Whether a sliding-window model may keep only its window's KV (as the runner
