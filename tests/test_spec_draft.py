@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from corral.runner.speculative import policy
+from corral.runner.speculative.cost import Offer
 from corral.runner.speculative.ngram import NgramIndex
 from corral.runner.speculative.source import History, Want
 from corral.runner.speculative.policy import DraftPolicy
@@ -181,46 +182,60 @@ CPU_STEPS = {1: 23, 4: 34, 5: 51, 8: 53, 9: 69, 12: 66, 15: 91, 16: 84, 17: 99, 
              20: 100, 24: 120, 32: 144, 36: 159, 40: 176, 48: 209}
 
 
+def one(kept: float, n: int) -> list[Offer]:
+    """One stream's draft of `n` tokens, each expected to be kept at `kept`."""
+    return [Offer(1, kept, 1)] * n
+
+
 def test_the_step_cost_is_learned_by_row_count_and_says_which_drafts_pay() -> None:
-    """On the measured CPU curve: beside sixteen streams a draft of two rows at 80%
-    does not pay (it made c=16 a tenth slower under a fitted line) and four rows do; a
-    stream alone takes its whole copy; fifteen streams take a row even at 10% (sixteen
-    rows cost less than fifteen). Until a step of the streams' own rows is seen, every
-    draft is taken (drafting is how the cost is learned); a count never seen above the
-    largest is priced as the largest, so it is tried once."""
+    """On the measured CPU curve: beside sixteen streams a few streams' drafts never pay,
+    even all kept (the streams that wait through their rows pay twice: cost.BESIDE), nor
+    do one stream's beside four; a stream alone takes its whole copy; fifteen streams
+    take a row even at 10% (sixteen rows cost less than fifteen); four streams that all
+    draft take theirs at 90%. Until a step of the streams' own rows is seen, every draft
+    is taken (drafting is how the cost is learned)."""
     from corral.runner.speculative.cost import StepCost
 
     cost = StepCost()
-    assert cost.estimate(16) is None and cost.best(16, [(1, 0.8)] * 2) == 2
+    assert cost.estimate(16) is None and cost.best(16, one(0.8, 2)) == 2
     for rows, ms in CPU_STEPS.items():
         cost.observe(rows, ms / 1000)
     assert cost.estimate(16) == 0.084 and abs(cost.estimate(22) - 0.110) < 1e-9
-    assert cost.estimate(60) == 0.209  # above the largest seen: as the largest, tried once
-    assert cost.best(16, [(1, 0.8)] * 2) == 0
-    assert cost.best(16, [(1, 0.8)] * 4) == 4
-    assert cost.best(16, [(1, 0.98)] * 3 + [(1, 0.2)]) == 4  # the fourth fills the four
-    assert cost.best(1, [(1, 0.95)] * 31) == 31
-    assert cost.best(15, [(1, 0.1)]) == 1
-    assert cost.best(16, [(1, 0.1)] * 16) == 0
+    assert cost.best(16, one(0.8, 2)) == 0
+    assert cost.best(16, one(1.0, 2) + [Offer(1, 1.0, 2)] * 2) == 0
+    assert cost.best(4, one(0.9, 4)) == 0
+    assert cost.best(4, [Offer(1, 0.9, 1 + i // 4) for i in range(16)]) == 16  # all four
+    assert cost.best(1, one(0.95, 31)) == 31
+    assert cost.best(15, one(0.1, 1)) == 1
+    assert cost.best(16, one(0.1, 16)) == 0
     cost.observe(16, 0.184)  # one slow step moves the mean a fifth of the way
     assert abs(cost.estimate(16) - 0.104) < 1e-9
     cost.observe(3, 0.020, passes=2)  # a step split in two is no row count's price
     assert abs(cost.estimate(3) - (0.023 + 0.011 * 2 / 3)) < 1e-9
 
 
-def test_a_row_count_not_seen_for_a_while_is_forgotten_and_so_tried_again() -> None:
+def test_a_count_above_those_seen_is_tried_only_where_no_stream_waits_through_it() -> None:
+    """Above the largest count seen, a step where every decoding stream drafts is priced
+    as the largest (tried once: trying is how its price becomes known); one where some
+    would wait through it with no draft of their own by the line through the smallest
+    and the largest seen, carried on. A count not seen for STALE steps is forgotten."""
     from corral.runner.speculative import cost as costs
 
     cost = costs.StepCost()
-    cost.observe(16, 0.084)
+    cost.observe(1, 0.023)
+    cost.observe(4, 0.034)
+    assert abs(cost.estimate(36) - (0.034 + 0.011 / 3 * 32)) < 1e-9  # the line, carried on
+    everyone = [Offer(1, 0.4, 1 + i // 8) for i in range(32)]
+    assert cost.best(4, everyone) == 32  # 36 rows priced as 4: tried
+    assert cost.best(4, everyone[:16]) == 0  # two of four draft: the line says no
+    cost.observe(36, 0.159)  # tried: now its own price
+    assert cost.best(4, everyone) == 0  # 4 + 12.8 tokens in 159 ms, not 4 in 34
+    assert cost.best(4, [Offer(1, 0.9, 1 + i // 8) for i in range(32)]) == 32
     cost.observe(18, 0.300)  # a busy moment: drafting beside sixteen looks dear
-    assert cost.best(16, [(1, 0.9)] * 2) == 0
-    for _ in range(costs.STALE - 1):
+    for _ in range(costs.STALE):
         cost.observe(16, 0.084)
-    assert cost.best(16, [(1, 0.9)] * 2) == 0  # seen STALE - 1 steps ago
-    cost.observe(16, 0.084)
-    assert cost.best(16, [(1, 0.9)] * 2) == 2  # 18 forgotten: priced as 16 until tried
-    assert cost.estimate(18) == 0.084
+    assert cost.estimate(18) == cost.estimate(16) == 0.084  # 18, 36 and the rest forgotten
+    assert cost.best(16, [Offer(1, 0.9, 16)] * 2) == 2  # every stream drafts: tried
 
 
 def test_a_sequence_expects_the_runners_rate_then_its_own() -> None:
@@ -237,8 +252,10 @@ def test_a_sequence_expects_the_runners_rate_then_its_own() -> None:
 
 
 def test_a_shared_buffers_drafts_are_cut_by_the_step_cost_likeliest_first() -> None:
-    """Sixteen streams in one buffer on the measured CPU curve: the drafts of the
-    sequences likeliest to keep them go in, cut where the rows that pay end."""
+    """Streams in one buffer on the measured CPU curve: beside sixteen, two copying
+    streams' drafts do not pay for the rows the other fourteen wait through; beside four,
+    the drafts of the sequences likeliest to keep them go in, cut where the rows that
+    pay end (one stream waiting after misses drafts none)."""
     from corral.runner.speculative.cost import StepCost
     from corral.runner.speculative.speculation import Ask, Candidate, Speculation
 
@@ -246,23 +263,30 @@ def test_a_shared_buffers_drafts_are_cut_by_the_step_cost_likeliest_first() -> N
         def draft(self, history: History, n: int) -> list[int]:
             return [7, 8][:n]
 
-    cost = StepCost()
-    for rows, ms in CPU_STEPS.items():
-        cost.observe(rows, ms / 1000)
-    spec = Speculation(Fixed(), cost=cost)
-    cands = []
-    for seq in range(16):
-        p = DraftPolicy()
-        if seq in (3, 9):  # two copying sequences
-            p.verified(8, 8)
-            p.verified(16, 16)
-        elif seq == 5:  # one that is often right
-            p.verified(8, 6)
-        cands.append(Candidate(seq, p, History([1, 2, 3]), room=100))
-    spec.prepare(Ask(cands, n_batch=512, split_equal=False))
-    made = spec.drafts({c.seq_id: c.history for c in cands})
-    assert made == {3: [7, 8], 9: [7, 8]}  # 20 rows: 19.5 tokens in 100 ms, not 16 in 84
-    assert spec.cost.best(16, [(1, 0.875)] * 4 + [(1, 0.625)] * 2) == 4
+    def drafted(streams: int, missed: tuple[int, ...] = ()) -> dict[int, list[int]]:
+        cost = StepCost()
+        for rows, ms in CPU_STEPS.items():
+            cost.observe(rows, ms / 1000)
+        spec = Speculation(Fixed(), cost=cost)
+        cands = []
+        for seq in range(streams):
+            p = DraftPolicy()
+            if seq in (1, 3):  # two copying sequences
+                p.verified(8, 8)
+                p.verified(16, 16)
+            elif seq == 2:  # one that is often right
+                p.verified(8, 6)
+            elif seq in missed:
+                p.verified(8, 0)
+                p.verified(8, 0)
+            cands.append(Candidate(seq, p, History([1, 2, 3]), room=100))
+        spec.prepare(Ask(cands, n_batch=512, split_equal=False))
+        return spec.drafts({c.seq_id: c.history for c in cands})
+
+    assert drafted(16) == {}
+    # beside four, one waiting: 8 rows, 7.5 tokens in 53 ms and the other two's half
+    # again for its wait; with the third (10 rows, 8.75 tokens) it pays less
+    assert drafted(4, missed=(0,)) == {1: [7, 8], 3: [7, 8]}
 
 
 def test_passes_follow_llama_cpps_sequential_equal_split() -> None:

@@ -20,9 +20,10 @@ nothing. So:
   verify one slot's guesses would otherwise crowd out the tokens other streams are
   sure to keep.
 - A step carries the draft rows that give it the most tokens a second, as this
-  machine's own steps price a step of each row count (runner.speculative.cost): the
-  sequences likeliest to keep them first, cut where the rows that pay end; a new
-  sequence is judged by the runner's rate until it has its own. Where every slot has
+  machine's own steps price a step of each row count (runner.speculative.cost), the
+  seconds they add counted twice for the streams that wait through them with no draft
+  of their own: the sequences likeliest to keep them first, cut where the rows that
+  pay end; a new sequence is judged by the runner's rate until it has its own. Where every slot has
   a KV stream of its own, the decoding slots of a step draft as many tokens each.
   Speculation (runner.speculative.speculation) applies these rules, once a step for
   each decoding sequence.

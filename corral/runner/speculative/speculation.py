@@ -26,7 +26,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import NamedTuple, Sequence
 
-from corral.runner.speculative.cost import StepCost, passes
+from corral.runner.speculative.cost import Offer, StepCost, passes
 from corral.runner.speculative.ngram import NgramIndex
 from corral.runner.speculative.source import DraftSource, History, Row, Want
 from corral.runner.speculative.policy import DraftPolicy
@@ -134,7 +134,8 @@ class Speculation:
         the sequences likeliest to keep them first, each draft cut where the rows end."""
         odds = sorted(((self.cost.expects(c.policy), c.seq_id) for c in cands
                        if made.get(c.seq_id)), reverse=True)
-        offers = [(1, p) for p, seq in odds for _ in made[seq]]
+        offers = [Offer(1, p, rank) for rank, (p, seq) in enumerate(odds, 1)
+                  for _ in made[seq]]
         left = self.cost.best(len(cands), offers)
         used = {}
         for _, seq in odds:
@@ -159,7 +160,7 @@ class Speculation:
             return {}
         least = min(len(made[c.seq_id]) for c in cands)
         kept = sum(self.cost.expects(c.policy) for c in cands)
-        k = self.cost.best(len(cands), [(len(cands), kept)] * least)
+        k = self.cost.best(len(cands), [Offer(len(cands), kept, len(cands))] * least)
         return {c.seq_id: made[c.seq_id][:k] for c in cands} if k else {}
 
     def _pays(self, policy: DraftPolicy, decoding: int, length: int) -> bool:
@@ -167,7 +168,7 @@ class Speculation:
         Each drafts once before the odds decide: its own text may be a copy where the
         runner's last requests were not."""
         return not policy.drafted or self.cost.best(
-            decoding, [(1, self.cost.expects(policy))] * length) > 0
+            decoding, [Offer(1, self.cost.expects(policy), 1)] * length) > 0
 
     # ---- schedule ------------------------------------------------------------------------
 
