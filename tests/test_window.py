@@ -133,6 +133,29 @@ def test_a_short_tail_read_after_a_checkpoint_goes_in_one_step(
     assert len(prompt) - 3 in [at for at, _ in slot.checkpoints]  # read where it started
 
 
+def test_a_sequence_that_stays_within_the_window_reads_no_checkpoint(
+        engines: dict[str, Engine]) -> None:
+    """A prompt whose tokens and the most it may generate fit the window is never
+    overwritten by the cache's ring, so it is cut anywhere: it reads no checkpoint, and
+    its prefill goes in one step (a stop a token short for one would cost a step of
+    every stream's rows). One that may generate past the window reads one."""
+    engine = engines["plain"]
+    prompt = engine.tokenize("Once upon a time", add_special=True)
+    short = WINDOW - len(prompt) - 1
+    assert short > 2
+    steps = engine.steps
+    first = fresh(engine, prompt, num_predict=short)
+    slot = next(s for s in engine.slots if s.cached[:len(prompt)] == prompt)
+    assert slot.checkpoints == []
+    assert engine.steps - steps == 1 + short  # the other chat's one, then one a token
+    again = run(engine, prompt, num_predict=short)
+    assert again[1].stats.prompt_eval_count == 1
+    same_output(again, first)
+    fresh(engine, prompt, num_predict=2 * WINDOW)
+    slot = next(s for s in engine.slots if s.cached[:len(prompt)] == prompt)
+    assert [at for at, _ in slot.checkpoints] == [len(prompt) - 1]
+
+
 def test_an_edited_last_message_goes_back_to_the_turn_before(
         engines: dict[str, Engine]) -> None:
     engine = engines["window"]

@@ -191,7 +191,7 @@ class Schedule:
         every CHECKPOINT_EVERY tokens through a long prompt. A point inside an image
         moves to where the image starts: an image goes into the memory in slices, or
         whole, and no cut of its KV may be restored."""
-        if slot.state is not SlotState.PREFILL or slot.job is None:
+        if slot.state is not SlotState.PREFILL or not self._outgrows(slot):
             return []
         last = slot.n_past + len(slot.pending) - 1
         every = range(CHECKPOINT_EVERY, last - self.n_batch, CHECKPOINT_EVERY)
@@ -209,8 +209,19 @@ class Schedule:
         for slot in slots:
             if not slot.n_past or self._covered(slot, slot.n_past):
                 continue
-            if slot.n_past in self._points(slot) or slot.seq_id in placed:
+            if slot.n_past in self._points(slot) or (slot.seq_id in placed
+                                                     and self._outgrows(slot)):
                 plan.ops.append(Mark(slot))
+
+    def _outgrows(self, slot: Slot) -> bool:
+        """Whether the slot's sequence may grow past where its memory can be cut anywhere
+        (Cuts.anywhere): not a window cache's whose prompt and the most it may generate
+        stay within the window, whose ring never comes round to overwrite a position of
+        it. Such a sequence reads no checkpoint: it would be read for nothing, and its
+        prefill would stop a token short for it, a step of every stream's rows."""
+        job = slot.job
+        return job is not None and (job.num_predict < 0 or not self.cuts.anywhere(
+            len(job.prompt) + job.num_predict))
 
     def _covered(self, slot: Slot, n: int, reading: list[int] | None = None) -> bool:
         """Whether a checkpoint the slot holds, or reads this step (`reading`), lies
