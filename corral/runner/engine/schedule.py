@@ -191,12 +191,13 @@ class Schedule:
         every CHECKPOINT_EVERY tokens through a long prompt. A point inside an image
         moves to where the image starts: an image goes into the memory in slices, or
         whole, and no cut of its KV may be restored."""
-        if slot.state is not SlotState.PREFILL or not self._outgrows(slot):
+        job = slot.job
+        if slot.state is not SlotState.PREFILL or job is None or not self._outgrows(slot):
             return []
         last = slot.n_past + len(slot.pending) - 1
         every = range(CHECKPOINT_EVERY, last - self.n_batch, CHECKPOINT_EVERY)
         points = {*every, last - self.n_batch, last}
-        for span in slot.job.images:
+        for span in job.images:
             points = {span.start if span.start < n < span.end else n for n in points}
         return sorted(n for n in points if n > 0)
 
