@@ -121,7 +121,7 @@ class StepCost:
         for n, offer in enumerate(offers, 1):
             rows, tokens = rows + offer.rows, tokens + offer.kept
             waiting = max(decoding - offer.drafting, 0) / decoding
-            cost = _at(fresh, rows, explore=not waiting)
+            cost = _at(fresh, rows, explore=offer.drafting >= decoding)
             if cost is None:
                 continue
             cost += BESIDE * waiting * max(cost - alone, 0.0)

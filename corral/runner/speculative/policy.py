@@ -23,8 +23,9 @@ nothing. So:
   machine's own steps price a step of each row count (runner.speculative.cost), the
   seconds they add counted twice for the streams that wait through them with no draft
   of their own: the sequences likeliest to keep them first, cut where the rows that
-  pay end; a new sequence is judged by the runner's rate until it has its own. Where every slot has
-  a KV stream of its own, the decoding slots of a step draft as many tokens each.
+  pay end; a new sequence is judged by the runner's rate until it has its own. Where
+  every slot has a KV stream of its own, the decoding slots of a step draft as many
+  tokens each.
   Speculation (runner.speculative.speculation) applies these rules, once a step for
   each decoding sequence.
 """
