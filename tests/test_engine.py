@@ -295,3 +295,29 @@ def test_ignore_eos_finds_its_end_tokens_on_the_submitting_thread(starter_gguf: 
         assert all(L.llama_vocab_is_eog(eng.llama.vocab, t) for t in eng.llama._eog)
     finally:
         eng.stop()
+
+
+def test_a_burst_of_ignore_eos_submits_scans_the_vocabulary_once(
+        starter_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen ignore_eos requests submitted at once, each scanning the vocabulary under
+    the GIL, held a fresh daemon's first burst 6-7 s before its first step."""
+    calls: list[int] = []
+    is_eog = L.llama_vocab_is_eog
+    monkeypatch.setattr(L, "llama_vocab_is_eog",
+                        lambda vocab, t: calls.append(t) or is_eog(vocab, t))
+    eng = Engine(str(starter_gguf), EngineConfig(n_slots=4, num_ctx=128))
+    try:
+        gate = threading.Barrier(4)
+
+        def submit() -> None:
+            gate.wait(timeout=60)
+            eng.submit(Job(prompt=[2, 651], num_predict=1, ignore_eos=True))
+        threads = [threading.Thread(target=submit) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert len(calls) == eng.llama.n_vocab  # one scan, however many asked at once
+    finally:
+        eng.stop()

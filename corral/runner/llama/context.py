@@ -9,6 +9,7 @@ What a sequence's memory can take back (a cut, a rejected draft) is decided here
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,7 @@ class LlamaContext:
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._eog: list[int] | None = None
+        self._eog_lock = threading.Lock()  # a burst's submits scan once, not once each
 
     @property
     def flash_attn_type(self) -> int:
@@ -329,10 +331,14 @@ class LlamaContext:
     def eog_tokens(self) -> list[int]:
         """Every end-of-generation token. Only ignore_eos needs the whole list, so it is
         found on first use rather than by a vocabulary-wide scan at every load; the first
-        use is a request's submit, on its own thread (it reads the vocabulary alone)."""
-        if self._eog is None:
-            self._eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
-        return self._eog
+        use is a request's submit, on its own thread (it reads the vocabulary alone). A
+        burst's first submits wait for one scan: sixteen at once, each holding the GIL
+        through its own, held the engine's steps for seconds."""
+        with self._eog_lock:
+            if self._eog is None:
+                self._eog = [t for t in range(self.n_vocab)
+                             if L.llama_vocab_is_eog(self.vocab, t)]
+            return self._eog
 
     def _apply_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
         """Load each LoRA against the model and set them all on the context.
