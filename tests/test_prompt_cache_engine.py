@@ -111,6 +111,24 @@ def test_alternating_conversations_restore_their_prompts(starter_gguf: Path,
     assert 0 < status["cache_bytes"] <= 256 << 20 and status["cache_entries"] >= 1
 
 
+def test_a_short_prompt_sent_again_comes_back_from_ram(starter_gguf: Path) -> None:
+    """A prompt of the cache's least entry and one token, sent again after another took
+    the one slot: its 32 tokens come back (llama-server's cache restores any prompt it
+    keeps more of). Both start with BOS, which the slot's own cache shares."""
+    engine = Engine(str(starter_gguf), config(cache_ram=256 << 20))
+    engine.start()
+    try:
+        size = PromptCache(budget=1).min_tokens + 1
+        a, b = engine.tokenize(DOC_A)[:size], engine.tokenize(DOC_B)[:size]
+        assert a[0] == b[0] and a[1] != b[1]
+        evaluated = [ask(engine, p, 2)[1].prompt_eval_count for p in (a, b, a)]
+        status = engine.status()
+    finally:
+        engine.stop()
+    assert evaluated == [size, size - 1, 1]  # b reuses the BOS; a's return reads one token
+    assert status["cache_hits"] == 1 and status["cache_tokens_restored"] == size - 1
+
+
 def burst(engine: Engine, names: list[str]) -> tuple[list[str], list[dict], dict]:
     prompts = turns(engine)
     jobs = [engine.submit(Job(prompt=list(prompts[n]), params=GREEDY, num_predict=8))

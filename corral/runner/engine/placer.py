@@ -47,7 +47,12 @@ if TYPE_CHECKING:
     from corral.runner.engine.kvpool import KVPool
     from corral.runner.slots.sequence import Sequence
 
-MIN_GAIN = 32  # tokens a copy must save over reusing the slot's own cache
+# Tokens a copy must save over reusing the slot's own cache. A copy's bytes cost far
+# less than a token's prefill; what it pays is a fixed part (the state's parse, a
+# find_slot, the target's own cache written out first), a few tokens' worth on a GPU.
+# At 32, a short prompt sent again (33 tokens: 32 restorable, one read) never came
+# back from RAM, where llama-server's cache brings it back whenever it keeps more.
+MIN_GAIN = 8
 HOLD_MIN = 64  # tokens a prefilling slot must be about to compute for a sequence to wait on it
 # Where a window cache's sequences branch, a few tokens before their shared prefix ends
 # (as llama-server checkpoints four tokens before a prompt's end): a copied state is cut
