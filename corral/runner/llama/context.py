@@ -82,6 +82,7 @@ class LlamaContext:
     model: Any
     ctx: Any
     batch: Any
+    _eog: list[int] | None  # every end-of-generation token, found on first use
 
     def __init__(self, path: str, cfg: EngineConfig) -> None:
         mparams = L.llama_model_default_params()
@@ -142,8 +143,7 @@ class LlamaContext:
         self.can_rollback = self.undo is None or self.undo > 0
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self._eog: list[int] | None = None
-        self._eog_lock = threading.Lock()  # a burst's submits scan once, not once each
+        self._eog, self._eog_lock = None, threading.Lock()  # a burst's submits scan once
 
     @property
     def flash_attn_type(self) -> int:
