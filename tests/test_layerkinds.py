@@ -1,7 +1,10 @@
 """A hybrid's memory as the fit reckons it, against what the pinned llama.cpp allocates
-for the same GGUF: the random LFM2 (short convolutions beside attention) and Qwen3.5
-(gated delta-net layers, one attention layer in four, an MTP block after them) the tests
-write. Before, the fit counted every layer as attention KV (issue 67)."""
+for the same GGUF: the random LFM2 (short convolutions beside attention), Qwen3.5
+(gated delta-net layers, one attention layer in four, an MTP block after them),
+Kimi-Linear, Kimi-K3 and BailingMoE3 (delta attention beside latent attention; the last
+with an MTP block the model keeps KV for) and MiniMax-Text-01 (lightning attention, one
+softmax layer in eight) the tests write. Before, the fit counted every layer as
+attention KV (issue 67)."""
 
 from __future__ import annotations
 
@@ -35,14 +38,18 @@ def state_size(path: Path, n: int, flags: int) -> int:
         L.llama_model_free(model)
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen35"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen35", "kimi-linear", "kimi-k3",
+                                        "bailingmoe3", "minimax-01"])
 def hybrid(request: pytest.FixtureRequest, chat_gguf: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.hybrid_model import write_hybrid
+    from tests.linear_models import WRITERS
     from tests.mtp_model import write_mtp
 
-    write: Callable[[Path, Path], Path] = write_hybrid if request.param == "lfm2" else write_mtp
-    return write(chat_gguf, tmp_path_factory.mktemp(request.param) / "model.gguf")
+    writers: dict[str, Callable[[Path, Path], Path]] = {
+        "lfm2": write_hybrid, "qwen35": write_mtp, **WRITERS}
+    dst = tmp_path_factory.mktemp(request.param) / "model.gguf"
+    return writers[request.param](chat_gguf, dst)
 
 
 def test_the_state_and_the_attention_layers_are_llama_cpps(hybrid: Path) -> None:
@@ -75,7 +82,8 @@ def test_the_fit_counts_states_and_checkpoints_not_every_layers_kv(hybrid: Path)
     # with speculation off the runner makes no copies (test_hybrid), nor does the fit
     off = fitestimate.estimate(info, num_ctx, slots, 0, speculative=False)
     assert off.snapshots == 0 and abs(est.total - off.total - est.snapshots) < est.layers
-    pool = fitestimate.pool_tokens_that_fit(info, 1 << 20, 1 << 30, slots)
+    # as many tokens as fit (no cap: a tiny model's attention-only KV fits more than 2^20)
+    pool = fitestimate.pool_tokens_that_fit(info, 1 << 30, 1 << 30, slots)
     assert pool > (1 << 30) // 2 // fitestimate.kv_bytes_per_token(info)  # attention's only
     kept = snapshot_planes(kinds.state, slots, weights, fitestimate.CHECKPOINTS)
     assert est.checkpoints == kinds.state * slots * kept

@@ -153,7 +153,10 @@ def kv_bytes_per_token(info: GGUFInfo, kv_type: str = "f16") -> int:
     heads_kv = info.head_count_kv or info.head_count or 0
     head_dim = (info.embedding_length or 0) // max(info.head_count or 1, 1)
     k = info.key_length or head_dim
-    v = info.value_length or head_dim
+    # Multi-head latent attention (DeepSeek-2/3, Kimi, BailingMoE3: key_length_mla said)
+    # caches the latent K alone, key_length a KV head, and no V (llama_kv_cache: has_v).
+    mla = info.metadata.get(f"{info.architecture}.attention.key_length_mla")
+    v = 0 if isinstance(mla, int) and mla else info.value_length or head_dim
     per_element = KV_BYTES_PER_ELEMENT.get(kv_type, 2.0)
     return int(layers * heads_kv * (k + v) * per_element)
 

@@ -3,11 +3,12 @@ sequence's recurrent state holds: read from its GGUF's metadata as the pinned ll
 reads it (src/models/*.cpp, llama_hparams::n_embd_r and n_embd_s), so that the fit
 (runner.fitestimate) counts a hybrid's memory before the model loads.
 
-A hybrid (LFM2, Qwen3.5, Nemotron-H, Granite-4-H, Jamba) keeps attention KV only in its
-attention layers; its other layers keep one fixed-size state a sequence, whatever the
-context. A recurrent model (Mamba, RWKV) keeps only states. Counting every layer as
-attention KV, as a plain transformer's estimate does, asks for several times the memory
-such a model takes, and gives it fewer slots than fit.
+A hybrid (LFM2, Qwen3.5, Nemotron-H, Granite-4-H, Jamba, Kimi-Linear and Kimi-K3,
+BailingMoE3, MiniMax-Text-01) keeps attention KV only in its attention layers; its other
+layers keep one fixed-size state a sequence, whatever the context. A recurrent model
+(Mamba, RWKV) keeps only states. Counting every layer as attention KV, as a plain
+transformer's estimate does, asks for several times the memory such a model takes, and
+gives it fewer slots than fit.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv
 BOTH = frozenset({"falcon-h1"})
 # Hybrids whose recurrent layers are those with no KV heads (head_count_kv's zeros).
 BY_KV_HEADS = frozenset({"lfm2", "lfm2moe", "granitehybrid", "jamba", "plamo2",
-                         "nemotron_h", "nemotron_h_moe"})
-# Hybrids with one attention layer every `full_attention_interval` (4 when unsaid),
-# unless `attention.recurrent_layers` lists them.
-BY_INTERVAL = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+                         "nemotron_h", "nemotron_h_moe", "kimi-linear", "kimi-k3",
+                         "bailingmoe3"})
+# Hybrids whose model keeps KV for its MTP (`nextn`) blocks too, beside the head's own
+# context: llama.cpp's hybrid memory for them takes every layer that is not recurrent,
+# and those blocks are not (llama_model::create_memory, its filters left null).
+NEXTN_KV = frozenset({"bailingmoe3"})
+# Hybrids with one attention layer every `full_attention_interval` (the value here when
+# unsaid: MiniMax-Text-01's GGUFs leave it out), unless `attention.recurrent_layers`
+# lists them.
+BY_INTERVAL = {"qwen35": 4, "qwen35moe": 4, "qwen3next": 4, "minimax-01": 8}
 STATE_BYTES = 4  # llama.cpp keeps recurrent states in f32 (its type_r and type_s)
 # The recurrent states a sequence keeps for taking back a rejected draft (n_rs_seq): a
 # draft is at most this long on such a model. Each is a copy of every sequence's state
@@ -52,10 +59,9 @@ class LayerKinds:
 
 def layer_kinds(info: GGUFInfo) -> LayerKinds | None:
     """The model's layers by what they keep; None for a model whose every layer keeps KV
-    (a transformer), or a hybrid this does not know (Kimi's and MiniMax's linear
-    attention, DeepSeek-V4, ...: the fit then counts every layer as KV, and no state
-    or checkpoint, which asks for more KV than such a model takes and leaves out its
-    states)."""
+    (a transformer), or a hybrid this does not know (glm5-next, deepseek4, qwen4exp:
+    the fit then counts every layer as KV, and no state or checkpoint, which asks for
+    more KV than such a model takes and leaves out its states)."""
     arch, layers = info.architecture, _trunk_layers(info)
     if arch in RECURRENT:
         kinds = [False] * layers, [True] * layers
@@ -69,7 +75,8 @@ def layer_kinds(info: GGUFInfo) -> LayerKinds | None:
     state = _state_per_layer(info)
     if state is None or len(attention) != layers:
         return None
-    return LayerKinds(sum(attention), sum(recurrent), state * sum(recurrent))
+    nextn = (info.block_count or 0) - layers if arch in NEXTN_KV else 0
+    return LayerKinds(sum(attention) + nextn, sum(recurrent), state * sum(recurrent))
 
 
 def _trunk_layers(info: GGUFInfo) -> int:
@@ -86,8 +93,8 @@ def _hybrid(info: GGUFInfo, layers: int) -> tuple[list[bool], list[bool]]:
     if listed is not None:
         recurrent = [bool(r) for r in listed[:layers]]
     elif arch in BY_INTERVAL:
-        every = info.metadata.get(f"{arch}.full_attention_interval", 4)
-        every = every if isinstance(every, int) and every > 0 else 4
+        every = info.metadata.get(f"{arch}.full_attention_interval", BY_INTERVAL[arch])
+        every = every if isinstance(every, int) and every > 0 else BY_INTERVAL[arch]
         recurrent = [(i + 1) % every != 0 for i in range(layers)]
     else:
         ffn = _per_layer(info, "feed_forward_length", layers)
@@ -107,6 +114,11 @@ def _per_layer(info: GGUFInfo, suffix: str, layers: int) -> list[int]:
     return [value if isinstance(value, int) else 0] * layers
 
 
+def _layer_zero(info: GGUFInfo, suffix: str) -> int:
+    values = _per_layer(info, suffix, 1)
+    return values[0] if values else 0
+
+
 def _state_per_layer(info: GGUFInfo) -> int | None:
     """One sequence's state in one recurrent layer, in bytes (n_embd_r + n_embd_s)."""
     arch, meta = info.architecture, info.metadata
@@ -121,6 +133,15 @@ def _state_per_layer(info: GGUFInfo) -> int | None:
         return STATE_BYTES * (shifts * embd + embd * key("wkv.head_size"))
     if key("shortconv.l_cache"):  # LFM2's short convolutions
         return STATE_BYTES * embd * (key("shortconv.l_cache") - 1)
+    heads = _layer_zero(info, "attention.head_count")  # llama.cpp's n_head(): layer 0's
+    if key("kda.head_dim"):  # Kimi's delta attention: the q, k and v convolutions' last
+        # conv_kernel - 1 columns (3 where it is 0), and a head_dim x head_dim state a head
+        dim, conv = key("kda.head_dim"), key("ssm.conv_kernel")
+        return STATE_BYTES * (3 * (conv - 1 if conv else 3) * heads * dim + dim * dim * heads)
+    if arch == "minimax-01":  # lightning attention: a head_dim x head_dim state a head,
+        # and no convolution (its loader reads no ssm keys, so n_embd_r is 0)
+        dim = key("attention.key_length") or embd // max(heads, 1)
+        return STATE_BYTES * dim * dim * heads
     conv, inner, d_state = key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size")
     if not (inner and d_state):
         return None
