@@ -4,8 +4,9 @@ the machine is quiet: the figures a drifting host cannot decide.
 compare.py starts each contender in turn and sweeps its levels; over the minutes
 between two contenders this 2-core VM drifts by up to a fifth (the three llama-server
 contenders, which serve c=4 alike, read 96.9, 94.1 and 80.7 tok/s in one run). Here
-every server is started first and warmed; then each round runs each level once against
-each contender (the order reversed every other round), and each run waits until the
+every server is started first (compare.py's contenders, by name); then each round runs
+each level once against each contender (compare.py's `bench`: a short warm-up request,
+then `corral bench`; the order reversed every other round), and each run waits until the
 whole machine has used under 8% of one core for a second (an idle server's timers, a
 finished run's exit). Each figure is the median over the rounds, and the target ratios
 are compare.py's: Corral against the better llama-server at each level.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -28,36 +28,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-import httpx
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare import (  # noqa: E402
-    MIN_REQUESTS, append_results, llama_server_binaries, start_corral, start_llama_server)
+    append_results, bench, contenders, llama_server_binaries)
 from corral.config import load_settings  # noqa: E402
-from corral.registry.starter import STARTER_NAME, starter_model_path  # noqa: E402
+from corral.registry.starter import starter_model_path  # noqa: E402
 from corral.registry.store import Store  # noqa: E402
 
 QUIET_SHARE = 8  # clock ticks (1/100 s) of CPU over a second: 8% of one core
 QUIET_WAIT = 120.0  # seconds a run waits for quiet before it goes anyway (and says so)
-Starter = Callable[[], tuple[str, subprocess.Popen[bytes]]]
 PEERS = ("llama-server 4", "llama-server 8 unified", "llama-server 16 unified")
-
-
-def contenders(model: Path, ctx: int, threads: int) -> dict[str, Starter]:
-    binaries = llama_server_binaries()
-    return {
-        "llama-server 4": lambda: start_llama_server(binaries, model, 4, ctx, threads),
-        "llama-server 8 unified": lambda: start_llama_server(binaries, model, 8, ctx, threads,
-                                                             "--kv-unified"),
-        "llama-server 16 unified": lambda: start_llama_server(binaries, model, 16, ctx,
-                                                              threads, "--kv-unified"),
-        "corral": lambda: start_corral(0, ctx, threads),
-        "corral spec off": lambda: start_corral(0, ctx, threads, SPECULATIVE="off"),
-    }
+CONTENDERS = (*PEERS, "corral", "corral spec off")  # compare.py's, by its names
 
 
 def cpu_ticks() -> int:
@@ -85,18 +70,6 @@ def wait_quiet() -> bool:
     return False
 
 
-def run_level(url: str, level: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    per_client = max(args.per_client, -(-MIN_REQUESTS // int(level)))
-    cmd = [sys.executable, "-c", "from corral.cli.main import main; main()", "bench",
-           STARTER_NAME, "--api", "openai", "--base-url", url, "--concurrency", level,
-           "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-           "--dataset", "random", "--seed", "1", "--json", str(out),
-           "--per-client", str(per_client)]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600, stdout=subprocess.DEVNULL)
-    level_result: dict[str, Any] = json.loads(out.read_text())["levels"][0]
-    return level_result
-
-
 def rounds(servers: dict[str, str], args: argparse.Namespace
            ) -> dict[tuple[str, str], list[dict[str, Any]]]:
     out = ROOT / "benchmarks" / ".out" / "side_by_side.json"
@@ -108,7 +81,7 @@ def rounds(servers: dict[str, str], args: argparse.Namespace
             for name in (names if n % 2 == 0 else names[::-1]):
                 if not wait_quiet():
                     print(f"round {n}: the machine was not quiet for {QUIET_WAIT:.0f} s")
-                got = run_level(servers[name], level, args, out)
+                got = bench(servers[name], out, args, levels=level)[0]
                 results.setdefault((name, level), []).append(got)
                 print(f"round {n} c={level} {name}: {got['output_throughput']:.1f} tok/s, "
                       f"TTFT p99 {got['ttft']['p99']:.2f} s", flush=True)
@@ -162,9 +135,9 @@ def main() -> None:
     model = starter_model_path(Store(load_settings().models))
     if model is None:
         raise SystemExit("Error: the starter model is not installed; run ./install.sh")
-    only = {x.strip() for x in args.only.split(",") if x.strip()}
-    chosen = {n: s for n, s in contenders(model, args.num_ctx, args.threads).items()
-              if not only or n in only}
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set(CONTENDERS)
+    chosen = {n: s for n, s in contenders(args, llama_server_binaries(), model, args.threads)
+              if n in only}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         servers = {}
@@ -172,8 +145,6 @@ def main() -> None:
             url, proc = start()
             procs.append(proc)
             servers[name] = url
-            httpx.post(url + "/v1/completions", timeout=300, json={
-                "model": STARTER_NAME, "prompt": "warm up", "max_tokens": 4})
         results = rounds(servers, args)
     finally:
         for proc in procs:
