@@ -18,6 +18,7 @@ import llama_cpp as L
 from corral.errors import RunnerError
 from corral.process import physical_cores, resident
 from corral.runner.llama import mtpcontext, native, partial
+from corral.runner.llama.prompttokens import PromptTokens
 from corral.runner.llama.textstream import Utf8Stream
 from corral.runner.fitestimate import CHECKPOINTS, WINDOWS_FOR_WINDOW_CACHE
 from corral.runner.layerkinds import snapshot_planes
@@ -105,8 +106,7 @@ class LlamaContext:
         self.num_ctx = min(cfg.num_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else cfg.num_ctx
         if cfg.kv_pool:
             self.num_ctx = min(self.num_ctx, cfg.kv_pool)  # a cap on each sequence
-        self.n_threads = cfg.n_threads or physical_cores()
-        self.cfg = cfg
+        self.n_threads, self.cfg = cfg.n_threads or physical_cores(), cfg
         self.streams = cfg.n_slots if cfg.kv_pool or not cfg.start_slots else \
             min(cfg.start_slots, cfg.n_slots)
         self.ctx: Any = None
@@ -143,6 +143,7 @@ class LlamaContext:
         self.can_rollback = self.undo is None or self.undo > 0
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.prompts = PromptTokens(self.vocab, native.meta(self.model, "tokenizer.ggml.model"))
         self._eog, self._eog_lock = None, threading.Lock()  # a burst's submits scan once
 
     @property
@@ -320,8 +321,9 @@ class LlamaContext:
         L.llama_free(ctx)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        # llama_tokenize only reads the vocab, which is safe from any thread.
-        return native.tokenize(self.vocab, text, add_special and self.add_bos)
+        # llama_tokenize only reads the vocab, which is safe from any thread; a prompt
+        # that begins as a recent one did is tokenized from there (llama.prompttokens).
+        return self.prompts.tokenize(text, add_special and self.add_bos)
 
     def detokenize(self, tokens: list[int]) -> str:
         stream = Utf8Stream()

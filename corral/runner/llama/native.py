@@ -126,10 +126,11 @@ def meta(model: Any, key: str) -> str:
     return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
 
-def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+def tokenize(vocab: Any, text: str | bytes, add_special: bool, parse_special: bool = True
+             ) -> list[int]:
     """llama_tokenize; add_special adds nothing where a token it would add is missing."""
     add_special = add_special and specials_present(vocab)
-    data = text.encode("utf-8")
+    data = text.encode("utf-8") if isinstance(text, str) else text
     capacity = len(data) + 16
     buf = (L.llama_token * capacity)()
     n = L.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
