@@ -93,6 +93,16 @@ def test_ssti_payloads_are_refused(payload: str) -> None:
     assert next(reads) <= LIMIT + 2  # stopped by then, by its limit or before it
 
 
+def test_a_template_that_doubles_a_string_is_stopped_by_its_memory() -> None:
+    """`~` cannot be intercepted, so the render watches its memory (every fourth trace
+    event, through one descriptor of /proc/self/statm): unwatched, this renders a 1 GiB
+    string's length, long before a generous time limit."""
+    payload = ("{% set ns = namespace(s='a') %}{% for i in range(30) %}"
+               "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}")
+    with pytest.raises(TemplateError, match="memory"):
+        JinjaTemplate(payload, time_limit=3600).render(messages=[])
+
+
 def test_jinja_chat_template_renders() -> None:
     tmpl = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}\n"
             "{% endfor %}{% if add_generation_prompt %}<model>{% endif %}")

@@ -9,7 +9,9 @@ the render), and a cap on the output.
 from __future__ import annotations
 
 import json
+import mmap
 import operator
+import os
 import sys
 import time
 from datetime import datetime
@@ -27,15 +29,33 @@ MAX_OUTPUT = 1 << 20
 MAX_SEQUENCE = 1 << 20
 TIME_LIMIT = 2.0
 MEMORY_LIMIT = 256 << 20
+PAGE = mmap.PAGESIZE
 
 
-def _rss() -> int:
-    """Resident bytes now; 0 where /proc is missing (the time limit still applies)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * 4096
-    except (OSError, ValueError, IndexError):
-        return 0
+class _Memory:
+    """This process's resident bytes, from /proc/self/statm through one descriptor kept
+    open for a render: it is read every fourth trace event, and an open and a close each
+    time were half the render of a 34-message chat (2.1 of 4.2 ms). 0 where /proc is
+    missing (the time limit still applies)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = -1
+
+    def rss(self) -> int:
+        if self._fd < 0:
+            return 0
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) * PAGE
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _Timeout(Exception):
@@ -128,7 +148,8 @@ class JinjaTemplate:
         deadline = self.clock() + self.time_limit
         out: list[str] = []
         size = 0
-        baseline = _rss()
+        memory = _Memory()
+        baseline = memory.rss()
         events = [0]
 
         def line(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -136,7 +157,7 @@ class JinjaTemplate:
             events[0] += 1
             # Every fourth event: as often for a `~` doubling loop as every sixteenth was
             # when Jinja's runtime lines were traced too.
-            if events[0] % 4 == 0 and baseline and _rss() - baseline > MEMORY_LIMIT:
+            if events[0] % 4 == 0 and baseline and memory.rss() - baseline > MEMORY_LIMIT:
                 raise _Timeout("memory")
             if self.clock() > deadline:
                 raise _Timeout("time")
@@ -169,4 +190,5 @@ class JinjaTemplate:
             raise TemplateError(f"chat template failed: {exc}"[:300]) from None
         finally:
             sys.settrace(previous)
+            memory.close()
         return "".join(out)
