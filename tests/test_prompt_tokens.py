@@ -16,7 +16,7 @@ import llama_cpp as L
 import pytest
 
 from corral.runner.llama import native
-from corral.runner.llama.prompttokens import MIN_BYTES, PromptTokens, Specials
+from corral.runner.llama.prompttokens import KEEP, MIN_BYTES, PromptTokens, Specials
 
 WORDS = ["the", "cat", "naïve", "日本語", "🙂", "x=1;", "  ", "\n", "\n\n", "\t", "def f():",
          "<", ">", "|", "ok.", "Hello", "world", "  indented", "end"]
@@ -133,3 +133,19 @@ def test_short_prompts_are_tokenized_whole(bpe: tuple[Any, Any]) -> None:
     for _ in range(2):
         assert prompts.tokenize(text, True) == native.tokenize(vocab, text, True)
     assert prompts.reused == 0
+
+
+def test_a_prompt_sent_again_and_again_keeps_one_entry(bpe: tuple[Any, Any]) -> None:
+    """Eight regenerates of one chat leave another chat's prompt kept."""
+    model, vocab = bpe
+    prompts = PromptTokens(vocab, native.meta(model, "tokenizer.ggml.model"))
+    first = "<|im_start|>user\n" + "one " * 100 + "<|im_end|>\n"
+    second = "<|im_start|>user\n" + "two " * 100 + "<|im_end|>\n"
+    prompts.tokenize(first, False)
+    for _ in range(KEEP + 1):
+        prompts.tokenize(second, False)
+    reused = prompts.reused
+    text = first + "<|im_start|>assistant\n"
+    assert prompts.tokenize(text, False) == native.tokenize(vocab, text, False)
+    # every token up to its last special token, <|im_end|>, came from the kept prompt
+    assert prompts.reused - reused == len(native.tokenize(vocab, first[:-1], False))

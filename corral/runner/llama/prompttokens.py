@@ -94,7 +94,8 @@ class PromptTokens:
             in (L.LLAMA_VOCAB_TYPE_SPM, L.LLAMA_VOCAB_TYPE_BPE) \
             and not L.llama_vocab_get_add_eos(vocab) and not L.llama_vocab_get_add_sep(vocab)
         self._lock = threading.Lock()
-        self._kept: OrderedDict[int, _Prompt] = OrderedDict()
+        # By text and BOS: a regenerate keeps one entry, not another copy of it.
+        self._kept: OrderedDict[tuple[bool, bytes], _Prompt] = OrderedDict()
         self._specials: Specials | None = None
         self._pieces: dict[int, bytes] = {}
         self.reused = 0  # tokens taken from kept prompts, since load (tests, benchmarks)
@@ -114,7 +115,8 @@ class PromptTokens:
         with self._lock:
             if count:  # the kept cuts, and the tail's own: no pass over the whole prompt
                 prompt.cuts = cuts + self._walk(data, tail, cut, count)
-            self._kept[id(prompt)] = prompt
+            self._kept[add_bos, data] = prompt
+            self._kept.move_to_end((add_bos, data))
             while len(self._kept) > KEEP:
                 self._kept.popitem(last=False)
             self.reused += count
