@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 from typing import Any
 
 
@@ -86,6 +87,19 @@ def resident(runs: list[tuple[int, int]]) -> int:
 
 
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's flag for "resident"
+
+
+def small_pages(runs: list[tuple[int, int]]) -> None:
+    """Keep the page ranges in base pages (madvise MADV_NOHUGEPAGE, Linux): where
+    transparent huge pages are on for all memory (`enabled` = always, the default of
+    several distributions), one cell written into a KV buffer would commit the 2 MB
+    around it, and the buffer of a context sized for every slot would fill long before
+    its cells do. Base pages keep what a KV holds to the cells written."""
+    libc = _libc()
+    if libc is None or not sys.platform.startswith("linux"):  # the advice's number is Linux's
+        return
+    for start, end in runs:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 15)  # MADV_NOHUGEPAGE
 
 
 @functools.cache

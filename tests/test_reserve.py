@@ -201,3 +201,75 @@ def test_a_request_runs_while_the_reserve_is_being_built(starter_gguf: Path) -> 
     finally:
         gate.set()
         engine.stop()
+
+
+def _huge_pages_possible() -> bool:
+    """Whether this kernel gives transparent huge pages to memory advised MADV_HUGEPAGE."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def _touch_every_megabyte(base: int, size: int) -> None:
+    for at in range(0, size, 1 << 20):
+        ctypes.memset(base + at, 1, 1)
+
+
+@linux
+def test_a_kv_buffer_kept_in_base_pages_commits_the_pages_written_not_2_mb_each() -> None:
+    """Where transparent huge pages are on for all memory (THP `always`, as MADV_HUGEPAGE
+    makes it here), a byte written commits the 2 MB around it: a buffer with one cell
+    written per layer fills. small_pages keeps the commit to the pages written."""
+    from corral.process import small_pages
+
+    if not _huge_pages_possible():
+        pytest.skip("this kernel gives no transparent huge pages")
+    libc, g, size = ctypes.CDLL(None, use_errno=True), _ggml(), 16 << 20
+    resident = []
+    for keep_small in (False, True):
+        buf = g.ggml_backend_buft_alloc_buffer(g.ggml_backend_cpu_buffer_type(), size)
+        try:
+            base = g.ggml_backend_buffer_get_base(buf)
+            count = native.cleared()[0]  # type: ignore[index]
+            g.ggml_backend_buffer_clear(buf, 0)
+            runs = [(a, b) for a, b in native.cleared(count)[1]  # type: ignore[index]
+                    if base <= a < base + size]
+            for start, end in runs:  # as THP `always` treats every anonymous mapping
+                assert libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                    14) == 0  # MADV_HUGEPAGE
+            if keep_small:
+                small_pages(runs)
+            _touch_every_megabyte(base, size)
+            resident.append(_resident(runs))
+        finally:
+            g.ggml_backend_buffer_free(buf)
+    if resident[0] <= 64:
+        pytest.skip("the kernel had no huge page free to give: nothing to keep small")
+    assert resident[1] <= 16 + 2  # a page per megabyte written (and the edges)
+
+
+@linux
+@pytest.mark.model
+def test_every_kv_buffer_of_the_engine_is_kept_in_base_pages(reserved: object) -> None:
+    """The serving context's and the reserve's KV pages carry the no-huge-pages advice
+    (VmFlags `nh`), so that they commit as the cells are written on any THP setting."""
+    from corral.runner.engine.engine import Engine
+    from corral.runner.llama.context import _address
+
+    if not _huge_pages_possible():
+        pytest.skip("this kernel gives no transparent huge pages")
+    engine = reserved
+    assert isinstance(engine, Engine)
+    runs = [r for runs in engine.llama._kv_pages.values() for r in runs]
+    assert _address(engine.llama.ctx) in engine.llama._kv_pages and runs
+    areas = []  # (start, end, flags) of each mapping
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ")[0] and ":" not in line.split(" ")[0]:
+            start, end = (int(x, 16) for x in line.split(" ")[0].split("-"))
+        elif line.startswith("VmFlags:"):
+            areas.append((start, end, line.split()[1:]))
+    for first, last in runs:
+        covering = [flags for start, end, flags in areas if start < last and end > first]
+        assert covering and all("nh" in flags for flags in covering), (first, covering)

@@ -16,7 +16,7 @@ from typing import Any
 import llama_cpp as L
 
 from corral.errors import RunnerError
-from corral.process import physical_cores, resident
+from corral.process import physical_cores, resident, small_pages
 from corral.runner.llama import mtpcontext, native, partial
 from corral.runner.llama.prompttokens import PromptTokens
 from corral.runner.llama.textstream import Utf8Stream
@@ -214,6 +214,7 @@ class LlamaContext:
             mtpcontext.hidden_states_on(ctx)
         pages = native.kv_pages(ctx) if not self.cfg.n_gpu_layers else None  # host KV only
         if pages is not None:
+            small_pages(pages)  # written cells commit 4 KB, not a huge page, each
             self._kv_pages[_address(ctx)] = pages
         return ctx
 
