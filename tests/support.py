@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 from corral.config import load_settings
 from corral.registry.store import Store
 from corral.runner.loadconfig import LoadConfig
+from corral.runner.speculative.cost import StepCost
 from corral.server.daemon import Daemon
 from corral.server.residency.resident import Runner
 
@@ -225,3 +226,13 @@ def collect(job: Any, timeout: float = 300) -> tuple[list[Any], Any]:
         tokens.append(event)
     assert isinstance(event, Done), event
     return tokens, event
+
+
+class FlatCost(StepCost):
+    """Every decode step priced alike whatever its rows (a GPU's curve, nearly): what an
+    engine given it drafts follows the tokens only, not how fast this machine ran each
+    step (a loaded CI machine's slow steps once priced a seeded test's drafts out: 8
+    drafted, none kept)."""
+
+    def observe(self, rows: int, seconds: float, passes: int = 1) -> None:
+        super().observe(rows, 0.1, passes)

@@ -20,7 +20,7 @@ from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.layerkinds import RS_SEQ, snapshot_planes
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig
 from corral.runner.prefix import Cuts
-from tests.support import greedy, llama_cpp_greedy, same_output, started
+from tests.support import FlatCost, greedy, llama_cpp_greedy, same_output, started
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
 # rollback that left the state wrong, the choices and their logprobs would change.
@@ -39,7 +39,7 @@ def hybrid_gguf(chat_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def engines(hybrid_gguf: Path) -> Iterator[dict[bool, Engine]]:
     made = {spec: Engine(str(hybrid_gguf), EngineConfig(
-        n_slots=1, num_ctx=1024, deterministic=True, speculative=spec))
+        n_slots=1, num_ctx=1024, deterministic=True, speculative=spec), cost=FlatCost())
         for spec in (True, False)}
     yield from started(made)
 

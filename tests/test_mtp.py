@@ -19,7 +19,7 @@ from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.loadconfig import LoadConfig
 from corral.runner.process.loading import load, mtp_head
 from corral.runner.speculative.mtp import MtpHead
-from tests.support import collect, llama_greedy, same_output
+from tests.support import FlatCost, collect, llama_greedy, same_output
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Zebras are"]
 # A forced opening the head cannot foresee (it proposes the model's own next pick, which
@@ -42,7 +42,7 @@ def engine(path: Path, slots: int, spec: bool, **cache: Any) -> Engine:
     llama = LlamaContext(str(path), cfg)
     head = mtp_head(llama) if spec else None
     assert (head is not None) == spec == llama.mtp
-    e = Engine(str(path), cfg, llama=llama, drafts=head)
+    e = Engine(str(path), cfg, llama=llama, drafts=head, cost=FlatCost())
     e.start()
     return e
 
@@ -179,7 +179,8 @@ def test_a_sidecar_head_named_as_the_draft_drafts_for_its_model(
     loaded = load(LoadConfig(str(model), n_slots=1, num_ctx=256, draft=str(sidecar)))
     assert isinstance(loaded.draft, MtpHead) and loaded.llama.mtp and not loaded.draft_error
     assert loaded.draft_bytes > 0  # its weights and its one layer's KV, in the fit
-    e = Engine(str(model), loaded.engine_config, llama=loaded.llama, drafts=loaded.draft)
+    e = Engine(str(model), loaded.engine_config, llama=loaded.llama, drafts=loaded.draft,
+               cost=FlatCost())
     e.start()
     try:
         prompt = e.tokenize(PROMPTS[1], add_special=True)

@@ -17,7 +17,7 @@ from corral.runner.llama.context import EngineConfig
 from corral.runner.slots.slot import SlotState
 from corral.runner.speculative.ngram import NgramIndex
 from corral.runner.speculative.source import History
-from tests.support import collect, same_output
+from tests.support import FlatCost, collect, same_output
 
 CODE = '''class Account:
     def __init__(self, balance, rate):
@@ -41,7 +41,8 @@ N = 96
 @pytest.fixture(scope="module")
 def engines(starter_gguf: Path) -> Iterator[dict[bool, Engine]]:
     made = {spec: Engine(str(starter_gguf), EngineConfig(
-        n_slots=2, num_ctx=2048, deterministic=True, speculative=spec)) for spec in (True, False)}
+        n_slots=2, num_ctx=2048, deterministic=True, speculative=spec), cost=FlatCost())
+        for spec in (True, False)}
     for e in made.values():
         e.start()
     yield made
@@ -108,7 +109,7 @@ def test_stop_strings_and_limits_cut_inside_a_draft(starter_gguf: Path,
                 reach.append(len(slot.sequence.history.tokens) + len(draft))
 
     engine = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048, deterministic=True),
-                    step_hook=step)
+                    step_hook=step, cost=FlatCost())
     engine.start()
     try:
         for job in ({"stop": ["self.history"]}, {"num_predict": 7}, {"num_predict": 30}):
@@ -151,7 +152,7 @@ def test_every_draft_rejected_keeps_output_and_leaves_no_cell(starter_gguf: Path
     index = Wrong(truth)
     index.prompt_len = len(prompt)
     engine = Engine(str(starter_gguf), EngineConfig(n_slots=1, num_ctx=2048, deterministic=True),
-                    drafts=index)
+                    drafts=index, cost=FlatCost())
     engine.start()
     try:
         on = run(engine, REPETITIVE)

@@ -19,7 +19,7 @@ from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, ImageSpan, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig, LlamaContext
 from corral.runner.prefix import Cuts
-from tests.support import collect, greedy, llama_cpp_greedy, started
+from tests.support import FlatCost, collect, greedy, llama_cpp_greedy, started
 from tests.window_model import WINDOW
 
 PROMPT = ("Once upon a time there was a fox who lived in the forest near the river, "
@@ -44,7 +44,7 @@ def config(**kw: Any) -> EngineConfig:
 @pytest.fixture(scope="module")
 def engines(window_gguf: Path) -> Iterator[dict[str, Engine]]:
     """The window cache with speculation on and off, and a full-size cache to compare."""
-    made = {"window": Engine(str(window_gguf), config()),
+    made = {"window": Engine(str(window_gguf), config(), cost=FlatCost()),
             "plain": Engine(str(window_gguf), config(speculative=False)),
             "full": Engine(str(window_gguf), config(swa_full=True))}
     yield from started(made)

@@ -57,6 +57,7 @@ from corral.runner.llama.context import EngineConfig, LlamaContext
 from corral.runner.llama.embedding import EmbeddingContext, EmbedQueue
 from corral.runner.slots.sequence import Sequence
 from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.speculative.cost import StepCost
 from corral.runner.speculative.source import DraftSource
 from corral.runner.speculative.speculation import speculation
 
@@ -71,7 +72,7 @@ class Engine:
                  step_hook: Callable[[StepPlan], None] | None = None,
                  disk_reader: Reader = read_entry, caches: PrefixCaches | None = None,
                  reserve_gate: threading.Event | None = None,
-                 drafts: DraftSource | None = None) -> None:
+                 drafts: DraftSource | None = None, cost: StepCost | None = None) -> None:
         if config.n_slots < 1 or config.n_slots > 256:
             raise BadRequest("slots must be between 1 and 256")
         self.config = config
@@ -109,11 +110,10 @@ class Engine:
         self.placer = Placer(llama.num_ctx, self.caches, self.pool, reads_for(
             self.caches.disk, lambda: self._commands.put(PrefixRead()), disk_reader),
             llama.cuts)
-        # Off, or the model's memory cannot take back a rejected draft's cells (recurrent
-        # state without llama.cpp's snapshots, n_rs_seq): None, and a loaded draft model
-        # is freed. With the snapshots, drafts are at most `undo` tokens. `drafts`: a
-        # draft model, the model's MTP head, a test's source; the n-gram index else.
-        self.spec = speculation(config.speculative and llama.can_rollback, drafts, llama.undo)
+        # None where off, or where the memory cannot take back a rejected draft's cells
+        # (recurrent state without llama.cpp's snapshots): `speculation` says the rest.
+        self.spec = speculation(config.speculative and llama.can_rollback, drafts,
+                                llama.undo, cost)
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,

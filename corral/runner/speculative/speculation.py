@@ -231,15 +231,17 @@ class Speculation:
         self.source.free()
 
 
-def speculation(on: bool, source: DraftSource | None = None, undo: int | None = None
-                ) -> Speculation | None:
+def speculation(on: bool, source: DraftSource | None = None, undo: int | None = None,
+                cost: StepCost | None = None) -> Speculation | None:
     """Speculative decoding for an engine, its drafts from `source` (a Modelfile's DRAFT
     model, the model's MTP head, each of which proposes after each step on the engine
     thread; a test's), else from the n-gram index, each at most `undo` tokens where that
-    is set (a recurrent memory's); None where it is off, and then a source loaded for
-    nothing is freed."""
+    is set (a recurrent memory's, with llama.cpp's snapshots, n_rs_seq), its draft rows
+    priced by `cost` (a test's prices; else by the steps' own seconds, which follow the
+    machine's speed); None where it is off, and then a source loaded for nothing is
+    freed."""
     if on:
-        return Speculation(source, undo=undo)
+        return Speculation(source, cost, undo)
     if source is not None:
         source.free()
     return None
