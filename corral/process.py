@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
-import sys
 from typing import Any
 
 
@@ -95,11 +95,11 @@ def small_pages(runs: list[tuple[int, int]]) -> None:
     several distributions), one cell written into a KV buffer would commit the 2 MB
     around it, and the buffer of a context sized for every slot would fill long before
     its cells do. Base pages keep what a KV holds to the cells written."""
-    libc = _libc()
-    if libc is None or not sys.platform.startswith("linux"):  # the advice's number is Linux's
+    libc, advice = _libc(), getattr(mmap, "MADV_NOHUGEPAGE", None)  # Linux's alone
+    if libc is None or advice is None:
         return
     for start, end in runs:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 15)  # MADV_NOHUGEPAGE
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
 
 @functools.cache

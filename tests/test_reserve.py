@@ -212,11 +212,6 @@ def _huge_pages_possible() -> bool:
     return "[never]" not in mode
 
 
-def _touch_every_megabyte(base: int, size: int) -> None:
-    for at in range(0, size, 1 << 20):
-        ctypes.memset(base + at, 1, 1)
-
-
 @linux
 def test_a_kv_buffer_kept_in_base_pages_commits_the_pages_written_not_2_mb_each() -> None:
     """Where transparent huge pages are on for all memory (THP `always`, as MADV_HUGEPAGE
@@ -238,10 +233,11 @@ def test_a_kv_buffer_kept_in_base_pages_commits_the_pages_written_not_2_mb_each(
                     if base <= a < base + size]
             for start, end in runs:  # as THP `always` treats every anonymous mapping
                 assert libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                    14) == 0  # MADV_HUGEPAGE
+                                    mmap.MADV_HUGEPAGE) == 0
             if keep_small:
                 small_pages(runs)
-            _touch_every_megabyte(base, size)
+            for at in range(0, size, 1 << 20):  # a byte in every megabyte
+                ctypes.memset(base + at, 1, 1)
             resident.append(_resident(runs))
         finally:
             g.ggml_backend_buffer_free(buf)
@@ -266,8 +262,9 @@ def test_every_kv_buffer_of_the_engine_is_kept_in_base_pages(reserved: object) -
     assert _address(engine.llama.ctx) in engine.llama._kv_pages and runs
     areas = []  # (start, end, flags) of each mapping
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        if "-" in line.split(" ")[0] and ":" not in line.split(" ")[0]:
-            start, end = (int(x, 16) for x in line.split(" ")[0].split("-"))
+        head = line.split(" ")[0]  # "start-end" opens a mapping; "Name:" is one of its fields
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
         elif line.startswith("VmFlags:"):
             areas.append((start, end, line.split()[1:]))
     for first, last in runs:
