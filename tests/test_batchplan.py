@@ -40,6 +40,24 @@ def test_decoding_slots_go_first_each_with_logits() -> None:
     assert [s.seq_id for s in plan.decoding] == [0, 2] and plan.prefill == [(slots[1], 3)]
 
 
+def test_a_prompt_token_taken_back_is_read_again_before_the_next_token() -> None:
+    """A prompt's last token its memory took back for a checkpoint (Schedule._retakes)
+    goes in the row before the sampled token's, without logits; the draft after them,
+    and a batch too small for both rows leaves the slot for the next step."""
+    taken = slot(0, SlotState.DECODE, cached=5)
+    taken.cached.pop()
+    assert taken.sequence is not None
+    taken.sequence.pending = [4]
+    other = slot(1, SlotState.DECODE, cached=3)
+    plan = plan_step([taken, other], n_batch=16, drafts={0: [50, 51]})
+    assert plan.rows[:4] == [BatchRow(4, 4, 0, False), BatchRow(7, 5, 0, True),
+                             BatchRow(50, 6, 0, True), BatchRow(51, 7, 0, True)]
+    assert plan.rows[4:] == [BatchRow(8, 3, 1, True)]
+    assert plan.sample_at == {0: 1, 1: 4} and plan.drafts == {0: [50, 51]}
+    tight = plan_step([other, taken], n_batch=2)
+    assert tight.rows == [BatchRow(8, 3, 1, True)] and tight.decoding == [other]
+
+
 def test_long_prompt_is_chunked_and_samples_only_on_its_last_chunk() -> None:
     long = slot(1, SlotState.PREFILL, cached=2, pending=40)
     running = slot(0, SlotState.DECODE, cached=3)

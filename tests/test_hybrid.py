@@ -103,6 +103,39 @@ def test_a_regenerate_reads_only_the_last_prompt_token(engines: dict[bool, Engin
     same(again, first)
 
 
+def test_a_tail_is_read_in_one_step_and_its_state_one_token_short_after_it(
+        hybrid_gguf: Path) -> None:
+    """With llama.cpp's snapshots (speculation on) the memory takes a prompt's last token
+    back after the step that read it, and the state one token short is read there: a
+    tail goes in one step, a regenerate then reads only that token, and so does the next
+    one, from that checkpoint; a sequence that goes on reads the token again before its
+    next, and the output is plain decoding's. Without snapshots (speculation off) the
+    prefill stops a token short: two steps, its last token alone in the second."""
+    outs = {}
+    for spec in (True, False):
+        rows: list[int] = []  # each step's, counted as it is planned
+        engine = Engine(str(hybrid_gguf), EngineConfig(
+            n_slots=1, num_ctx=1024, deterministic=True, speculative=spec), cost=FlatCost(),
+            step_hook=lambda plan: rows.append(len(plan.batch.rows)))
+        engine.start()
+        try:
+            turn = engine.tokenize(PROMPT, add_special=True)
+            tail = engine.tokenize(" The fox ran into the woods.", add_special=False)
+            run(engine, turn, num_predict=1)  # the slot keeps it, or all but its last token
+            prompt = turn + tail
+            rows.clear()
+            run(engine, prompt, num_predict=1)
+            assert rows == ([1 + len(tail)] if spec else [len(tail) - 1, 1])
+            first = run(engine, prompt, num_predict=12)
+            again = run(engine, prompt, num_predict=12)  # the slot holds 11 more: back
+            assert first[1].stats.prompt_eval_count == again[1].stats.prompt_eval_count == 1
+            same(again, first)
+            outs[spec] = again
+        finally:
+            engine.stop()
+    same(outs[True], outs[False])
+
+
 def test_an_edited_last_message_goes_back_to_the_turn_before(
         engines: dict[bool, Engine]) -> None:
     engine = engines[True]

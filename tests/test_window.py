@@ -19,7 +19,7 @@ from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, ImageSpan, Job, SamplingParams, Token
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig, LlamaContext
 from corral.runner.prefix import Cuts
-from tests.support import FlatCost, collect, greedy, llama_cpp_greedy, started
+from tests.support import FlatCost, collect, greedy, llama_cpp_greedy, started, wait_for
 from tests.window_model import WINDOW
 
 PROMPT = ("Once upon a time there was a fox who lived in the forest near the river, "
@@ -115,6 +115,13 @@ def test_a_regenerate_reads_only_the_last_prompt_token(engines: dict[str, Engine
     same_output(again, first)
 
 
+def settled(engine: Engine) -> int:
+    """The engine's steps, once the step that delivered the last answer has ended (its
+    cells taken back and checkpoints read after the answer went out)."""
+    wait_for(lambda: engine.watch.running_for() == 0)
+    return engine.steps
+
+
 def test_a_short_tail_read_after_a_checkpoint_goes_in_one_step(
         engines: dict[str, Engine]) -> None:
     """A prompt placed past its slot's checkpoints has its state read where it starts; a
@@ -125,10 +132,10 @@ def test_a_short_tail_read_after_a_checkpoint_goes_in_one_step(
     prompt = engine.tokenize(PROMPT, add_special=True)
     fresh(engine, prompt, num_predict=1)
     tail = engine.tokenize(" the fox", add_special=False)[:2]
-    steps = engine.steps
+    steps = settled(engine)
     out = run(engine, prompt[:-3] + tail, num_predict=1)
     assert out[1].stats.prompt_eval_count == len(tail)
-    assert engine.steps - steps == 1
+    assert settled(engine) - steps == 1
     slot = next(s for s in engine.slots if s.cached[:len(prompt) - 3] == prompt[:-3])
     assert len(prompt) - 3 in [at for at, _ in slot.checkpoints]  # read where it started
 
@@ -143,11 +150,11 @@ def test_a_sequence_that_stays_within_the_window_reads_no_checkpoint(
     prompt = engine.tokenize("Once upon a time", add_special=True)
     short = WINDOW - len(prompt) - 1
     assert short > 2
-    steps = engine.steps
+    steps = settled(engine)
     first = fresh(engine, prompt, num_predict=short)
     slot = next(s for s in engine.slots if s.cached[:len(prompt)] == prompt)
     assert slot.checkpoints == []
-    assert engine.steps - steps == 1 + short  # the other chat's one, then one a token
+    assert settled(engine) - steps == 1 + short  # the other chat's one, then one a token
     again = run(engine, prompt, num_predict=short)
     assert again[1].stats.prompt_eval_count == 1
     same_output(again, first)

@@ -73,20 +73,30 @@ class Batch:
 
 def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | None = None,
               stops: dict[int, int] | None = None) -> Batch:
-    """The batch: each decoding slot's next token and its draft (`drafts`, slot seq -> the
+    """The batch: each decoding slot's next token (after a prompt token its memory took
+    back, which it reads again) and its draft (`drafts`, slot seq -> the
     tokens to verify after it: speculation sized them for this step,
     runner.speculative.speculation), then prompt chunks, oldest request first. `stops`:
     slot seq -> the token count where its prefill stops for the step: where a parked run
     joins it (runner.engine.parking), or where a checkpoint is read (a recurrent memory's,
     runner.engine.schedule)."""
     plan, drafts, stops = Batch(), drafts or {}, stops or {}
-    decoding = [s for s in slots if s.state is SlotState.DECODE][:n_batch]
-    spare = (n_batch - len(decoding)) // max(len(decoding), 1)
+    decoding, used = [], 0
+    for slot in (s for s in slots if s.state is SlotState.DECODE):
+        if used + 1 + len(slot.pending) > n_batch:
+            break
+        decoding.append(slot)
+        used += 1 + len(slot.pending)
+    spare = (n_batch - used) // max(len(decoding), 1)
     # A bound, not a decision: the rows a draft may take never overflow the batch.
     drafted = [drafts.get(slot.seq_id, [])[:spare] for slot in decoding]
     for slot, tokens in zip(decoding, drafted):
+        # a prompt's last token its memory took back after the step that read it
+        # (runner.engine.schedule Schedule._retakes), read again before the next
+        for k, token in enumerate(slot.pending):
+            plan.rows.append(BatchRow(token, slot.pos(slot.n_past + k), slot.seq_id, False))
         plan.sample_at[slot.seq_id] = len(plan.rows)
-        at = slot.pos(slot.n_past)
+        at = slot.pos(slot.n_past + len(slot.pending))
         plan.rows.append(BatchRow(slot.last_token, at, slot.seq_id, True))
         plan.decoding.append(slot)
         for k, token in enumerate(tokens):

@@ -280,7 +280,7 @@ class Engine:
             if self.spec is not None and out.ok:  # before any other decode: run.py
                 self.spec.decoded(out.batch.rows)
             self.post.step(plan, out)
-            self._stuck(self.run.trim(self.post.rejected()))
+            self._stuck(self.run.trim(self.post.cut_back()))
             rows_time = self.clock() - t0  # the decode, and the samplers of its rows
             self.native_time += out.native
             if plan.image is not None and out.ok \
@@ -318,14 +318,14 @@ class Engine:
             self.spec.prepare(ask)
 
     def _stuck(self, seq_ids: set[int]) -> None:
-        """Slots whose rejected draft's cells would not go (run dropped all their cells):
-        their next token would sit beside the rejected ones, so their requests fail, and
-        they hold nothing."""
+        """Slots whose cells taken back (a rejected draft's, a prompt's last token) would
+        not go (run dropped all their cells): their next token would sit beside those, so
+        their requests fail, and they hold nothing."""
         for slot in [s for s in self.slots if s.seq_id in seq_ids]:
-            slot.cached, slot.tainted = [], False
+            slot.cached, slot.tainted, slot.checkpoints = [], False, []
             if slot.sequence is not None:  # else it ended this step: already IDLE
-                self.post.fail(slot, RunnerError("a rejected draft's cells could not be "
-                                                 "removed"))
+                self.post.fail(slot, RunnerError("cells taken back (a rejected draft's) "
+                                                 "could not be removed"))
 
     def _idle(self) -> bool:
         """Nothing to do: no request waits or runs, and no parked run waits for its Drop

@@ -28,7 +28,7 @@ from corral.errors import BadRequest, CorralError, RunnerError
 from corral.runner.engine.batchplan import Batch
 from corral.runner.engine.kvpool import KVPool
 from corral.runner.engine.placer import Placer
-from corral.runner.engine.plan import End, ImageSlice, Placed, StepPlan, Trim
+from corral.runner.engine.plan import End, ImageSlice, Mark, Placed, StepPlan, Trim
 from corral.runner.engine.run import ImageFeed, Outcome
 from corral.runner.jobs import Done, Failed, Token, position
 from corral.runner.llama import native
@@ -37,6 +37,7 @@ from corral.runner.slots.slot import Slot, SlotState
 from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
+    from corral.runner.jobs import ImageSpan
     from corral.runner.llama.context import LlamaContext
     from corral.runner.speculative.speculation import Speculation
 
@@ -62,7 +63,7 @@ class Postprocess:
                                                                      pool, clock)
         self.spec = spec
         self._changes = Changes()
-        self._rejected: list[Trim] = []
+        self._cut: list[Trim | Mark] = []
         self._held: list[Sequence] = []  # sequences holding text this step gave them
 
     def ends(self, plan: StepPlan) -> None:
@@ -75,7 +76,7 @@ class Postprocess:
         """The rest of a step that ran: its token batch."""
         self._put_right(out)
         if out.ok and out.batch.rows:
-            self._apply(out.batch)
+            self._apply(out.batch, plan.retake)
         self._send()
 
     def image(self, image: ImageSlice, out: Outcome) -> None:
@@ -85,12 +86,13 @@ class Postprocess:
             self._image(image)
         self._send()
 
-    def rejected(self) -> list[Trim]:
-        """The cells of drafts that were not kept, for run to remove at once: before a
-        save, a resize or a flush could read them, and before the next decode, which
+    def cut_back(self) -> list[Trim | Mark]:
+        """The cells of drafts that were not kept, and of prompts' last tokens taken back
+        (each with the Mark that reads the state there), for run to remove at once: before
+        a save, a resize or a flush could read them, and before the next decode, which
         must continue the sequence's positions (runner.engine.engine)."""
-        trims, self._rejected = self._rejected, []
-        return trims
+        ops, self._cut = self._cut, []
+        return ops
 
     def take(self) -> Changes:
         """What changed since the last call."""
@@ -129,16 +131,21 @@ class Postprocess:
         if p.new:
             seq.n_prompt_eval = len(p.tokens)
 
-    def _apply(self, batch: Batch) -> None:
+    def _apply(self, batch: Batch, retake: set[int]) -> None:
         """The batch decoded: prompt chunks become cached, and slots with logits sample."""
         for slot, taken in batch.prefill:
             slot.cached.extend(slot.pending[:taken])
             del slot.pending[:taken]
             if not slot.pending:
+                job = slot.job
                 self._prefilled(slot)
                 self._sample(slot, batch.sample_at[slot.seq_id], self.llama.batch)
+                if slot.seq_id in retake and job is not None:
+                    self._retake(slot, job.images)
         for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
+                slot.cached.extend(slot.pending)  # a prompt token read again (`_retake`)
+                del slot.pending[:]
                 slot.cached.append(slot.last_token)
                 # the tokens this batch gave the slot cells for, its draft's included
                 filled = len(slot.cached) + len(batch.drafts.get(slot.seq_id, ()))
@@ -173,8 +180,21 @@ class Postprocess:
             self._sample(slot, row + 1 + i, self.llama.batch)
         spec.verified(seq.draft, len(draft), accepted)
         if len(slot.cached) < filled:
-            self._rejected.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached)),
-                                       draft=True))
+            self._cut.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached)),
+                                  draft=True))
+
+    def _retake(self, slot: Slot, images: tuple["ImageSpan", ...]) -> None:
+        """The prompt's last token, whose logits were just sampled, is taken back from the
+        memory as a rejected draft's are, and the state one token short is read there (a
+        checkpoint a regenerate goes back to: runner.engine.schedule Schedule._retakes);
+        a sequence that goes on reads the token again, in the row before its next one
+        (runner.engine.batchplan). One that ended leaves its slot holding the prompt less
+        that token, which a regenerate then reads."""
+        token = slot.cached.pop()
+        if slot.sequence is not None:
+            slot.sequence.pending.append(token)
+        self._cut += [Trim(slot.seq_id, position(images, len(slot.cached)), draft=True),
+                      Mark(slot)]
 
     def _image(self, image: ImageSlice) -> None:
         slot, count = image.slot, image.count

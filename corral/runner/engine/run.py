@@ -29,7 +29,7 @@ from corral.runner.engine import kvops
 from corral.runner.engine.kvops import KVOps
 from corral.runner.engine.batchplan import Batch
 from corral.runner.engine.kvplan import save_op
-from corral.runner.engine.plan import ImageSlice, Placed, StepPlan, Trim
+from corral.runner.engine.plan import ImageSlice, Mark, Placed, StepPlan, Trim
 from corral.runner.llama import native
 from corral.runner.llama.sampling import for_job
 from corral.runner.slots.slot import Slot
@@ -145,11 +145,12 @@ class Run:
         log.error("llama_decode returned %d", rc)
         return [] if kvops.recover(self.llama.mem, rc, failed, slots) else failed
 
-    def trim(self, trims: list[Trim]) -> set[int]:
-        """Rejected drafts' cells (postprocess found them), removed at the end of the step;
-        the sequence ids whose cells would not go (their slots cannot go on)."""
+    def trim(self, cuts: list[Trim | Mark]) -> set[int]:
+        """Rejected drafts' cells and prompts' last tokens taken back, with the state read
+        there (postprocess found them), at the end of the step; the sequence ids whose
+        cells would not go (their slots cannot go on)."""
         ops = self._ops()
-        for op in trims:
+        for op in cuts:
             ops.run(op)
         return ops.failed
 

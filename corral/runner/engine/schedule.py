@@ -93,13 +93,15 @@ class Schedule:
             return plan
         plan.busy = True
         for slot in slots:
-            if slot.state is SlotState.DECODE and slot.n_past >= self.num_ctx:
+            if slot.state is SlotState.DECODE and slot.n_past + len(slot.pending) >= self.num_ctx:
                 self._shift(slot, plan)
         if self.checkpoints:
             self._marks(slots, plan)
         plan.batch = self._batch(slots, plan, self._drafts(slots))
         if self.pool is not None:  # make the pool hold this step: drop caches, then preempt
             plan.batch = self._fit(slots, plan)
+        if self.checkpoints and self.cuts.takeback:
+            plan.retake = self._retakes(plan)
         plan.image = self._image(slots, len(plan.batch.rows))
         return plan
 
@@ -186,17 +188,21 @@ class Schedule:
     def _points(self, slot: Slot) -> list[int]:
         """Where a prefilling slot's state is read, as llama-server reads its
         context checkpoints: one token before the prompt's end (a regenerate, the same
-        prompt again, reads only that token; the last is decoded a step later for its
-        logits), a batch before that (an edit near the end: the last message), and
-        every CHECKPOINT_EVERY tokens through a long prompt. A point inside an image
-        moves to where the image starts: an image goes into the memory in slices, or
-        whole, and no cut of its KV may be restored."""
+        prompt again, reads only that token), a batch before that (an edit near the end:
+        the last message), and every CHECKPOINT_EVERY tokens through a long prompt. The
+        first is no stop where the memory takes the prompt's last token back after the
+        step that read it (`_retakes`); elsewhere the last token is decoded a step later
+        for its logits. A point inside an image moves to where the image starts: an
+        image goes into the memory in slices, or whole, and no cut of its KV may be
+        restored."""
         job = slot.job
         if slot.state is not SlotState.PREFILL or job is None or not self._outgrows(slot):
             return []
         last = slot.n_past + len(slot.pending) - 1
         every = range(CHECKPOINT_EVERY, last - self.n_batch, CHECKPOINT_EVERY)
-        points = {*every, last - self.n_batch, last}
+        # the last chunk a whole batch: the prompt's, or all of it but its last token
+        points = {*every, last + 1 - self.n_batch} if self.cuts.takeback else \
+            {*every, last - self.n_batch, last}
         for span in job.images:
             points = {span.start if span.start < n < span.end else n for n in points}
         return sorted(n for n in points if n > 0)
@@ -213,6 +219,24 @@ class Schedule:
             if slot.n_past in self._points(slot) or (slot.seq_id in placed
                                                      and self._outgrows(slot)):
                 plan.ops.append(Mark(slot))
+
+    def _retakes(self, plan: StepPlan) -> set[int]:
+        """The prompts this batch ends whose state one token short of their end is read
+        after it: their memory takes the last token back once its logits are sampled,
+        the state is read there (a Mark), and the token is decoded again with the next
+        one (runner.engine.postprocess). Read so, the point a regenerate goes back to
+        costs no step of its own: a prompt's tail is read in one step, where it took
+        two, the second for the last token alone (llama-server's take two as well, its
+        last four tokens in the second). Not where no token follows in the context, nor
+        where a checkpoint is held or read close below."""
+        retake, batch = set(), plan.batch
+        marking = {op.seq_id: [op.slot.n_past] for op in plan.ops if isinstance(op, Mark)}
+        for slot, taken in batch.prefill:
+            end = slot.n_past + taken
+            if slot.seq_id in batch.sample_at and 1 < end < self.num_ctx and self._outgrows(
+                    slot) and not self._covered(slot, end - 1, marking.get(slot.seq_id)):
+                retake.add(slot.seq_id)
+        return retake
 
     def _outgrows(self, slot: Slot) -> bool:
         """Whether the slot's sequence may grow past where its memory can be cut anywhere
@@ -247,15 +271,17 @@ class Schedule:
             return None
         decoding = [s for s in slots if s.state is SlotState.DECODE][:self.n_batch]
         return Ask([Candidate(s.seq_id, s.sequence.draft, s.sequence.history, self._room(s),
-                              s.pos(s.n_past))
+                              s.pos(s.n_past + len(s.pending)))
                     for s in decoding if s.sequence is not None], self.n_batch,
                    self.pool is None and len(slots) > 1)
 
     def _room(self, slot: Slot) -> int:
-        """What the slot's sequence may still generate, less the token it decodes anyway."""
+        """What the slot's sequence may still generate, less the token it decodes anyway
+        (and a prompt token taken back before it: `_retakes`)."""
         seq = slot.sequence
         assert seq is not None
-        return min(seq.limit - seq.n_generated - 1, self.num_ctx - slot.n_past - 1)
+        return min(seq.limit - seq.n_generated - 1,
+                   self.num_ctx - slot.n_past - len(seq.pending) - 1)
 
     def moved(self, scratch: int | None) -> None:
         """The engine moved to a new context (runner.kv.growth), which did not take the

@@ -129,10 +129,6 @@ class LlamaContext:
         self.n_batch = int(L.llama_n_batch(self.ctx))
         self.n_ctx = int(L.llama_n_ctx(self.ctx))
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        # Where a sequence's memory can be cut back: anywhere with attention alone; never
-        # with recurrent state, which has no positions to cut at; in a window cache, only
-        # while no position has left the window (the older KV is overwritten).
-        self.cuts = Cuts(0 if self.recurrent else self.window or None, self.checkpoints)
         # How many of a sequence's last tokens its memory can take back (a rejected
         # draft's): any number, but where it is recurrent, as many as the snapshots
         # llama.cpp keeps of the last ubatch's states (n_rs_seq; 0 where the model's
@@ -141,6 +137,10 @@ class LlamaContext:
         # the draft back leaves every position the next token sees.
         self.undo = int(L.llama_n_rs_seq(self.ctx)) if self.recurrent else None
         self.can_rollback = self.undo is None or self.undo > 0
+        # Cut back anywhere with attention alone; never with recurrent state (no positions);
+        # in a window cache, while no position has left the window (its KV is overwritten).
+        self.cuts = Cuts(0 if self.recurrent else self.window or None, self.checkpoints,
+                         self.can_rollback)
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.prompts = PromptTokens(self.vocab, native.meta(self.model, "tokenizer.ggml.model"))

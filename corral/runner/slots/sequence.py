@@ -61,7 +61,9 @@ class Sequence:
     job: Job
     state: SeqState = SeqState.WAITING
     sampler: "Sampler | None" = None
-    pending: list[int] = field(default_factory=list)  # tokens still to prefill on its slot
+    # Tokens still to prefill on its slot; once it decodes, a prompt token its memory took
+    # back, read again before the next (runner.engine.schedule Schedule._retakes)
+    pending: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     last_token: int = -1
     n_generated: int = 0
