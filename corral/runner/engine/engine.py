@@ -117,7 +117,7 @@ class Engine:
         self.schedule = Schedule(self.placer, self.caches, self.pool, llama.num_ctx,
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
-                                 llama.scratch, self.spec, llama.cuts)
+                                 llama.scratch, self.spec, llama.cuts, llama.is_control)
         self.run = Run(llama, self.caches, self.pool is not None, clock)
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,

@@ -62,7 +62,8 @@ class Schedule:
     def __init__(self, placer: Placer, caches: PrefixCaches, pool: KVPool | None,
                  num_ctx: int, n_batch: int, can_shift: bool, clock: Callable[[], float],
                  capacity: "Capacity | None" = None, scratch: int | None = None,
-                 spec: "Speculation | None" = None, cuts: Cuts = Cuts()) -> None:
+                 spec: "Speculation | None" = None, cuts: Cuts = Cuts(),
+                 control: Callable[[int], bool] = lambda token: False) -> None:
         """`capacity`: elastic KV's policy, where the context can grow (runner.kv.growth);
         each plan then carries what to tell it after the step. `scratch`: the context's
         scratch sequence (runner.llama.context), where one infill's cached suffix at a
@@ -70,13 +71,15 @@ class Schedule:
         `spec`: speculative decoding (runner.speculative.speculation), which made the
         decoding slots' drafts after the step before; None, it is off. `cuts`: where the
         memory can be cut back; where it cannot be cut anywhere, slots keep checkpoints,
-        a slot's state read where a later prompt is likely to go back to (`_marks`)."""
+        a slot's state read where a later prompt is likely to go back to (`_marks`).
+        `control`: whether a token is one of the vocabulary's control tokens (a chat
+        template's: where a prompt's last message ends, `_retakes`)."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
         self.overwritten = 0  # warm prefixes placements overwrote since the last demand
         self.spec = spec
-        self.cuts, self.checkpoints = cuts, cuts.checkpoints > 0
+        self.cuts, self.checkpoints, self.control = cuts, cuts.checkpoints > 0, control
         self.parking = Parking(scratch)
 
     def plan(self, slots: list[Slot]) -> StepPlan:
@@ -220,23 +223,40 @@ class Schedule:
                                                      and self._outgrows(slot)):
                 plan.ops.append(Mark(slot))
 
-    def _retakes(self, plan: StepPlan) -> set[int]:
-        """The prompts this batch ends whose state one token short of their end is read
-        after it: their memory takes the last token back once its logits are sampled,
-        the state is read there (a Mark), and the token is decoded again with the next
-        one (runner.engine.postprocess). Read so, the point a regenerate goes back to
-        costs no step of its own: a prompt's tail is read in one step, where it took
-        two, the second for the last token alone (llama-server's take two as well, its
-        last four tokens in the second). Not where no token follows in the context, nor
-        where a checkpoint is held or read close below."""
-        retake, batch = set(), plan.batch
+    def _retakes(self, plan: StepPlan) -> dict[int, int]:
+        """The prompts this batch ends whose state a few tokens short of their end is
+        read after it, and how many tokens short: their memory takes those tokens back
+        once the last one's logits are sampled, the state is read there (a Mark), and
+        they are decoded again with the next token (runner.engine.postprocess). Read so,
+        the point a regenerate goes back to costs no step of its own: a prompt's tail is
+        read in one step, where it took two, the second for the last token alone
+        (llama-server's take two as well, its last four tokens in the second). Not where
+        no token follows in the context, nor where a checkpoint is held or read close
+        below."""
+        retake, batch = {}, plan.batch
         marking = {op.seq_id: [op.slot.n_past] for op in plan.ops if isinstance(op, Mark)}
         for slot, taken in batch.prefill:
             end = slot.n_past + taken
-            if slot.seq_id in batch.sample_at and 1 < end < self.num_ctx and self._outgrows(
-                    slot) and not self._covered(slot, end - 1, marking.get(slot.seq_id)):
-                retake.add(slot.seq_id)
+            if slot.seq_id not in batch.sample_at or not 1 < end < self.num_ctx \
+                    or not self._outgrows(slot):
+                continue
+            back = self._back(slot, taken)
+            if not self._covered(slot, end - back, marking.get(slot.seq_id)):
+                retake[slot.seq_id] = back
         return retake
+
+    def _back(self, slot: Slot, taken: int) -> int:
+        """How many of the prompt's last tokens are taken back: to where its last message
+        ends, the first control token of a chat template's end of turn and opening of the
+        answer (ChatML's, from <|im_end|>: six tokens), where one is among the last few
+        this step read; else the last token alone. A regenerate then reads those few
+        tokens, and so does an edit that adds to the last message, where it would read
+        from a batch before the end."""
+        prompt, end = slot.pending, slot.n_past + taken
+        for back in range(min(taken, self.cuts.takeback, end - 1), 1, -1):
+            if self.control(prompt[taken - back]):
+                return back
+        return 1
 
     def _outgrows(self, slot: Slot) -> bool:
         """Whether the slot's sequence may grow past where its memory can be cut anywhere

@@ -140,7 +140,7 @@ class LlamaContext:
         # Cut back anywhere with attention alone; never with recurrent state (no positions);
         # in a window cache, while no position has left the window (its KV is overwritten).
         self.cuts = Cuts(0 if self.recurrent else self.window or None, self.checkpoints,
-                         self.can_rollback)
+                         Cuts.takeback if self.undo is None else self.undo)
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.prompts = PromptTokens(self.vocab, native.meta(self.model, "tokenizer.ggml.model"))
@@ -325,6 +325,11 @@ class LlamaContext:
         # llama_tokenize only reads the vocab, which is safe from any thread; a prompt
         # that begins as a recent one did is tokenized from there (llama.prompttokens).
         return self.prompts.tokenize(text, add_special and self.add_bos)
+
+    def is_control(self, token: int) -> bool:
+        """Whether the token is one of the vocabulary's control tokens (a chat
+        template's); the vocabulary alone: any thread."""
+        return bool(L.llama_vocab_is_control(self.vocab, token))
 
     def detokenize(self, tokens: list[int]) -> str:
         stream = Utf8Stream()
