@@ -190,14 +190,14 @@ class Schedule:
 
     def _points(self, slot: Slot) -> list[int]:
         """Where a prefilling slot's state is read, as llama-server reads its
-        context checkpoints: one token before the prompt's end (a regenerate, the same
-        prompt again, reads only that token), a batch before that (an edit near the end:
-        the last message), and every CHECKPOINT_EVERY tokens through a long prompt. The
-        first is no stop where the memory takes the prompt's last token back after the
-        step that read it (`_retakes`); elsewhere the last token is decoded a step later
-        for its logits. A point inside an image moves to where the image starts: an
-        image goes into the memory in slices, or whole, and no cut of its KV may be
-        restored."""
+        context checkpoints: a few tokens before the prompt's end (a regenerate, the same
+        prompt again, reads only those), a batch before the end (an edit near it: the
+        last message), and every CHECKPOINT_EVERY tokens through a long prompt. The
+        first is no stop where the memory takes the prompt's last tokens back after the
+        step that read them (`_retakes`); elsewhere it is one token before the end, the
+        last decoded a step later for its logits. A point inside an image moves to where
+        the image starts: an image goes into the memory in slices, or whole, and no cut
+        of its KV may be restored."""
         job = slot.job
         if slot.state is not SlotState.PREFILL or job is None or not self._outgrows(slot):
             return []
@@ -297,7 +297,7 @@ class Schedule:
 
     def _room(self, slot: Slot) -> int:
         """What the slot's sequence may still generate, less the token it decodes anyway
-        (and a prompt token taken back before it: `_retakes`)."""
+        (and the prompt tokens taken back before it: `_retakes`)."""
         seq = slot.sequence
         assert seq is not None
         return min(seq.limit - seq.n_generated - 1,
