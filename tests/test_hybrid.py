@@ -136,29 +136,28 @@ def test_a_tail_is_read_in_one_step_and_its_state_one_token_short_after_it(
     same(outs[True], outs[False])
 
 
-CHAT = "<|im_start|>user\nTell me a story about a fox.<|im_end|>\n<|im_start|>assistant\n"
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_chat_prompt_is_taken_back_to_where_its_last_message_ends(
+def test_a_long_chat_prompt_stops_where_its_last_message_ends(
         engines: dict[bool, Engine]) -> None:
-    """A chat prompt's end of turn and the answer's opening (ChatML's tokens from
-    <|im_end|>, the first control token among its last few) are taken back after the
-    step that read them, and the state is read where the last message ends: a
-    regenerate reads those few tokens, and an edit that adds to the last message reads
-    from there, not from a checkpoint a batch before the end. The answers are plain
-    decoding's."""
+    """A chat prompt read in more than a batch stops where its last message ends (the
+    first control token of the template's end of turn: ChatML's <|im_end|>), and its
+    state is read there: an edit that adds to the last message reads only from there,
+    not from a batch before the end; a regenerate still reads one token. The answers
+    are plain decoding's."""
     engine = engines[True]
     end_of_turn = engine.tokenize("<|im_end|>", add_special=False)
     assert len(end_of_turn) == 1 and engine.llama.is_control(end_of_turn[0])
-    prompt = engine.tokenize(CHAT, add_special=True)
+    content = " ".join([LONG] * 5)
+    prompt = engine.tokenize(CHAT.format(content), add_special=True)
+    assert len(prompt) > engine.llama.n_batch
     ends = prompt.index(end_of_turn[0])
-    assert 1 < len(prompt) - ends <= RS_SEQ
     first = fresh(engine, prompt, num_predict=8)
     again = run(engine, prompt, num_predict=8)
-    assert again[1].stats.prompt_eval_count == len(prompt) - ends
+    assert again[1].stats.prompt_eval_count == 1
     same(again, first)
-    edited = engine.tokenize(CHAT.replace("fox.", "fox. And one about a dog."),
-                             add_special=True)
+    edited = engine.tokenize(CHAT.format(content + " And one more."), add_special=True)
     assert edited[:ends] == prompt[:ends] and edited[ends] != prompt[ends]
     out = run(engine, edited, num_predict=8)
     assert out[1].stats.prompt_eval_count == len(edited) - ends

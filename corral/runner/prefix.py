@@ -31,11 +31,11 @@ class Cuts:
 
     below: int | None = None
     checkpoints: int = 0  # how many a slot keeps where it cannot be cut (runner.engine.plan Mark)
-    # How many of the last tokens of a sequence's last decode can be taken back (a
-    # rejected draft's; a prompt's last few, for its state there: runner.engine.schedule
-    # Schedule._retakes): as many as llama.cpp keeps states of for a recurrent memory
-    # (n_rs_seq: none with speculation off), eight elsewhere (a draft's most).
-    takeback: int = 8
+    # The last few tokens of a sequence's last decode can be taken back (a rejected
+    # draft's; a prompt's last one, for its state one token short: runner.engine.schedule
+    # Schedule._retakes): everywhere but a recurrent memory without llama.cpp's snapshots
+    # of them (n_rs_seq 0: speculation off).
+    takeback: bool = True
 
     def anywhere(self, held: int) -> bool:
         return self.below is None or held < self.below

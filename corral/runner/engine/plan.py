@@ -6,8 +6,8 @@ and hands to run and postprocess (the loop is runner.engine.engine's).
              parked on the scratch sequence and joined back), in the order schedule
              decided them: its bookkeeping after each is the state that op leaves
     batch    the rows of the next llama_batch (runner.engine.batchplan), drafts included
-    retake   the prompts it ends whose last few tokens their memory takes back after, for
-             their state there (a checkpoint), read without a step of its own
+    retake   the prompts it ends whose last token their memory takes back after, for
+             their state one token short (a checkpoint), read without a step of its own
     image    one slice of one image, decoded through its own batch once the rows are sampled
     ends     sequences that end this step without sampling (cancelled, refused, out
              of context), delivered by postprocess, which frees their samplers
@@ -227,9 +227,9 @@ class StepPlan:
     placed: list[Placed] = field(default_factory=list)
     batch: Batch = field(default_factory=Batch)
     image: ImageSlice | None = None
-    # Prompts the batch ends whose memory takes their last few tokens back once the last
-    # is sampled, for the state there: seq -> how many (runner.engine.schedule _retakes)
-    retake: dict[int, int] = field(default_factory=dict)
+    # Prompts the batch ends whose memory takes their last token back once it is sampled,
+    # for the state one token short (runner.engine.schedule Schedule._retakes)
+    retake: set[int] = field(default_factory=set)
     ends: list[End] = field(default_factory=list)
     demand: Demand | None = None  # set where the context can grow or shrink
 

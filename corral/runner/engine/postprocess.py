@@ -131,7 +131,7 @@ class Postprocess:
         if p.new:
             seq.n_prompt_eval = len(p.tokens)
 
-    def _apply(self, batch: Batch, retake: dict[int, int]) -> None:
+    def _apply(self, batch: Batch, retake: set[int]) -> None:
         """The batch decoded: prompt chunks become cached, and slots with logits sample."""
         for slot, taken in batch.prefill:
             slot.cached.extend(slot.pending[:taken])
@@ -141,10 +141,10 @@ class Postprocess:
                 self._prefilled(slot)
                 self._sample(slot, batch.sample_at[slot.seq_id], self.llama.batch)
                 if slot.seq_id in retake and job is not None:
-                    self._retake(slot, job.images, retake[slot.seq_id])
+                    self._retake(slot, job.images)
         for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
-                slot.cached.extend(slot.pending)  # prompt tokens read again (`_retake`)
+                slot.cached.extend(slot.pending)  # a prompt token read again (`_retake`)
                 del slot.pending[:]
                 slot.cached.append(slot.last_token)
                 # the tokens this batch gave the slot cells for, its draft's included
@@ -183,17 +183,16 @@ class Postprocess:
             self._cut.append(Trim(slot.seq_id, position(seq.job.images, len(slot.cached)),
                                   draft=True))
 
-    def _retake(self, slot: Slot, images: tuple["ImageSpan", ...], back: int) -> None:
-        """The prompt's last `back` tokens, the last of which was just sampled from, are
-        taken back from the memory as a rejected draft's are, and the state there is read
-        (a checkpoint a regenerate goes back to: runner.engine.schedule Schedule._retakes);
-        a sequence that goes on reads them again, in the rows before its next token
+    def _retake(self, slot: Slot, images: tuple["ImageSpan", ...]) -> None:
+        """The prompt's last token, whose logits were just sampled, is taken back from the
+        memory as a rejected draft's are, and the state one token short is read there (a
+        checkpoint a regenerate goes back to: runner.engine.schedule Schedule._retakes);
+        a sequence that goes on reads the token again, in the row before its next one
         (runner.engine.batchplan). One that ended leaves its slot holding the prompt less
-        those tokens, which a regenerate then reads."""
-        tokens = slot.cached[-back:]
-        del slot.cached[-back:]
+        that token, which a regenerate then reads."""
+        token = slot.cached.pop()
         if slot.sequence is not None:
-            slot.sequence.pending.extend(tokens)
+            slot.sequence.pending.append(token)
         self._cut += [Trim(slot.seq_id, position(images, len(slot.cached)), draft=True),
                       Mark(slot)]
 

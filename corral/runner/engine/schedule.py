@@ -54,6 +54,10 @@ CHECKPOINT_EVERY = 4096
 # shared ring: ~30 ms each on the base starter, 14% of a burst's engine time), and their
 # prefills do not stop one token short of the end for a second (`_stops`).
 MARK_SPACING = 32
+# The tokens a chat template puts after a prompt's last message, at most (ChatML's end of
+# turn and the answer's opening: six on the chat starter's vocabulary; Llama 3's five):
+# where the message ends is looked for among them (Schedule._message_end).
+TEMPLATE_TAIL = 8
 
 log = logging.getLogger("corral.engine")
 
@@ -73,7 +77,7 @@ class Schedule:
         memory can be cut back; where it cannot be cut anywhere, slots keep checkpoints,
         a slot's state read where a later prompt is likely to go back to (`_marks`).
         `control`: whether a token is one of the vocabulary's control tokens (a chat
-        template's: where a prompt's last message ends, `_retakes`)."""
+        template's: where a prompt's last message ends, `_points`)."""
         self.placer, self.caches, self.pool, self.capacity = placer, caches, pool, capacity
         self.num_ctx, self.n_batch, self.can_shift, self.clock = (num_ctx, n_batch,
                                                                   can_shift, clock)
@@ -190,14 +194,16 @@ class Schedule:
 
     def _points(self, slot: Slot) -> list[int]:
         """Where a prefilling slot's state is read, as llama-server reads its
-        context checkpoints: a few tokens before the prompt's end (a regenerate, the same
-        prompt again, reads only those), a batch before the end (an edit near it: the
-        last message), and every CHECKPOINT_EVERY tokens through a long prompt. The
-        first is no stop where the memory takes the prompt's last tokens back after the
-        step that read them (`_retakes`); elsewhere it is one token before the end, the
-        last decoded a step later for its logits. A point inside an image moves to where
-        the image starts: an image goes into the memory in slices, or whole, and no cut
-        of its KV may be restored."""
+        context checkpoints: one token before the prompt's end (a regenerate, the same
+        prompt again, reads only that token), a batch before the end (an edit near it:
+        the last message), and every CHECKPOINT_EVERY tokens through a long prompt. The
+        first is no stop where the memory takes the prompt's last token back after the
+        step that read it (`_retakes`); elsewhere the last token is decoded a step later
+        for its logits. A read of more than a batch also stops where its last message
+        ends (`_message_end`): an edit that adds to that message then reads only what it
+        adds, for one step of a few rows more, against several of a whole batch. A point
+        inside an image moves to where the image starts: an image goes into the memory
+        in slices, or whole, and no cut of its KV may be restored."""
         job = slot.job
         if slot.state is not SlotState.PREFILL or job is None or not self._outgrows(slot):
             return []
@@ -206,6 +212,10 @@ class Schedule:
         # the last chunk a whole batch: the prompt's, or all of it but its last token
         points = {*every, last + 1 - self.n_batch} if self.cuts.takeback else \
             {*every, last - self.n_batch, last}
+        seq = slot.sequence
+        if seq is not None and seq.n_prompt_eval > self.n_batch and (back := self._message_end(
+                (slot.cached[-TEMPLATE_TAIL:] + slot.pending)[-TEMPLATE_TAIL:])) > 1:
+            points.add(last + 1 - back)
         for span in job.images:
             points = {span.start if span.start < n < span.end else n for n in points}
         return sorted(n for n in points if n > 0)
@@ -223,38 +233,31 @@ class Schedule:
                                                      and self._outgrows(slot)):
                 plan.ops.append(Mark(slot))
 
-    def _retakes(self, plan: StepPlan) -> dict[int, int]:
-        """The prompts this batch ends whose state a few tokens short of their end is
-        read after it, and how many tokens short: their memory takes those tokens back
-        once the last one's logits are sampled, the state is read there (a Mark), and
-        they are decoded again with the next token (runner.engine.postprocess). Read so,
-        the point a regenerate goes back to costs no step of its own: a prompt's tail is
-        read in one step, where it took two, the second for the last token alone
-        (llama-server's take two as well, its last four tokens in the second). Not where
-        no token follows in the context, nor where a checkpoint is held or read close
-        below."""
-        retake, batch = {}, plan.batch
+    def _retakes(self, plan: StepPlan) -> set[int]:
+        """The prompts this batch ends whose state one token short of their end is read
+        after it: their memory takes the last token back once its logits are sampled,
+        the state is read there (a Mark), and the token is decoded again with the next
+        one (runner.engine.postprocess). Read so, the point a regenerate goes back to
+        costs no step of its own: a prompt's tail is read in one step, where it took
+        two, the second for the last token alone (llama-server's take two as well, its
+        last four tokens in the second). Not where no token follows in the context, nor
+        where a checkpoint is held or read close below."""
+        retake, batch = set(), plan.batch
         marking = {op.seq_id: [op.slot.n_past] for op in plan.ops if isinstance(op, Mark)}
         for slot, taken in batch.prefill:
             end = slot.n_past + taken
-            if slot.seq_id not in batch.sample_at or not 1 < end < self.num_ctx \
-                    or not self._outgrows(slot):
-                continue
-            back = self._back(slot, taken)
-            if not self._covered(slot, end - back, marking.get(slot.seq_id)):
-                retake[slot.seq_id] = back
+            if slot.seq_id in batch.sample_at and 1 < end < self.num_ctx and self._outgrows(
+                    slot) and not self._covered(slot, end - 1, marking.get(slot.seq_id)):
+                retake.add(slot.seq_id)
         return retake
 
-    def _back(self, slot: Slot, taken: int) -> int:
-        """How many of the prompt's last tokens are taken back: to where its last message
-        ends, the first control token of a chat template's end of turn and opening of the
-        answer (ChatML's, from <|im_end|>: six tokens), where one is among the last few
-        this step read; else the last token alone. A regenerate then reads those few
-        tokens, and so does an edit that adds to the last message, where it would read
-        from a batch before the end."""
-        prompt, end = slot.pending, slot.n_past + taken
-        for back in range(min(taken, self.cuts.takeback, end - 1), 1, -1):
-            if self.control(prompt[taken - back]):
+    def _message_end(self, tail: list[int]) -> int:
+        """How many tokens before a prompt's end its last message ends, from the prompt's
+        last TEMPLATE_TAIL tokens (`tail`): at the first control token of a chat
+        template's end of turn and opening of the answer (ChatML's six, from
+        <|im_end|>), where one is among them; else one."""
+        for back in range(len(tail), 1, -1):
+            if self.control(tail[-back]):
                 return back
         return 1
 

@@ -140,7 +140,7 @@ class LlamaContext:
         # Cut back anywhere with attention alone; never with recurrent state (no positions);
         # in a window cache, while no position has left the window (its KV is overwritten).
         self.cuts = Cuts(0 if self.recurrent else self.window or None, self.checkpoints,
-                         Cuts.takeback if self.undo is None else self.undo)
+                         self.can_rollback)
         self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.prompts = PromptTokens(self.vocab, native.meta(self.model, "tokenizer.ggml.model"))
