@@ -46,8 +46,7 @@ def test_a_prompt_token_taken_back_is_read_again_before_the_next_token() -> None
     and a batch too small for both rows leaves the slot for the next step."""
     taken = slot(0, SlotState.DECODE, cached=5)
     taken.cached.pop()
-    assert taken.sequence is not None
-    taken.sequence.pending = [4]
+    taken.pending.append(4)  # the sequence's
     other = slot(1, SlotState.DECODE, cached=3)
     plan = plan_step([taken, other], n_batch=16, drafts={0: [50, 51]})
     assert plan.rows[:4] == [BatchRow(4, 4, 0, False), BatchRow(7, 5, 0, True),

@@ -83,10 +83,11 @@ def plan_step(slots: list[Slot], n_batch: int, drafts: dict[int, list[int]] | No
     plan, drafts, stops = Batch(), drafts or {}, stops or {}
     decoding, used = [], 0
     for slot in (s for s in slots if s.state is SlotState.DECODE):
-        if used + 1 + len(slot.pending) > n_batch:
+        rows = 1 + len(slot.pending)
+        if used + rows > n_batch:
             break
         decoding.append(slot)
-        used += 1 + len(slot.pending)
+        used += rows
     spare = (n_batch - used) // max(len(decoding), 1)
     # A bound, not a decision: the rows a draft may take never overflow the batch.
     drafted = [drafts.get(slot.seq_id, [])[:spare] for slot in decoding]

@@ -144,8 +144,9 @@ class Postprocess:
                     self._retake(slot, job.images)
         for slot in batch.decoding:
             if slot.state is SlotState.DECODE:
-                slot.cached.extend(slot.pending)  # a prompt token read again (`_retake`)
-                del slot.pending[:]
+                if slot.pending:  # a prompt token read again (`_retake`)
+                    slot.cached.extend(slot.pending)
+                    del slot.pending[:]
                 slot.cached.append(slot.last_token)
                 # the tokens this batch gave the slot cells for, its draft's included
                 filled = len(slot.cached) + len(batch.drafts.get(slot.seq_id, ()))

@@ -183,11 +183,10 @@ class Schedule:
         for seq_id, at in self.placer.holds.items():
             stops[seq_id] = min(stops.get(seq_id, at), at)
         if self.checkpoints:
-            marking = {op.seq_id: op.slot.n_past for op in plan.ops if isinstance(op, Mark)}
+            reading = self._reading(plan)
             for slot in slots:
-                read = [marking[slot.seq_id]] if slot.seq_id in marking else []
-                ahead = [n for n in self._points(slot)
-                         if n > slot.n_past and not self._covered(slot, n, read)]
+                ahead = [n for n in self._points(slot) if n > slot.n_past
+                         and not self._covered(slot, n, reading.get(slot.seq_id))]
                 if ahead:
                     stops[slot.seq_id] = min(stops.get(slot.seq_id, ahead[0]), ahead[0])
         return stops
@@ -213,9 +212,10 @@ class Schedule:
         points = {*every, last + 1 - self.n_batch} if self.cuts.takeback else \
             {*every, last - self.n_batch, last}
         seq = slot.sequence
-        if seq is not None and seq.n_prompt_eval > self.n_batch and (back := self._message_end(
-                (slot.cached[-TEMPLATE_TAIL:] + slot.pending)[-TEMPLATE_TAIL:])) > 1:
-            points.add(last + 1 - back)
+        if seq is not None and seq.n_prompt_eval > self.n_batch:
+            tail = (slot.cached[-TEMPLATE_TAIL:] + seq.pending[-TEMPLATE_TAIL:])[-TEMPLATE_TAIL:]
+            if (back := self._message_end(tail)) > 1:
+                points.add(last + 1 - back)
         for span in job.images:
             points = {span.start if span.start < n < span.end else n for n in points}
         return sorted(n for n in points if n > 0)
@@ -242,14 +242,18 @@ class Schedule:
         two, the second for the last token alone (llama-server's take two as well, its
         last four tokens in the second). Not where no token follows in the context, nor
         where a checkpoint is held or read close below."""
-        retake, batch = set(), plan.batch
-        marking = {op.seq_id: [op.slot.n_past] for op in plan.ops if isinstance(op, Mark)}
+        retake, batch, reading = set(), plan.batch, self._reading(plan)
         for slot, taken in batch.prefill:
             end = slot.n_past + taken
             if slot.seq_id in batch.sample_at and 1 < end < self.num_ctx and self._outgrows(
-                    slot) and not self._covered(slot, end - 1, marking.get(slot.seq_id)):
+                    slot) and not self._covered(slot, end - 1, reading.get(slot.seq_id)):
                 retake.add(slot.seq_id)
         return retake
+
+    @staticmethod
+    def _reading(plan: StepPlan) -> dict[int, list[int]]:
+        """Where the plan's Marks read each sequence's state (its slot's length now)."""
+        return {op.seq_id: [op.slot.n_past] for op in plan.ops if isinstance(op, Mark)}
 
     def _message_end(self, tail: list[int]) -> int:
         """How many tokens before a prompt's end its last message ends, from the prompt's
