@@ -20,7 +20,8 @@ from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.layerkinds import RS_SEQ, snapshot_planes
 from corral.runner.llama.context import CHECKPOINTS, EngineConfig
 from corral.runner.prefix import Cuts
-from tests.support import FlatCost, greedy, llama_cpp_greedy, same_output, started
+from tests.support import (FlatCost, greedy, llama_cpp_greedy, same_output, started,
+                           wait_for)
 
 # The model's own choices (an adjective, an animal) follow from its state: after a
 # rollback that left the state wrong, the choices and their logprobs would change.
@@ -109,8 +110,9 @@ def test_a_tail_is_read_in_one_step_and_its_state_one_token_short_after_it(
     back after the step that read it, and the state one token short is read there: a
     tail goes in one step, a regenerate then reads only that token, and so does the next
     one, from that checkpoint; a sequence that goes on reads the token again before its
-    next, and the output is plain decoding's. Without snapshots (speculation off) the
-    prefill stops a token short: two steps, its last token alone in the second."""
+    next, and one that ended decodes it again at rest. The output is plain decoding's.
+    Without snapshots (speculation off) the prefill stops a token short: two steps, its
+    last token alone in the second."""
     outs = {}
     for spec in (True, False):
         rows: list[int] = []  # each step's, counted as it is planned
@@ -121,11 +123,11 @@ def test_a_tail_is_read_in_one_step_and_its_state_one_token_short_after_it(
         try:
             turn = engine.tokenize(PROMPT, add_special=True)
             tail = engine.tokenize(" The fox ran into the woods.", add_special=False)
-            run(engine, turn, num_predict=1)  # the slot keeps it, or all but its last token
+            run(engine, turn, num_predict=1)  # the slot keeps it all (a token owed at rest)
             prompt = turn + tail
             rows.clear()
             run(engine, prompt, num_predict=1)
-            assert rows == ([1 + len(tail)] if spec else [len(tail) - 1, 1])
+            assert rows == ([len(tail)] if spec else [len(tail) - 1, 1])
             first = run(engine, prompt, num_predict=12)
             again = run(engine, prompt, num_predict=12)  # the slot holds 11 more: back
             assert first[1].stats.prompt_eval_count == again[1].stats.prompt_eval_count == 1
@@ -223,6 +225,30 @@ def test_a_chat_back_from_the_ram_cache_goes_back_to_its_checkpoint(
     out = run(cached, again, num_predict=12)
     assert out[1].stats.prompt_eval_count == len(again) - (len(prompt) - 1)
     same(out, fresh(engines[True], again, num_predict=12))  # no RAM cache there
+
+
+def test_a_chat_that_ended_in_its_prompts_step_goes_to_ram_whole(
+        cached: Engine, engines: dict[bool, Engine]) -> None:
+    """A request for one token ends in the step that read its prompt, whose last token
+    the memory took back for the checkpoint one token short: the slot owes the token and
+    decodes it again at rest, so it holds the whole prompt. A regenerate still reads one
+    token, from the checkpoint; the next conversation saves all of the prompt to RAM, and
+    the chat back reads only what it adds."""
+    prompt = cached.tokenize(LONG + " Once more.", add_special=True)
+    slot = cached.slots[0]
+    run(cached, prompt, num_predict=1)
+    wait_for(lambda: slot.cached == prompt and slot.owed is None, timeout=120)
+    assert [n for n, _ in slot.checkpoints][-1] == len(prompt) - 1
+    again = run(cached, prompt, num_predict=1)
+    assert again[1].stats.prompt_eval_count == 1
+    wait_for(lambda: slot.cached == prompt, timeout=120)
+    run(cached, cached.tokenize("Zebras graze on the open plain.", add_special=False),
+        num_predict=4)  # the other chat takes the slot: the first goes to RAM
+    tail = cached.tokenize(" And the dog slept.", add_special=False)
+    back = run(cached, prompt + tail, num_predict=12)
+    assert back[1].stats.prompt_eval_count == len(tail)
+    same(back, fresh(engines[True], prompt + tail, num_predict=12))
+    same(again, fresh(engines[True], prompt, num_predict=1))
 
 
 def test_a_chat_resumed_after_an_unload_goes_back_to_its_checkpoint_on_disk(

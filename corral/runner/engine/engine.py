@@ -118,13 +118,14 @@ class Engine:
                                  llama.n_batch, llama.can_shift, clock,
                                  self.resizer.capacity if self.resizer is not None else None,
                                  llama.scratch, self.spec, llama.cuts, llama.is_control)
-        self.run = Run(llama, self.caches, self.pool is not None, clock)
+        self.run = Run(llama, self.caches, self.pool is not None, clock, self.spec)
         self.post = Postprocess(llama, self.run.feed, self.placer, self.pool, clock, self.spec)
         self.embed_ctx = EmbeddingContext(llama.model, llama.num_ctx, llama.n_threads,
                                           llama.adapters, alone=config.deterministic)
         self.settler = Settler(llama) if self.pool is not None else None
         self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch,
-                                         lambda: self.placer.queued() + self._commands.qsize())
+                                         lambda: self.placer.queued() + self._commands.qsize(),
+                                         self.run.redo)
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -277,8 +278,6 @@ class Engine:
                 self._step_hook(plan)
             t0 = self.clock()
             out = self.run.step(plan, self.slots)
-            if self.spec is not None and out.ok:  # before any other decode: run.py
-                self.spec.decoded(out.batch.rows)
             self.post.step(plan, out)
             self._stuck(self.run.trim(self.post.cut_back()))
             rows_time = self.clock() - t0  # the decode, and the samplers of its rows

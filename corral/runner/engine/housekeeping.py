@@ -1,5 +1,6 @@
-"""What the engine gives back between steps, so memory returns to what `ps` reports:
-when idle, and every few seconds under load, when the engine may never be idle.
+"""What the engine does between steps: it gives back memory, so that it returns to what
+`ps` reports, when idle and every few seconds under load, when the engine may never be
+idle; and at rest it decodes the prompt tokens that slots owe.
 
 The engine thread calls `rest` before it waits for work; everything here runs on it.
 """
@@ -26,12 +27,14 @@ TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a mil
 class Housekeeping:
     def __init__(self, embed_ctx: EmbeddingContext, resizer: Resizer | None,
                  settler: Settler | None, watch: StepWatch,
-                 queued: Callable[[], int] = lambda: 0) -> None:
+                 queued: Callable[[], int] = lambda: 0,
+                 redo: Callable[[list[Slot]], None] = lambda slots: None) -> None:
         """`queued`: requests not yet placed (waiting for a disk read, or still in the
-        inbox), which a settle would delay; asked only when one is due."""
+        inbox), which a settle would delay; asked only when one is due. `redo`: decodes
+        the tokens idle slots owe (runner.engine.run Run.redo)."""
         self.embed_ctx, self.resizer, self.settler, self.watch = \
             embed_ctx, resizer, settler, watch
-        self.queued = queued
+        self.queued, self.redo = queued, redo
         self.embedded_at = self.trimmed_at = 0.0
         self.steps = 0  # the engine's decode steps when last here
         self.transient = False  # freed native memory waits to be handed back when idle
@@ -46,6 +49,17 @@ class Housekeeping:
              save: Callable[[Slot], None], steps: int) -> None:
         """`steps`: the engine's decode steps so far (a request placed, decoded and ended
         within one step never shows as busy here)."""
+        # A prompt's last token, taken back from a sequence that ended in the step that
+        # read it, goes back in first: the slot then holds the whole prompt, and so does
+        # what a settle or the next conversation saves of it (runner.slots.slot Owed). Even
+        # before a request in the inbox (one decoded row): what a slot holds at the next
+        # placement so depends on the requests placed, not on when one arrived.
+        if idle and any(slot.owed is not None for slot in slots):
+            self.watch.enter("a prompt's last token decoded again")
+            try:
+                self.redo(slots)
+            finally:
+                self.watch.leave(worked=False)
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
             self.resizer.rest(sampled)

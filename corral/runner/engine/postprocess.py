@@ -33,7 +33,7 @@ from corral.runner.engine.run import ImageFeed, Outcome
 from corral.runner.jobs import Done, Failed, Token, position
 from corral.runner.llama import native
 from corral.runner.slots.sequence import DoneReason, Sequence
-from corral.runner.slots.slot import Slot, SlotState
+from corral.runner.slots.slot import Owed, Slot, SlotState
 from corral.runner.wire import DoneLine
 
 if TYPE_CHECKING:
@@ -189,11 +189,13 @@ class Postprocess:
         memory as a rejected draft's are, and the state one token short is read there (a
         checkpoint a regenerate goes back to: runner.engine.schedule Schedule._retakes);
         a sequence that goes on reads the token again, in the row before its next one
-        (runner.engine.batchplan). One that ended leaves its slot holding the prompt less
-        that token, which a regenerate then reads."""
+        (runner.engine.batchplan). One that ended leaves its slot owing the token, which
+        the engine decodes again once at rest (runner.engine.run Run.redo)."""
         token = slot.cached.pop()
         if slot.sequence is not None:
             slot.sequence.pending.append(token)
+        else:
+            slot.owed = Owed(len(slot.cached), token, position(images, len(slot.cached)))
         self._cut += [Trim(slot.seq_id, position(images, len(slot.cached)), draft=True),
                       Mark(slot)]
 

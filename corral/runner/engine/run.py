@@ -27,16 +27,17 @@ from corral.errors import BadRequest
 from corral.runner.cache.caches import PrefixCaches
 from corral.runner.engine import kvops
 from corral.runner.engine.kvops import KVOps
-from corral.runner.engine.batchplan import Batch
+from corral.runner.engine.batchplan import Batch, BatchRow
 from corral.runner.engine.kvplan import save_op
 from corral.runner.engine.plan import ImageSlice, Mark, Placed, StepPlan, Trim
 from corral.runner.llama import native
 from corral.runner.llama.sampling import for_job
-from corral.runner.slots.slot import Slot
+from corral.runner.slots.slot import Slot, SlotState
 
 if TYPE_CHECKING:
     from corral.runner.jobs import ImageSpan
     from corral.runner.llama.context import LlamaContext
+    from corral.runner.speculative.speculation import Speculation
 
 log = logging.getLogger("corral.engine")
 
@@ -69,8 +70,12 @@ class Run:
     its LlamaContext at each step, so a resize (runner.kv.growth) needs nothing here."""
 
     def __init__(self, llama: "LlamaContext", caches: PrefixCaches, pooled: bool,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], spec: "Speculation | None" = None) -> None:
+        """`spec`: speculative decoding, which hears each token batch that decoded before
+        any other decode runs (an MTP head reads the model's states of its rows:
+        runner.speculative.mtp)."""
         self.llama, self.caches, self.pooled, self.clock = llama, caches, pooled, clock
+        self.spec = spec
         self.feed = ImageFeed(llama)
 
     def step(self, plan: StepPlan, slots: list[Slot]) -> Outcome:
@@ -92,6 +97,8 @@ class Run:
             out.native += self.clock() - t0
             if out.rc != 0:
                 out.lost = self._recover(out.rc, out.batch.slots, slots)
+            elif self.spec is not None:
+                self.spec.decoded(out.batch.rows)
         return out
 
     def ops(self, plan: StepPlan) -> set[int]:
@@ -153,6 +160,31 @@ class Run:
         for op in cuts:
             ops.run(op)
         return ops.failed
+
+    def redo(self, slots: list[Slot]) -> None:
+        """The tokens idle slots owe (runner.slots.slot Owed) decoded again, in one batch,
+        at rest (runner.engine.housekeeping): a slot, and a save of it to the prompt
+        cache, then holds its whole prompt. Not for a slot changed since (its length is
+        not the owed one's), nor one a context shift changed. A decode that fails drops
+        their cells: a cache is lost, no state is left half-made."""
+        owing = [(s, owed) for s in slots if (owed := s.owed) is not None
+                 and s.state is SlotState.IDLE and not s.tainted and s.n_past == owed.held]
+        for slot in slots:
+            slot.owed = None
+        if not owing:
+            return
+        rows = [BatchRow(owed.token, owed.pos, slot.seq_id, False) for slot, owed in owing]
+        llama = self.llama
+        native.fill_batch(llama.batch, rows, llama.n_batch)
+        if L.llama_decode(llama.ctx, llama.batch) != 0:
+            log.error("a prompt's last token could not be decoded again: its cache goes")
+            for slot, _ in owing:
+                kvops.drop(llama.mem, slot)
+            return
+        if self.spec is not None:
+            self.spec.decoded(rows)
+        for slot, owed in owing:
+            slot.cached.append(owed.token)
 
     def save(self, slot: Slot) -> None:
         """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""

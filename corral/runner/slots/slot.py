@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from corral.runner.jobs import Job, position
 from corral.runner.prefix import KVBytes
@@ -34,6 +35,16 @@ _ALLOWED = {
 }
 
 
+class Owed(NamedTuple):
+    """A prompt's last token, taken back from a slot whose sequence ended in the step that
+    read it (runner.engine.postprocess `_retake`): decoded again at rest, at `pos`, while
+    the slot still holds `held` tokens (runner.engine.run Run.redo)."""
+
+    held: int
+    token: int
+    pos: int
+
+
 @dataclass
 class Slot:
     seq_id: int  # llama.cpp's sequence id (with a stream per slot, which stream)
@@ -51,6 +62,9 @@ class Slot:
     # a state copied in (a restore, a branch, a checkpoint, a settle) brings only the
     # cells its end's window sees; what is decoded after comes on top.
     window_from: int = 0
+    # The token its cells lack, where its sequence ended as the token was taken back:
+    # what the slot, and a save of it, would hold but for that (a new sequence forgets it).
+    owed: Owed | None = None
 
     def checkpoint_bytes(self) -> int:
         """What the checkpoints hold: host memory (any thread may ask: the list is
@@ -99,7 +113,7 @@ class Slot:
         from this slot's cache, or copied in from another slot or the prompt cache;
         `shifted`: some of it moved there, runner.engine.kvplan.reuse_moves)."""
         self.transition(SlotState.PREFILL)
-        self.sequence = sequence
+        self.sequence, self.owed = sequence, None
         self.cached = list(prefix)
         self.tainted = shifted
         self.keep_checkpoints(len(prefix))
