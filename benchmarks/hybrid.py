@@ -60,7 +60,12 @@ from corral.registry.store import Store  # noqa: E402
 from tests.hybrid_model import SHAPES, write_hybrid  # noqa: E402
 
 MODEL = "bench-hybrid"
-ROUNDS = 5  # a 40 ms request moves by several ms between rounds: a median of five
+ROUNDS = 11  # a 30 ms request moves by several ms between rounds (a median of five moved 0.85-1.21x)
+# A pause after each request, as a user's or a tool's between turns: what a server does
+# after a response (Corral decodes again a prompt token it took back from a request for
+# one token) then runs neither beside the other server's timed request, on the same
+# cores, nor before its own next one.
+PAUSE = 0.1
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,7 @@ def _rounds(clients: list[httpx.Client]) -> tuple[list[Results], list[dict[str, 
         def each(name: str | None, messages: list[dict[str, str]]) -> None:
             for i, client in order:
                 got = ask(client, messages)
+                time.sleep(PAUSE)
                 if name is not None:
                     out[i].setdefault(name, []).append(got)
 
