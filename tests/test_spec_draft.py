@@ -506,3 +506,23 @@ def test_a_models_sequence_waiting_after_misses_drafts_again_once_it_foresees() 
     spec.prepare(Ask([Candidate(0, p, history, room=1000)], n_batch=512, split_equal=False))
     spec.extended(history, 13)
     assert p.wait == 15 and p.foreseen == 0
+
+
+def test_a_prompt_is_indexed_with_the_next_drafts_not_before_its_first_token() -> None:
+    """The n-gram index hears a new prompt, and each sampled token, when the next drafts
+    are made (`prepare`, after the step that read it): a long prompt's first token does
+    not wait for its index. The drafts are then made from all of it."""
+    from corral.runner.speculative.speculation import Ask, Candidate, Speculation
+
+    index = NgramIndex()
+    spec = Speculation(index)
+    pattern = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    history = History(pattern * 3)
+    spec.started(history)
+    spec.extended(history, pattern[0])
+    assert len(index) == 0 and history.indexed == 0
+    spec.prepare(Ask([Candidate(0, DraftPolicy(), history, room=1000)], n_batch=512,
+                     split_equal=False))
+    assert history.indexed == len(history.tokens) == 31 and len(index) > 0
+    made = spec.drafts({0: history})[0]
+    assert made and made == (pattern * 2)[1:1 + len(made)]

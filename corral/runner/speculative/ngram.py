@@ -62,9 +62,10 @@ class NgramIndex:
         self._held += n - history.indexed
         start = max(history.indexed, k)
         if n - start > PROMPT and min(tokens[start - k:n - 1]) >= 0:
-            # A prompt of text in C loops: it is indexed on the engine thread before its
-            # first step (30k tokens took 17 ms in Python). A decoded token goes through
-            # the plain loop below, which is cheaper for one.
+            # A prompt of text in C loops: it is indexed on the engine thread, after the
+            # step that read it and before the next drafts (30k tokens took 17 ms in
+            # Python). A decoded token goes through the plain loop below, which is
+            # cheaper for one.
             keys = zip(*(tokens[start - k + j:n - k + j] for j in range(k)))
             self._next.update(zip(map(hash, keys), zip(repeat(history), range(start, n))))
         else:
