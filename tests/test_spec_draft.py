@@ -526,3 +526,9 @@ def test_a_prompt_is_indexed_with_the_next_drafts_not_before_its_first_token() -
     assert history.indexed == len(history.tokens) == 31 and len(index) > 0
     made = spec.drafts({0: history})[0]
     assert made and made == (pattern * 2)[1:1 + len(made)]
+    # A step after which nothing decodes (a request for one token) still has it heard:
+    # the waiting histories do not pile up.
+    ended = History([31, 32, 33, 34, 35, 36])
+    spec.started(ended)
+    spec.prepare(None)
+    assert ended.indexed == len(ended.tokens)

@@ -312,9 +312,7 @@ class Engine:
         assert self.spec is not None
         if out.ok and out.batch.decoding and not out.batch.prefill:  # in this step's layout
             self.spec.observe([row.seq_id for row in out.batch.rows], seconds)
-        ask = self.schedule.ask(self.slots)
-        if ask is not None:
-            self.spec.prepare(ask)
+        self.spec.prepare(self.schedule.ask(self.slots))
 
     def _stuck(self, seq_ids: set[int]) -> None:
         """Slots whose cells taken back (a rejected draft's, a prompt's last token) would

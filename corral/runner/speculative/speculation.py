@@ -79,11 +79,15 @@ class Speculation:
 
     # ---- after a step: the next step's drafts -------------------------------------------
 
-    def prepare(self, ask: Ask) -> None:
-        """Decide what each candidate drafts at the next step, and make those drafts."""
+    def prepare(self, ask: Ask | None) -> None:
+        """After every step: the source hears the tokens sequences were given since the
+        last (`started`, `extended`); then, where the next step decodes (`ask`), decide
+        what each candidate drafts there, and make those drafts."""
         for history in self._unheard.values():
             self.source.add(history)
         self._unheard.clear()
+        if ask is None:
+            return
         self._made.clear()
         self._unverified.clear()
         equal = self._split_equal = ask.split_equal or self.undo is not None
@@ -188,7 +192,7 @@ class Speculation:
 
     def started(self, history: History) -> None:
         """A new sequence's prompt: what it most likely quotes. The source hears it with
-        the next drafts (`prepare`), after the step that reads it has sampled: a prompt's
+        the next drafts (`prepare`, after the step that reads it has sampled): a prompt's
         first token does not wait for it (the n-gram index of a 30k-token prompt, 17 ms)."""
         self._unheard[id(history)] = history
 
