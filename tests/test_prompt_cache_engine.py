@@ -22,6 +22,7 @@ from corral.runner.cache.diskcache import DiskEntry, DiskTier, Read
 from corral.runner.engine.engine import Engine
 from corral.runner.jobs import Done, Job, SamplingParams, Token
 from corral.runner.cache.promptcache import PromptCache
+from tests.support import wait_for
 
 pytestmark = pytest.mark.model
 
@@ -127,6 +128,31 @@ def test_a_short_prompt_sent_again_comes_back_from_ram(starter_gguf: Path) -> No
         engine.stop()
     assert evaluated == [size, size - 1, 1]  # b reuses the BOS; a's return reads one token
     assert status["cache_hits"] == 1 and status["cache_tokens_restored"] == size - 1
+
+
+def test_the_save_that_takes_a_slot_copies_into_memory_touched_at_rest(
+        starter_gguf: Path, baseline: dict[str, str]) -> None:
+    """Once an answer is out, rest touches a spare buffer the size of the idle slot's
+    state (and a sixteenth): the next conversation's save copies the slot's state into
+    it, not into new memory whose page faults its first token would wait for. The
+    state is the same, and comes back as from any save."""
+    engine = Engine(str(starter_gguf), config(cache_ram=256 << 20))
+    engine.start()
+    try:
+        prompts = turns(engine)
+        ram = engine.caches.ram
+        ask(engine, prompts["a1"])
+        wait_for(lambda: ram.spare is not None, timeout=120)
+        spare = ram.spare
+        assert spare is not None and ram.describe()["cache_bytes"] == len(spare)
+        answers = {"b1": ask(engine, prompts["b1"])[0]}  # a1's state goes to RAM
+        entry, n = ram.lookup(prompts["a1"])
+        assert entry is not None and entry.data is spare and n == len(prompts["a1"])
+        answers["a2"], stats = ask(engine, prompts["a2"])
+    finally:
+        engine.stop()
+    assert stats.prompt_eval_count == len(prompts["a2"]) - len(prompts["a1"])
+    assert answers == {name: baseline[name] for name in answers}
 
 
 def burst(engine: Engine, names: list[str]) -> tuple[list[str], list[dict], dict]:

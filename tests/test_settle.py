@@ -110,3 +110,52 @@ def test_a_request_ended_within_one_step_counts_and_a_queued_one_waits() -> None
     assert settler.state is SettleState.ACTIVE  # due, but a request waits
     rest(41.0, steps=1)
     assert settler.state is SettleState.SETTLED and settler.settles == 0
+
+
+def test_a_token_a_slot_owes_waits_till_the_answer_is_out_or_work_comes() -> None:
+    """The redo of an owed prompt token (a decode on every core) waits QUIET after the
+    step that ended the request, while its answer is on its way out; a request that
+    comes meanwhile has it done first, so what the slot holds at a placement never
+    depends on when the request came. The engine's wait for work ends when it is due,
+    and the spare buffer for the next save waits while a request is queued."""
+    from types import SimpleNamespace
+
+    from corral.runner.engine.housekeeping import QUIET, Housekeeping
+    from corral.runner.slots.slot import Owed, Slot
+    from corral.runner.watch import StepWatch
+
+    redone: list[float] = []
+    waiting = [0]
+    now = [0.0]
+    slot = Slot(seq_id=0, num_ctx=64, cached=[1, 2, 3])
+
+    def redo(slots: list[Slot]) -> None:  # as Run.redo leaves them
+        redone.append(now[0])
+        slot.owed = None
+
+    house = Housekeeping(SimpleNamespace(ctx=None), None, None,  # type: ignore[arg-type]
+                         StepWatch(), lambda: waiting[0], redo)
+
+    def rest(at: float, steps: int, idle: bool = True) -> float:
+        now[0] = at
+        house.rest(idle, at, [slot], True, lambda s: None, steps)
+        return house.wait(at)
+
+    slot.owed = Owed(3, 4, 3)
+    assert rest(10.0, steps=1) == pytest.approx(QUIET) and redone == []  # the answer goes out
+    assert rest(10.0 + QUIET / 2, steps=1) == pytest.approx(QUIET / 2) and redone == []
+    assert rest(10.0 + QUIET, steps=1) == 0.5 and redone == [10.0 + QUIET]
+    slot.owed = Owed(3, 4, 3)
+    rest(20.0, steps=2)
+    waiting[0] = 1  # a request in the inbox: done before it is placed
+    rest(20.001, steps=2)
+    assert redone == [10.0 + QUIET, 20.001]
+    slot.owed = Owed(3, 4, 3)
+    waiting[0] = 0
+    rest(30.0, steps=3)
+    rest(30.001, steps=3, idle=False)  # placed already: done before the step plans it
+    assert redone[-1] == 30.001
+    waiting[0] = 1  # a disk read in flight: the spare for the next save waits for it,
+    assert house.wait(40.0) == 0.5  # and so does the engine (its end wakes it)
+    waiting[0] = 0
+    assert house.wait(40.0) == 0.0  # now it is due

@@ -125,7 +125,7 @@ class Engine:
         self.settler = Settler(llama) if self.pool is not None else None
         self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch,
                                          lambda: self.placer.queued() + self._commands.qsize(),
-                                         self.run.redo)
+                                         self.run.redo, self.run.spare)
 
     # ---- public API, safe from any thread ---------------------------------------------
 
@@ -241,13 +241,16 @@ class Engine:
             while not self._stopping:
                 # Housekeeping before waiting for work: the first moment at rest is used,
                 # however short (a client that sends its next request at once still
-                # leaves one between two of them), so the reserve is made before a burst.
+                # leaves one between two of them), so the reserve is made before a burst;
+                # what no request waits for is due a little later, and the wait ends then.
                 idle = self._idle()
                 self.housekeeping.rest(idle, self.clock(), self.slots, self.sampled > 0,
                                        self.run.save, self.steps)
-                self._drain(block=idle)
+                self._drain(self.housekeeping.wait(self.clock()) if idle else 0.0)
                 if self._stopping:
                     break
+                if idle and self.housekeeping.owing:  # what came waits for the owed token
+                    continue
                 self.watch.enter()
                 try:
                     if self._embeds:
@@ -330,9 +333,9 @@ class Engine:
         return not self.placer.waiting and not self._embeds and all(
             s.state is SlotState.IDLE for s in self.slots) and not self.schedule.parking.pending()
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, wait: float) -> None:
         try:
-            item = self._commands.get(timeout=0.5 if block else 0.0)
+            item = self._commands.get(timeout=wait)
         except queue.Empty:
             return
         while True:

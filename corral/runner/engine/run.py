@@ -186,6 +186,16 @@ class Run:
         for slot, owed in owing:
             slot.cached.append(owed.token)
 
+    def spare(self, slots: list[Slot]) -> None:
+        """Memory for the next save, touched now (PromptCache.keep_spare): at rest, sized
+        to the largest state an idle slot holds that a save would copy out, and a
+        sixteenth more (a turn or two it may grow by first)."""
+        ctx = self.llama.ctx
+        sizes = [L.llama_state_seq_get_size(ctx, s.seq_id) for s in slots
+                 if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
+        if sizes:
+            self.caches.ram.keep_spare(max(sizes) * 17 // 16)
+
     def save(self, slot: Slot) -> None:
         """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""
         op = save_op(slot, self.caches)
