@@ -79,18 +79,10 @@ class Housekeeping:
             slot.state is SlotState.IDLE for slot in slots)
         if self.owing and (quiet or not idle or self.queued()):
             self.owing = False
-            self.watch.enter("a prompt's last token decoded again")
-            try:
-                self.redo(slots)
-            finally:
-                self.watch.leave(worked=False)
+            self._watched("a prompt's last token decoded again", lambda: self.redo(slots))
         if quiet and self.spared != steps and not self.queued():
             self.spared = steps
-            self.watch.enter("memory for the next save touched")
-            try:
-                self.spare(slots)
-            finally:
-                self.watch.leave(worked=False)
+            self._watched("memory for the next save touched", lambda: self.spare(slots))
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
             self.resizer.rest(sampled)
@@ -98,11 +90,10 @@ class Housekeeping:
             if not idle or steps != self.steps:
                 self.settler.busy(now)
             elif self.settler.due(now) and not self.queued():  # pages back (runner.kv.settle)
-                self.watch.enter("a settle of the shared KV")
-                try:
-                    self.transient = self.settler.settle(slots, save) or self.transient
-                finally:
-                    self.watch.leave(worked=False)
+                settler = self.settler
+                if self._watched("a settle of the shared KV",
+                                 lambda: settler.settle(slots, save)):
+                    self.transient = True
         if idle and self.embed_ctx.ctx is not None and now - self.embedded_at > EMBED_KEEP:
             self.embed_ctx.free()
             self.transient = True
@@ -110,3 +101,11 @@ class Housekeeping:
             native.release_free_memory()
             self.transient, self.trimmed_at = False, now
         self.steps = steps
+
+    def _watched(self, what: str, work: Callable[[], object]) -> object:
+        """Native work at rest, under the stall watch (no step's grace: `worked` False)."""
+        self.watch.enter(what)
+        try:
+            return work()
+        finally:
+            self.watch.leave(worked=False)

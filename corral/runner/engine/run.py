@@ -192,7 +192,7 @@ class Run:
         sixteenth more (a turn or two it may grow by first)."""
         ctx = self.llama.ctx
         sizes = [L.llama_state_seq_get_size(ctx, s.seq_id) for s in slots
-                 if s.state is SlotState.IDLE and self.caches.wanted(s.reusable())]
+                 if s.state is SlotState.IDLE and save_op(s, self.caches) is not None]
         if sizes:
             self.caches.ram.keep_spare(max(sizes) * 17 // 16)
 
