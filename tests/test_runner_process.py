@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import threading
@@ -96,6 +98,30 @@ def test_cancel_by_id(runner: RunnerProcess) -> None:
     last = list(stream)[-1]
     assert isinstance(last, DoneLine) and last.done_reason == "cancel"
     assert runner.health().busy_slots == 0
+
+
+def test_requests_share_a_kept_alive_connection_and_a_stream_is_chunked(
+        runner: RunnerProcess) -> None:
+    # A connection per request cost each first token a connect and a thread started in
+    # the runner; a stream's end is its last chunk, not the connection's.
+    conn = http.client.HTTPConnection("127.0.0.1", runner.port, timeout=60)
+    try:
+        conn.connect()
+        sock = conn.sock
+        for _ in range(2):
+            conn.request("POST", "/completion", body=json.dumps(
+                {"prompt": "The capital of France is", "options": GREEDY}),
+                headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.chunked and not resp.will_close
+            lines = [json.loads(line) for line in resp.read().splitlines() if line]
+            assert lines[-1]["done"] is True and len(lines) >= 2
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+        assert conn.sock is sock  # never closed and opened again
+    finally:
+        conn.close()
 
 
 def test_bad_request_is_an_error_not_a_crash(runner: RunnerProcess) -> None:

@@ -85,6 +85,14 @@ class StderrTail:
         return " | ".join(self.lines)
 
 
+def _rest(lines: Iterator[str]) -> None:
+    """What follows a stream's end line: its last chunk, which came in the same write. Read
+    so that the kept-alive connection goes back to the pool; one that fails is dropped."""
+    with contextlib.suppress(Exception):
+        for _ in lines:
+            pass
+
+
 class RunnerProcess:
     def __init__(self, config: LoadConfig, log_file: IO[bytes] | None = None,
                  python: str = sys.executable) -> None:
@@ -253,16 +261,19 @@ class RunnerProcess:
                 if resp.status_code >= 400:
                     resp.read()
                     raise self._check(from_wire(resp.status_code, resp.json()))
-                for raw in resp.iter_lines():
+                lines = resp.iter_lines()
+                for raw in lines:
                     if not raw:
                         continue
                     line = json.loads(raw)
                     if "error" in line:
                         raise self._check(from_wire(None, line))
                     typed = read_line(line)
-                    yield typed
                     if isinstance(typed, DoneLine):
+                        _rest(lines)
+                        yield typed
                         return
+                    yield typed
         except (_httpx().HTTPError, ValueError):
             pass
         try:  # a runner that died closed its sockets first: give its exit a moment to land

@@ -55,7 +55,10 @@ ORPHAN_GRACE = 3.0
 
 
 class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"  # one request per connection; a stream ends at EOF
+    # Kept-alive connections: a new one for each request cost the daemon a connect and us
+    # a thread started, about a millisecond before every first token. A stream is sent
+    # chunked, so that its end is not the connection's.
+    protocol_version = "HTTP/1.1"
     service: RunnerService
     max_body = MAX_BODY
 
@@ -78,6 +81,7 @@ class Handler(BaseHTTPRequestHandler):
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
         if length > self.max_body:
+            self.close_connection = True  # its body is left unread on the socket
             raise BadRequest("request body too large")
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -160,19 +164,24 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, job: Job) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         try:
             ended = False
             while not ended:
                 # What is queued goes in one write: a stream that fell a step behind
-                # catches up with one system call, not one a token.
+                # catches up with one system call, not one a token. The last chunk
+                # goes with the end line, which the daemon reads it with.
                 lines = []
                 for event in _ready_events(job, self.service.engine):
                     lines.append(json.dumps(_line(event)).encode() + b"\n")
                     ended = not isinstance(event, Token)
-                self.wfile.write(b"".join(lines))
+                data = b"".join(lines)
+                self.wfile.write(b"%x\r\n%s\r\n%s" % (len(data), data,
+                                                        b"0\r\n\r\n" if ended else b""))
                 self.wfile.flush()
         except OSError:
+            self.close_connection = True
             job.cancel()  # the daemon hung up: free the slot
         finally:
             self.service.forget(job)
