@@ -52,6 +52,29 @@ def test_chunks_arrive_in_order_and_the_last_message_waits_until_written() -> No
     assert all(m["more_body"] for m in written[1:-1])
 
 
+def test_a_response_start_is_handed_over_without_waiting_to_be_written() -> None:
+    """Only the last message waits: a wait for the start too was one more round trip
+    between the route's thread and the loop before every answer."""
+    release = threading.Event()
+    written: list[str] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        for _ in range(10_000):  # the route releases it; ten seconds at most
+            if release.is_set():
+                break
+            await asyncio.sleep(0.001)
+        written.append(message["type"])
+
+    def route(send_: Handoff) -> None:
+        send_({"type": "http.response.start", "status": 200, "headers": []})
+        assert written == []  # handed over, not written yet
+        release.set()
+        send_({"type": "http.response.body", "body": b"{}", "more_body": False})
+        assert written == ["http.response.start", "http.response.body"]
+
+    serve(route, send)
+
+
 def test_a_client_that_does_not_read_holds_the_route_back_after_the_window() -> None:
     release = threading.Event()
     handed = []
@@ -92,8 +115,9 @@ def test_a_failed_write_is_raised_at_the_next_send() -> None:
     errors: list[BaseException] = []
 
     def route(send_: Handoff) -> None:
+        send_({"type": "http.response.start", "status": 200, "headers": []})  # no wait
         with pytest.raises(ConnectionError) as first:
-            send_({"type": "http.response.start", "status": 200, "headers": []})
+            send_({"type": "http.response.body", "body": b"x", "more_body": False})
         assert str(first.value.__cause__) == "connection reset"
         try:
             send_(chunk(b"after"))

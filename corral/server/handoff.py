@@ -5,9 +5,10 @@ A blocking round trip for each one (anyio.from_thread.run) parks and wakes the w
 thread for every streamed token, on the cores the model decodes on. Here a streamed
 body's chunks are handed over without waiting: one task writes them in order, joining
 the chunks that queued up while it wrote into one. At most WINDOW are in flight, so a
-slow client still holds its route back; the response's start and its last message
-wait until they are written, and a failed write is raised at the route's next send, as
-a blocking send would have raised it. A response the loop gives up on (the server
+slow client still holds its route back; only the response's last message waits until
+it is written (a wait for its start too was a round trip between the threads in every
+answer), and a failed write is raised at the route's next send, as a blocking send
+would have raised it. A response the loop gives up on (the server
 stopping: its task is cancelled) fails every send after, so its route never waits on
 a pump that is gone.
 """
@@ -25,8 +26,13 @@ POLL = 0.25  # seconds between a waiting route's looks at whether its pump is go
 
 
 def _chunk(message: Message) -> bool:
-    """A streamed body's chunk that is not its last: nothing waits for it to be written."""
+    """A streamed body's chunk that is not its last: written with those queued beside it."""
     return message["type"] == "http.response.body" and bool(message.get("more_body"))
+
+
+def _last(message: Message) -> bool:
+    """The response's last message: the route waits until it is written."""
+    return message["type"] == "http.response.body" and not message.get("more_body")
 
 
 class Handoff:
@@ -42,9 +48,9 @@ class Handoff:
         self._closed = False  # the pump has ended: nothing handed over is written
 
     def __call__(self, message: Message) -> None:
-        """On the worker thread: hand `message` over; wait for it unless it is a chunk."""
+        """On the worker thread: hand `message` over; wait for it if it is the last."""
         self._check()
-        done = None if _chunk(message) else threading.Event()
+        done = threading.Event() if _last(message) else None
         while not self._room.acquire(timeout=POLL):
             self._check()
         try:
