@@ -14,7 +14,7 @@ from corral.runner.cache.caches import PrefixCaches, caches_for
 from corral.runner.cache.diskcache import DiskTier
 from corral.runner.llama.context import EngineConfig
 from corral.runner.jobs import Job
-from corral.runner.cache.promptcache import MIN_TOKENS, SPARE_MAX, PromptCache
+from corral.runner.cache.promptcache import MIN_TOKENS, PromptCache
 from corral.runner.engine.placer import HOLD_MIN, MIN_GAIN, Placement, Placer, Source
 from corral.runner.slots.sequence import Sequence
 from corral.runner.prefix import common_prefix
@@ -70,30 +70,6 @@ def test_an_entry_a_few_tokens_off_a_newer_one_goes_with_it() -> None:
     assert cache.add(A + [3] * MIN_TOKENS, b"c")  # b holds MIN_TOKENS - 1 of its own: b goes
     assert cache.add(B, b"d") and cache.add(A[:150] + [5] * MIN_TOKENS, b"e")
     assert sorted(e.data for e in cache.entries) == [b"c", b"d", b"e"]  # c keeps 50 + 32
-
-
-def test_a_spare_is_kept_within_the_budget_counted_and_goes_first() -> None:
-    """The spare buffer the next save copies into: made only where the budget has room
-    beside the entries (and at most SPARE_MAX), counted in what the cache holds, taken
-    by a state that fits in it, and the first thing to go for room or at a clear."""
-    cache = PromptCache(budget=100)
-    cache.add(A, b"a" * 60)
-    cache.keep_spare(50)  # 60 + 50 > 100: none
-    assert cache.spare is None
-    cache.keep_spare(30)
-    assert cache.spare is not None and len(cache.spare) == 30 and cache.size == 90
-    assert cache.describe()["cache_bytes"] == 90
-    assert cache.take(31) is None and cache.spare is not None  # too small: it stays
-    spare = cache.take(20)
-    assert spare is not None and len(spare) == 30 and cache.spare is None
-    cache.keep_spare(30)
-    cache.add(B, b"b" * 35)  # over the budget with the spare: the spare goes, no entry
-    assert cache.spare is None and len(cache.entries) == 2 and cache.stats.evicted == 0
-    cache.keep_spare(5)
-    assert cache.clear() == 100 and cache.spare is None
-    big = PromptCache(budget=4 * SPARE_MAX)
-    big.keep_spare(SPARE_MAX + 1)  # its page faults would hold a request that comes
-    assert big.spare is None
 
 
 def test_common_prefix_matches_a_walk_over_lists_and_tuples() -> None:

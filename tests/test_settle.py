@@ -117,7 +117,7 @@ def test_a_token_a_slot_owes_waits_till_the_answer_is_out_or_work_comes() -> Non
     step that ended the request, while its answer is on its way out; a request that
     comes meanwhile has it done first, so what the slot holds at a placement never
     depends on when the request came. The engine's wait for work ends when it is due,
-    and the spare buffer for the next save waits while a request is queued."""
+    and the presave of idle slots waits while a request is queued."""
     from types import SimpleNamespace
 
     from corral.runner.engine.housekeeping import QUIET, Housekeeping
@@ -131,10 +131,13 @@ def test_a_token_a_slot_owes_waits_till_the_answer_is_out_or_work_comes() -> Non
 
     def redo(slots: list[Slot]) -> None:  # as Run.redo leaves them
         redone.append(now[0])
+        order.append("redo")
         slot.owed = None
 
+    order: list[str] = []
     house = Housekeeping(SimpleNamespace(ctx=None), None, None,  # type: ignore[arg-type]
-                         StepWatch(), lambda: waiting[0], redo)
+                         StepWatch(), lambda: waiting[0], redo,
+                         presave=lambda slots: order.append("presave"))
 
     def rest(at: float, steps: int, idle: bool = True) -> float:
         now[0] = at
@@ -144,7 +147,11 @@ def test_a_token_a_slot_owes_waits_till_the_answer_is_out_or_work_comes() -> Non
     slot.owed = Owed(3, 4, 3)
     assert rest(10.0, steps=1) == pytest.approx(QUIET) and redone == []  # the answer goes out
     assert rest(10.0 + QUIET / 2, steps=1) == pytest.approx(QUIET / 2) and redone == []
+    assert order == []  # nor is the slot copied to the prompt cache yet
     assert rest(10.0 + QUIET, steps=1) == 0.5 and redone == [10.0 + QUIET]
+    assert order == ["redo", "presave"]  # what is copied holds the whole prompt
+    rest(10.0 + 2 * QUIET, steps=1)
+    assert order == ["redo", "presave"]  # once for each step's end
     slot.owed = Owed(3, 4, 3)
     rest(20.0, steps=2)
     waiting[0] = 1  # a request in the inbox: done before it is placed
@@ -155,7 +162,7 @@ def test_a_token_a_slot_owes_waits_till_the_answer_is_out_or_work_comes() -> Non
     rest(30.0, steps=3)
     rest(30.001, steps=3, idle=False)  # placed already: done before the step plans it
     assert redone[-1] == 30.001
-    waiting[0] = 1  # a disk read in flight: the spare for the next save waits for it,
+    waiting[0] = 1  # a disk read in flight: the presave waits for it,
     assert house.wait(40.0) == 0.5  # and so does the engine (its end wakes it)
     waiting[0] = 0
     assert house.wait(40.0) == 0.0  # now it is due

@@ -31,9 +31,6 @@ from corral.runner.prefix import Checkpoints, KVBytes, common_prefix
 
 # Shorter prefixes are cheaper to prefill than to copy in and out of llama.cpp.
 MIN_TOKENS = 32
-# The most a spare buffer holds (`keep_spare`): made at rest, a bigger one would hold a
-# request that comes meanwhile longer than its page faults cost a save.
-SPARE_MAX = 64 << 20
 
 
 @dataclass
@@ -66,33 +63,12 @@ class PromptCache:
     spill: Callable[[Entry], object] | None = None
     entries: list[Entry] = field(default_factory=list)
     stats: CacheStats = field(default_factory=CacheStats)
-    # Memory touched already, for the next save to copy a state into (`take`): a state
-    # copied into new memory pays a page fault for each 4 KB (2-3 ms for 5 MB here, ten
-    # times the copy), on the first token of the request whose slot it leaves.
-    spare: bytearray | None = None
     _clock: int = 0
 
     @property
     def size(self) -> int:
-        """Bytes held: the entries', their checkpoints' and the spare's."""
-        return sum(e.size for e in self.entries) + len(self.spare or b"")
-
-    def keep_spare(self, size: int) -> None:
-        """Have a spare of at least `size` bytes (a slot's state, sized at rest), where the
-        budget has room for it beside the entries and it is at most SPARE_MAX."""
-        held = len(self.spare or b"")
-        if held >= size or size > SPARE_MAX or self.size - held + size > self.budget:
-            return
-        self.spare = None  # before the new one: the two are never held at once
-        self.spare = bytearray(size)  # zeroed, so every page is touched now
-
-    def take(self, size: int) -> bytearray | None:
-        """The spare, for a state of `size` bytes, if it is big enough (else it stays)."""
-        spare = self.spare
-        if spare is None or len(spare) < size:
-            return None
-        self.spare = None
-        return spare
+        """Bytes held: the entries' and their checkpoints'."""
+        return sum(e.size for e in self.entries)
 
     def lookup(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `tokens`, and that length; (None, 0)
@@ -151,12 +127,10 @@ class PromptCache:
     def clear(self) -> int:
         """Drop everything (memory is wanted elsewhere); returns the bytes freed."""
         freed = self.size
-        self.entries, self.spare = [], None
+        self.entries = []
         return freed
 
     def _evict(self, budget: int) -> None:
-        if self.size > budget:  # the spare goes before any entry
-            self.spare = None
         size = self.size
         while self.entries and size > budget:
             victim = min(self.entries, key=lambda e: e.used)

@@ -125,7 +125,7 @@ class Engine:
         self.settler = Settler(llama) if self.pool is not None else None
         self.housekeeping = Housekeeping(self.embed_ctx, self.resizer, self.settler, self.watch,
                                          lambda: self.placer.queued() + self._commands.qsize(),
-                                         self.run.redo, self.run.spare)
+                                         self.run.redo, self.run.presave)
 
     # ---- public API, safe from any thread ---------------------------------------------
 

@@ -1,7 +1,8 @@
 """What the engine does between steps: it gives back memory, so that it returns to what
 `ps` reports, when idle and every few seconds under load, when the engine may never be
 idle; and at rest, once a step's answer is out (QUIET), it decodes the prompt tokens
-that slots owe.
+that slots owe, then copies idle slots into the prompt cache ahead of a placement that
+would copy them on a first token's time.
 
 The engine thread calls `rest` before it waits for work; everything here runs on it.
 """
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 # reuses it, and a daemon that embeds once does not keep its buffers for good.
 EMBED_KEEP = 10.0
 TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a millisecond)
-# What rest does that no request waits for (a prompt token a slot owes, a heap trim)
-# waits this long after the last step, unless work arrives first: a step's answer is
+# What rest does that no request waits for (a prompt token a slot owes, a presave, a
+# heap trim) waits this long after the last step, unless work arrives first: a step's answer is
 # still on its way out then (the runner's stream, the daemon's response: 3-8 ms on two
 # cores), and a decode on every core beside it would delay it.
 QUIET = 0.05
@@ -35,15 +36,15 @@ class Housekeeping:
                  settler: Settler | None, watch: StepWatch,
                  queued: Callable[[], int] = lambda: 0,
                  redo: Callable[[list[Slot]], None] = lambda slots: None,
-                 spare: Callable[[list[Slot]], None] = lambda slots: None) -> None:
+                 presave: Callable[[list[Slot]], None] = lambda slots: None) -> None:
         """`queued`: requests not yet placed (waiting for a disk read, or still in the
         inbox), which a settle would delay; asked only when one is due. `redo`: decodes
-        the tokens idle slots owe (runner.engine.run Run.redo). `spare`: memory for the
-        next save to the prompt cache, touched once a step's answer is out (Run.spare)."""
+        the tokens idle slots owe (runner.engine.run Run.redo). `presave`: idle slots copied
+        into the prompt cache once a step's answer is out (Run.presave)."""
         self.embed_ctx, self.resizer, self.settler, self.watch = \
             embed_ctx, resizer, settler, watch
-        self.queued, self.redo, self.spare = queued, redo, spare
-        self.spared = -1  # the engine's decode steps when the spare was last made
+        self.queued, self.redo, self.presave = queued, redo, presave
+        self.presaved = -1  # the engine's decode steps at the last presave
         self.embedded_at = self.trimmed_at = self.worked_at = 0.0
         self.steps = 0  # the engine's decode steps when last here
         self.transient = False  # freed native memory waits to be handed back when idle
@@ -51,8 +52,9 @@ class Housekeeping:
 
     def wait(self, now: float) -> float:
         """How long the idle engine may wait for work before rest has more to do (a
-        spare waits while a request is queued: a disk read's end wakes the engine)."""
-        if self.owing or self.transient or (self.spared != self.steps and not self.queued()):
+        presave waits while a request is queued: a disk read's end wakes the engine)."""
+        if self.owing or self.transient or (self.presaved != self.steps
+                                            and not self.queued()):
             return min(0.5, max(0.0, self.worked_at + QUIET - now))
         return 0.5
 
@@ -80,9 +82,10 @@ class Housekeeping:
         if self.owing and (quiet or not idle or self.queued()):
             self.owing = False
             self._watched("a prompt's last token decoded again", lambda: self.redo(slots))
-        if quiet and self.spared != steps and not self.queued():
-            self.spared = steps
-            self._watched("memory for the next save touched", lambda: self.spare(slots))
+        if quiet and self.presaved != steps and not self.queued():  # after the redo
+            self.presaved = steps
+            self._watched("idle slots copied to the prompt cache",
+                          lambda: self.presave(slots))
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
             self.resizer.rest(sampled)

@@ -84,7 +84,7 @@ class KVOps:
     def _save(self, op: Save) -> None:
         # Asked again here: a save or restore earlier in this step may hold the tokens now.
         if self.caches.wanted(op.tokens):
-            data = kvbytes.get(self.ctx, op.seq_id, self.caches.ram.take)
+            data = kvbytes.get(self.ctx, op.seq_id)
             if data is not None:
                 self.caches.save(op.tokens, data, op.checkpoints)
 

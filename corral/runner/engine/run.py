@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from corral.runner.speculative.speculation import Speculation
 
 log = logging.getLogger("corral.engine")
+# The largest state copied into the prompt cache at rest (Run.presave): a longer copy is
+# no longer nothing beside a request that comes meanwhile.
+PRESAVE_MAX = 64 << 20
 
 
 @dataclass
@@ -186,15 +189,26 @@ class Run:
         for slot, owed in owing:
             slot.cached.append(owed.token)
 
-    def spare(self, slots: list[Slot]) -> None:
-        """Memory for the next save, touched now (PromptCache.keep_spare): at rest, sized
-        to the largest state an idle slot holds that a save would copy out, and a
-        sixteenth more (a turn or two it may grow by first)."""
-        ctx = self.llama.ctx
-        sizes = [L.llama_state_seq_get_size(ctx, s.seq_id) for s in slots
-                 if s.state is SlotState.IDLE and save_op(s, self.caches) is not None]
-        if sizes:
-            self.caches.ram.keep_spare(max(sizes) * 17 // 16)
+    def presave(self, slots: list[Slot]) -> None:
+        """The idle slot a new conversation would take, copied into the prompt cache at
+        rest, as that placement would copy it, but off its first token's time (a 5 MB
+        hybrid state was a millisecond of it, and its page faults two more). The slot a
+        prompt sharing nothing takes is the least recently used (runner.engine.placer,
+        its ties). At most PRESAVE_MAX (a bigger state is left to the placement), and
+        where the budget has room beside the entries: no entry goes for a copy of cells
+        the KV still holds. A next turn in the slot continues the entry, and the next
+        save drops it (PromptCache.add)."""
+        idle = [s for s in slots if s.state is SlotState.IDLE]
+        if not idle:
+            return
+        slot = min(idle, key=lambda s: s.last_used)
+        op = save_op(slot, self.caches, held=[s.reusable() for s in slots if s is not slot])
+        if op is None:
+            return
+        ram = self.caches.ram
+        size = L.llama_state_seq_get_size(self.llama.ctx, slot.seq_id)
+        if size <= PRESAVE_MAX and ram.size + size <= ram.budget:
+            self._ops().run(op)
 
     def save(self, slot: Slot) -> None:
         """An idle slot's cache into the prompt cache, if worth it (a resize leaves it behind)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any, Callable
+from typing import Any
 
 import llama_cpp as L
 
@@ -18,21 +18,15 @@ from corral.runner.llama import native
 from corral.runner.prefix import KVBytes
 
 
-def get(ctx: Any, seq: int,
-        spare: Callable[[int], bytearray | None] = lambda size: None) -> KVBytes | None:
+def get(ctx: Any, seq: int) -> KVBytes | None:
     """The sequence's state; None when llama.cpp gives nothing. llama.cpp writes it
     straight into the object returned (a bytearray, never changed after): a long
     prompt's state is tens of megabytes, and a second buffer and copy of it cost the
-    engine thread, which every stream waits for, milliseconds at each slot handover.
-    `spare`: a buffer of at least the size given, touched already, to write into, if
-    there is one (runner.cache.promptcache PromptCache.take)."""
+    engine thread, which every stream waits for, milliseconds at each slot handover."""
     size = L.llama_state_seq_get_size(ctx, seq)
     if size <= 0:
         return None
-    state = spare(size)
-    if state is None:
-        state = bytearray(size)
-    size = len(state)
+    state = bytearray(size)
     view = (ctypes.c_uint8 * size).from_buffer(state)
     n = L.llama_state_seq_get_data(ctx, view, size, seq)
     del view  # the export ends, so the bytearray may be cut to what was written
