@@ -1,8 +1,8 @@
 """What the engine does between steps: it gives back memory, so that it returns to what
 `ps` reports, when idle and every few seconds under load, when the engine may never be
 idle; and at rest, once a step's answer is out (QUIET), it decodes the prompt tokens
-that slots owe, then copies idle slots into the prompt cache ahead of a placement that
-would copy them on a first token's time.
+that slots owe, then copies the idle slot a new conversation would take into the prompt
+cache, ahead of the placement that would copy it on a first token's time.
 
 The engine thread calls `rest` before it waits for work; everything here runs on it.
 """
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 EMBED_KEEP = 10.0
 TRIM_EVERY = 5.0  # seconds between heap trims while busy (one costs about a millisecond)
 # What rest does that no request waits for (a prompt token a slot owes, a presave, a
-# heap trim) waits this long after the last step, unless work arrives first: a step's answer is
-# still on its way out then (the runner's stream, the daemon's response: 3-8 ms on two
-# cores), and a decode on every core beside it would delay it.
+# heap trim) waits this long after the last step, unless work arrives first: a step's
+# answer is still on its way out then (the runner's stream, the daemon's response: 3-8
+# ms on two cores), and a decode on every core beside it would delay it.
 QUIET = 0.05
 
 
@@ -39,8 +39,9 @@ class Housekeeping:
                  presave: Callable[[list[Slot]], None] = lambda slots: None) -> None:
         """`queued`: requests not yet placed (waiting for a disk read, or still in the
         inbox), which a settle would delay; asked only when one is due. `redo`: decodes
-        the tokens idle slots owe (runner.engine.run Run.redo). `presave`: idle slots copied
-        into the prompt cache once a step's answer is out (Run.presave)."""
+        the tokens idle slots owe (runner.engine.run Run.redo). `presave`: copies the idle
+        slot a new conversation would take into the prompt cache once a step's answer is
+        out (Run.presave)."""
         self.embed_ctx, self.resizer, self.settler, self.watch = \
             embed_ctx, resizer, settler, watch
         self.queued, self.redo, self.presave = queued, redo, presave
@@ -84,7 +85,7 @@ class Housekeeping:
             self._watched("a prompt's last token decoded again", lambda: self.redo(slots))
         if quiet and self.presaved != steps and not self.queued():  # after the redo
             self.presaved = steps
-            self._watched("idle slots copied to the prompt cache",
+            self._watched("an idle slot copied to the prompt cache",
                           lambda: self.presave(slots))
         # runner.kv.reserve: made on a builder thread after the first rest.
         if idle and self.resizer is not None:
